@@ -1,0 +1,72 @@
+"""Background prefetch of device batches."""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import Callable
+from typing import Any
+
+_END = object()
+
+
+class Prefetcher:
+    """Runs ``produce()`` on a background thread, keeping ``buffer_size`` results ready.
+
+    ``produce`` raising StopIteration ends the stream; any other exception is re-raised
+    in the consumer by :meth:`get`. Used to overlap reading and the host-to-device copy
+    of the next batch with the current step.
+    """
+
+    def __init__(self, produce: Callable[[], Any], buffer_size: int):
+        self._produce = produce
+        self._queue: queue.Queue = queue.Queue(maxsize=buffer_size)
+        self._stop = threading.Event()
+        self._done = False
+        self._thread = threading.Thread(target=self._run, name="jreplicate-prefetch",
+                                        daemon=True)
+        self._thread.start()
+
+    def _put(self, item: Any) -> bool:
+        while not self._stop.is_set():
+            try:
+                self._queue.put(item, timeout=0.1)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                item = self._produce()
+            except StopIteration:
+                self._put((_END, None))
+                return
+            except BaseException as e:  # re-raised in the consumer
+                self._put((_END, e))
+                return
+            if not self._put((item, None)):
+                return
+
+    def get(self) -> Any:
+        """The next result; raises StopIteration at the end."""
+        if self._done:
+            raise StopIteration
+        item, err = self._queue.get()
+        if item is _END:
+            self._done = True
+            if err is not None:
+                raise err
+            raise StopIteration
+        return item
+
+    def close(self) -> None:
+        """Stops the background thread and drops buffered results."""
+        self._stop.set()
+        while True:
+            try:
+                self._queue.get_nowait()
+            except queue.Empty:
+                break
+        self._thread.join(timeout=10)

@@ -1,0 +1,78 @@
+"""Input pipelines: what ``input_fn`` may return, and how it is read."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
+
+import jax
+import numpy as np
+
+from jreplicate.input.context import InputContext
+
+
+class Pipeline:
+    """One input pipeline: the result of one ``input_fn(ctx)`` call.
+
+    ``input_fn`` may return:
+
+    * an object with ``as_numpy_iterator()`` (a ``tf.data.Dataset``; TensorFlow is never
+      imported here);
+    * an iterable of pytrees of arrays: a list, a generator, a Grain ``MapDataset``,
+      ``IterDataset`` or ``DataLoader``;
+    * a parameter-less callable returning a pytree of arrays, called once per element
+      (then :meth:`reinitialize` has no effect).
+
+    Re-initialising re-iterates a re-iterable source and calls ``input_fn`` again for a
+    one-shot iterator such as a generator.
+    """
+
+    def __init__(self, input_fn: Callable[[InputContext], Any], ctx: InputContext):
+        self._fn = input_fn
+        self.ctx = ctx
+        self._open(input_fn(ctx))
+
+    def _open(self, source: Any) -> None:
+        self._source = source
+        self.kind = _classify(source, self.ctx)
+        self._it = None
+        if self.kind == "dataset":
+            self._it = iter(source.as_numpy_iterator())
+        elif self.kind == "iterable":
+            self._it = iter(source)
+
+    def next(self) -> Any:
+        """The next element; raises StopIteration at the end of the source."""
+        if self.kind == "callable":
+            return self._source()
+        return next(self._it)
+
+    def reinitialize(self) -> None:
+        """Restarts the pipeline from its first element (no-op for callables)."""
+        if self.kind == "callable":
+            return
+        if self.kind == "iterable" and iter(self._source) is self._source:
+            self._open(self._fn(self.ctx))  # a one-shot iterator: ask input_fn again
+        else:
+            self._open(self._source)
+
+
+def _classify(source: Any, ctx: InputContext) -> str:
+    where = f"input_fn({ctx!r}) returned"
+    if hasattr(source, "as_numpy_iterator"):
+        return "dataset"
+    if isinstance(source, (str, bytes, Mapping, np.ndarray, jax.Array)):
+        raise TypeError(
+            f"{where} a {type(source).__name__}, which looks like a single element rather "
+            "than a source of elements. Return an iterable of per-replica batches (e.g. a "
+            "generator), a dataset, or a parameter-less callable that returns one batch."
+        )
+    if isinstance(source, Iterable):
+        return "iterable"
+    if callable(source):
+        return "callable"
+    raise TypeError(
+        f"{where} a {type(source).__name__}, which is neither iterable nor callable. Return "
+        "an iterable of per-replica batches (generator, list, Grain dataset/loader, "
+        "tf.data.Dataset) or a parameter-less callable that returns one batch."
+    )

@@ -1,0 +1,90 @@
+"""MirroredStrategy: synchronous data parallelism over this process's devices."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import final
+
+import jax
+import numpy as np
+from jax.sharding import AxisType, Mesh
+
+from jreplicate.strategies.base import REPLICA_AXIS, Strategy
+
+
+def _resolve_devices(devices: Sequence[jax.Device | int] | None) -> list[jax.Device]:
+    local = jax.local_devices()
+    if devices is None:
+        return list(local)
+    if isinstance(devices, (str, bytes)) or not isinstance(devices, Sequence):
+        raise TypeError(
+            "MirroredStrategy(devices=...) takes a sequence of jax.Device objects or local "
+            f"device ids, got {type(devices).__name__}. Example: "
+            "MirroredStrategy(devices=jax.local_devices()[:4])."
+        )
+    if len(devices) == 0:
+        raise ValueError(
+            "MirroredStrategy(devices=[]) has no devices to replicate on. Pass at least one "
+            "device, or devices=None to use all local devices "
+            f"({len(local)} available)."
+        )
+    by_id = {d.id: d for d in local}
+    resolved = []
+    for i, d in enumerate(devices):
+        if isinstance(d, (int, np.integer)) and not isinstance(d, bool):
+            if int(d) not in by_id:
+                raise ValueError(
+                    f"MirroredStrategy(devices=...)[{i}] = {d} is not the id of a local device; "
+                    f"local device ids are {sorted(by_id)}."
+                )
+            d = by_id[int(d)]
+        elif not isinstance(d, jax.Device):
+            raise TypeError(
+                f"MirroredStrategy(devices=...)[{i}] is a {type(d).__name__}; expected a "
+                "jax.Device (from jax.local_devices()) or a local device id."
+            )
+        elif d.process_index != jax.process_index():
+            raise ValueError(
+                f"MirroredStrategy(devices=...)[{i}] = {d} belongs to process "
+                f"{d.process_index}, not this one ({jax.process_index()}). MirroredStrategy "
+                "uses local devices only; use MultiWorkerStrategy across processes."
+            )
+        resolved.append(d)
+    seen: dict[jax.Device, int] = {}
+    for i, d in enumerate(resolved):
+        if d in seen:
+            raise ValueError(
+                f"MirroredStrategy(devices=...) lists {d} twice (at positions {seen[d]} and "
+                f"{i}); each replica needs its own device. Remove the duplicate."
+            )
+        seen[d] = i
+    return resolved
+
+
+@final
+class MirroredStrategy(Strategy):
+    """Synchronous replication over some or all of this process's devices.
+
+    Every replica holds a full copy of the replicated state; one compiled program
+    (``jax.jit`` over ``jax.shard_map``) runs on a 1-D ``"replica"`` mesh and gradients
+    of replicated state are all-reduced.
+
+    Args:
+      devices: the devices to use, in replica order: ``jax.Device`` objects or local
+        device ids. ``None`` (the default) uses all of ``jax.local_devices()``.
+
+    Example:
+      >>> import jax, jreplicate as jr
+      >>> strategy = jr.MirroredStrategy(devices=jax.local_devices()[:2])
+      >>> strategy.num_replicas
+      2
+    """
+
+    def __init__(self, devices: Sequence[jax.Device | int] | None = None):
+        devs = _resolve_devices(devices)
+        self._mesh = Mesh(np.array(devs, dtype=object), (REPLICA_AXIS,),
+                          axis_types=(AxisType.Auto,))
+
+    @property
+    def mesh(self) -> Mesh:
+        return self._mesh
