@@ -1,0 +1,1 @@
+"""Implementation of :mod:`jreplicate.sync_replicas` (import from there)."""

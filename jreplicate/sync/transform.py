@@ -1,0 +1,453 @@
+"""The ``sync_replicas`` optax transformation (TensorFlow's ``SyncReplicasOptimizer``)."""
+
+from __future__ import annotations
+
+import numbers
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from jreplicate.sync import spmd
+from jreplicate.sync.state import SyncReplicasState, TokenQueue
+
+_I32 = jnp.int32
+
+
+class _Push(NamedTuple):
+    """What one ``update`` call brings to the accumulators (all int32 but ``gsum``)."""
+
+    gsum: Any  # sum of the gradients accepted now, accumulator dtypes
+    n_new: Any  # how many gradients were accepted
+    prev_late: Any  # pushes for the step completed last (backup candidates)
+    other_stale: Any  # pushes for older (or future) steps
+    losers: Any  # fresh gradients that lose the race if this call completes the step
+
+
+def _check_count(name: str, value: Any, meaning: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{name} must be an int >= 1 ({meaning}), got {value!r}.")
+    if value < 1:
+        raise ValueError(f"{name} must be >= 1 ({meaning}), got {value}.")
+    return int(value)
+
+
+def _check_num_tokens(num_tokens: Any, k: int, total: int) -> int:
+    if num_tokens is None:
+        return k
+    if isinstance(num_tokens, bool) or not isinstance(num_tokens, numbers.Integral):
+        raise TypeError(f"num_tokens must be an int or None, got {num_tokens!r}.")
+    if num_tokens < 0:
+        raise ValueError(
+            f"num_tokens must be >= 0, got {num_tokens}; leave num_tokens=None for "
+            f"TensorFlow's default of replicas_to_aggregate ({k}) initial tokens."
+        )
+    tokens_needed = k - total
+    if num_tokens < tokens_needed:
+        raise ValueError(
+            f"Too few tokens to finish the first step: {num_tokens} (given) vs "
+            f"{tokens_needed} (needed). Pass num_tokens >= replicas_to_aggregate - "
+            f"total_num_replicas ({k} - {total}), or leave num_tokens=None for {k}."
+        )
+    return int(num_tokens)
+
+
+def _as_scalar(value: Any, name: str, dtype: Any, kind: str) -> jax.Array:
+    x = jnp.asarray(value)
+    if x.shape != ():
+        raise ValueError(
+            f"{name} must be a scalar ({kind}) for this replica, got shape {x.shape}. "
+            "Inside shard_map each replica passes its own scalar."
+        )
+    if dtype == _I32 and not jnp.issubdtype(x.dtype, jnp.integer):
+        raise TypeError(f"{name} must be an integer step (a token), got dtype {x.dtype}.")
+    return x.astype(dtype)
+
+
+def _check_grads(grads: Any, state: SyncReplicasState, params: Any) -> None:
+    if not jax.tree.leaves(grads):
+        raise ValueError(
+            "sync_replicas: Must supply at least one gradient, but the gradients pytree "
+            f"{grads!r} has no arrays. Pass the gradients of the trainable params, "
+            "e.g. jax.grad(loss)(params)."
+        )
+    gdef, adef = jax.tree.structure(grads), jax.tree.structure(state.accumulators)
+    if gdef != adef:
+        raise ValueError(
+            f"sync_replicas: the gradients have structure {gdef} but the state was "
+            f"initialised for params of structure {adef}. Pass gradients of the same "
+            "params that were given to tx.init (same keys and nesting)."
+        )
+    if params is not None and jax.tree.structure(params) != gdef:
+        raise ValueError(
+            f"sync_replicas: params has structure {jax.tree.structure(params)} but the "
+            f"gradients have structure {gdef}; pass the params the gradients were "
+            "computed for."
+        )
+    for (path, g), a in zip(
+        jax.tree_util.tree_flatten_with_path(grads)[0],
+        jax.tree.leaves(state.accumulators),
+        strict=True,
+    ):
+        if jnp.shape(g) != a.shape:
+            raise ValueError(
+                f"sync_replicas: gradient at {jax.tree_util.keystr(path)} has shape "
+                f"{jnp.shape(g)} but its param has shape {a.shape}."
+            )
+
+
+def _check_own_gradients(grads: Any, axis_name: str) -> None:
+    if not spmd.tracks_varying(axis_name):
+        return
+    for path, g in jax.tree_util.tree_flatten_with_path(grads)[0]:
+        if axis_name not in spmd.varying_axes(g):
+            raise ValueError(
+                f"sync_replicas: inside shard_map over {axis_name!r}, the gradient at "
+                f"{jax.tree_util.keystr(path) or '<root>'} is the same on every replica. "
+                "JAX returns gradients of replicated params already SUMMED over the "
+                "replicas, but sync_replicas needs each replica's own gradient. Compute "
+                "it with jreplicate.sync_replicas.replica_value_and_grad(loss)(params, "
+                f"batch), or differentiate w.r.t. jax.lax.pcast(params, {axis_name!r}, "
+                "to='varying')."
+            )
+
+
+def _resolve_mask(variables_to_average: Any, params: Any) -> Any:
+    if variables_to_average is None:
+        return jax.tree.map(lambda _: True, params)
+    mask = (
+        variables_to_average(params) if callable(variables_to_average) else (variables_to_average)
+    )
+    try:
+        return jax.tree.map(lambda m, _: bool(m), mask, params)
+    except (ValueError, TypeError) as err:
+        raise ValueError(
+            "variables_to_average must be a pytree of bools with the structure of params "
+            f"(or a function params -> such a pytree): {err}"
+        ) from None
+
+
+def _is_none(x: Any) -> bool:
+    return x is None
+
+
+def sync_replicas(
+    inner: optax.GradientTransformation,
+    replicas_to_aggregate: int,
+    total_num_replicas: int | None = None,
+    variable_averages: float | None = None,
+    *,
+    variables_to_average: Any | Callable[[optax.Params], Any] | None = None,
+    num_tokens: int | None = None,
+    axis_name: str = "replica",
+) -> optax.GradientTransformationExtraArgs:
+    """Synchronous replica training with backup replicas: TF's ``SyncReplicasOptimizer``.
+
+    Gradients are collected in accumulators until ``replicas_to_aggregate`` fresh ones
+    of the current step arrived; their average then goes through ``inner`` in one shot
+    and ``global_step`` increments once. A gradient computed at ``local_step !=
+    global_step`` is stale and dropped. With ``total_num_replicas >
+    replicas_to_aggregate`` the surplus replicas are backups: the slowest gradients of
+    each step are dropped. With ``total_num_replicas < replicas_to_aggregate`` replicas
+    contribute several batches per update. Unlike TensorFlow, drops are counted:
+    ``state.dropped_stale`` and ``state.dropped_backup``.
+
+    ``update(grads, state, params, *, local_step=None, arrival_time=None)`` has two
+    drivers, chosen by whether mesh axis ``axis_name`` is bound in the current trace:
+
+    * **SPMD driver** (inside ``jax.shard_map`` over ``axis_name``, e.g. in
+      ``jreplicate.Replicator.run``): every replica calls ``update`` together with ITS
+      OWN gradient (see :func:`replica_value_and_grad`; plain ``jax.grad`` of replicated
+      params is already summed over replicas and is rejected). ``arrival_time`` (a
+      per-replica scalar, default equal for all, ties broken by replica id) orders the
+      replicas: the fastest ``replicas_to_aggregate - state.num_accumulated`` fresh
+      gradients are aggregated (one ``psum``) and the rest count as dropped backups, so
+      stragglers are simulated deterministically in one compiled step. Every replica
+      leaves ``update`` with the same state and the same updates; the step itself is
+      the token barrier, so replicas are always fresh unless ``local_step`` says
+      otherwise. With ``replicas_to_aggregate == total`` this is plain synchronous
+      data-parallel training.
+    * **Host driver** (outside a replica context): each call is ONE replica's push of a
+      gradient computed at ``local_step`` (default: the current ``global_step``). The
+      updates are zero until the ``replicas_to_aggregate``-th fresh push of the step,
+      which returns ``inner``'s update of the average; ``state.global_step`` has then
+      incremented. Replicas take their next ``local_step`` with :func:`take_token`. With
+      one replica and no ``local_step`` this equals ``optax.MultiSteps(inner,
+      replicas_to_aggregate, use_grad_mean=True)``.
+
+    Args:
+      inner: the transformation applied to each averaged gradient, e.g. ``optax.sgd``.
+      replicas_to_aggregate: gradients averaged into each update (>= 1).
+      total_num_replicas: replicas pushing gradients (>= 1); default
+        ``replicas_to_aggregate`` (host driver) or the replica axis size (SPMD driver,
+        which requires the two to be equal when given).
+      variable_averages: decay of exponential moving averages of the params, updated
+        after each aggregated update (TF's ``ExponentialMovingAverage``); read them with
+        :func:`averaged_params` or ``state.ema``.
+      variables_to_average: which params to average: a pytree of bools like params, or
+        a function of params returning one; default all.
+      num_tokens: initial tokens of the queue, all carrying the starting
+        ``global_step``; default ``replicas_to_aggregate``. Must be ``>=
+        replicas_to_aggregate - total_num_replicas``.
+      axis_name: the replica mesh axis of the SPMD driver.
+
+    Returns:
+      An ``optax.GradientTransformationExtraArgs`` whose state is a
+      :class:`SyncReplicasState`. Extra keyword arguments other than ``local_step`` and
+      ``arrival_time`` are passed on to ``inner``.
+
+    Raises:
+      ValueError / TypeError: for invalid arguments, at construction, ``init`` or
+        ``update`` (empty or mismatched gradients, too few tokens, ...).
+
+    Example (host driver, TensorFlow's two-worker test):
+      >>> import jax.numpy as jnp, optax
+      >>> from jreplicate.sync_replicas import sync_replicas, take_token
+      >>> tx = sync_replicas(optax.sgd(2.0), replicas_to_aggregate=2)
+      >>> params = {"v0": jnp.array(0.0), "v1": jnp.array(1.0)}
+      >>> state = tx.init(params)
+      >>> for w in (0, 1):  # both workers push at local_step 0
+      ...     g = {"v0": jnp.array(0.1 + 0.2 * w), "v1": jnp.array(0.9 + 0.2 * w)}
+      ...     updates, state = tx.update(g, state, params, local_step=0)
+      ...     params = optax.apply_updates(params, updates)
+      >>> int(state.global_step), round(float(params["v0"]), 6)
+      (1, -0.4)
+
+    Example (SPMD driver, 4 replicas, the slowest one is a dropped backup):
+      >>> import jax
+      >>> from jax.sharding import PartitionSpec as P
+      >>> from jreplicate.sync_replicas import replica_grad
+      >>> mesh = jax.make_mesh((4,), ("replica",), devices=jax.devices()[:4])
+      >>> tx = sync_replicas(optax.sgd(1.0), replicas_to_aggregate=3)
+      >>> def step(w, state, x, t):
+      ...     g = replica_grad(lambda w: jnp.sum(w * x))(w)
+      ...     updates, state = tx.update(g, state, w, arrival_time=t[0])
+      ...     return optax.apply_updates(w, updates), state
+      >>> shard = lambda a: jax.device_put(jnp.array(a), jax.NamedSharding(mesh, P("replica")))
+      >>> x, t = shard([1.0, 2.0, 3.0, 100.0]), shard([0.3, 0.1, 0.2, 9.0])
+      >>> run = jax.jit(jax.shard_map(step, mesh=mesh, in_specs=(P(), P(), P("replica"),
+      ...               P("replica")), out_specs=(P(), P())))
+      >>> w, state = run(jnp.array(0.0), tx.init(jnp.array(0.0)), x, t)
+      >>> float(w), int(state.dropped_backup)
+      (-2.0, 1)
+    """
+    k = _check_count(
+        "replicas_to_aggregate", replicas_to_aggregate, "gradients averaged per update"
+    )
+    total = None
+    if total_num_replicas is not None:
+        total = _check_count(
+            "total_num_replicas",
+            total_num_replicas,
+            "replicas pushing gradients; None means replicas_to_aggregate",
+        )
+    host_total = k if total is None else total
+    n_tokens = _check_num_tokens(num_tokens, k, host_total)
+    decay = None
+    if variable_averages is not None:
+        if isinstance(variable_averages, bool) or not isinstance(variable_averages, numbers.Real):
+            raise TypeError(
+                "variable_averages must be a moving-average decay (a float in [0, 1], "
+                f"e.g. 0.999) or None, got {variable_averages!r}."
+            )
+        if not 0.0 <= float(variable_averages) <= 1.0:
+            raise ValueError(
+                f"variable_averages must be a decay in [0, 1], got {variable_averages}."
+            )
+        decay = float(variable_averages)
+    elif variables_to_average is not None:
+        raise ValueError(
+            "variables_to_average is only used with variable_averages; pass "
+            "variable_averages=<decay>, e.g. 0.999."
+        )
+    if not (hasattr(inner, "init") and hasattr(inner, "update")):
+        raise TypeError(
+            "inner must be an optax.GradientTransformation (e.g. optax.sgd(0.1)), got "
+            f"{type(inner).__name__}."
+        )
+    inner = optax.with_extra_args_support(inner)
+
+    def init_fn(params: optax.Params) -> SyncReplicasState:
+        if not jax.tree.leaves(params):
+            raise ValueError(
+                "sync_replicas: Must supply at least one variable, but params "
+                f"{params!r} has no arrays. Pass the pytree of trainable arrays."
+            )
+        zero = jnp.zeros((), _I32)
+        ema = None
+        if decay is not None:
+            mask = _resolve_mask(variables_to_average, params)
+            ema = jax.tree.map(lambda p, m: jnp.array(p) if m else None, params, mask)
+        return SyncReplicasState(
+            accumulators=jax.tree.map(jnp.zeros_like, params),
+            num_accumulated=zero,
+            global_step=zero,
+            tokens=TokenQueue(
+                head_step=zero,
+                head_count=jnp.asarray(n_tokens, _I32),
+                per_step=jnp.asarray(max(host_total, k), _I32),
+            ),
+            inner_state=inner.init(params),
+            ema=ema,
+            late_this_step=zero,
+            dropped_stale=zero,
+            dropped_backup=zero,
+        )
+
+    def host_push(grads: Any, state: SyncReplicasState, local_step: Any) -> _Push:
+        gs = state.global_step
+        ls = gs if local_step is None else _as_scalar(local_step, "local_step", _I32, "int")
+        fresh = ls == gs
+        gsum = jax.tree.map(
+            lambda g, a: jnp.where(fresh, g.astype(a.dtype), jnp.zeros((), a.dtype)),
+            grads,
+            state.accumulators,
+        )
+        prev_late = (~fresh & (ls == gs - 1)).astype(_I32)
+        return _Push(
+            gsum,
+            fresh.astype(_I32),
+            prev_late,
+            (~fresh).astype(_I32) - prev_late,
+            jnp.zeros((), _I32),
+        )
+
+    def spmd_push(
+        grads: Any, state: SyncReplicasState, local_step: Any, arrival_time: Any, n: int
+    ) -> _Push:
+        _check_own_gradients(grads, axis_name)
+        gs = state.global_step
+        me = jax.lax.axis_index(axis_name)
+        needed = k - state.num_accumulated
+        if local_step is None and arrival_time is None:
+            contrib = me < needed
+            n_fresh = jnp.asarray(n, _I32)
+            prev_late = other_stale = jnp.zeros((), _I32)
+        else:
+            ls = gs if local_step is None else _as_scalar(local_step, "local_step", _I32, "int")
+            t = (
+                jnp.zeros((), jnp.float32)
+                if arrival_time is None
+                else _as_scalar(arrival_time, "arrival_time", jnp.float32, "a time")
+            )
+            ls_vec, t_vec = spmd.gather_scalars([ls, t], axis_name, n)
+            fresh = ls_vec == gs
+            ids = jnp.arange(n)
+            # earlier[j, i]: replica i's gradient arrives before replica j's.
+            earlier = (t_vec[None, :] < t_vec[:, None]) | (
+                (t_vec[None, :] == t_vec[:, None]) & (ids[None, :] < ids[:, None])
+            )
+            rank = jnp.sum(earlier & fresh[None, :], axis=1)
+            contrib = (fresh & (rank < needed))[me]
+            n_fresh = jnp.sum(fresh).astype(_I32)
+            prev_late = jnp.sum(~fresh & (ls_vec == gs - 1)).astype(_I32)
+            other_stale = jnp.sum(~fresh).astype(_I32) - prev_late
+        gsum = jax.lax.psum(
+            jax.tree.map(
+                lambda g, a: jnp.where(contrib, g.astype(a.dtype), jnp.zeros((), a.dtype)),
+                grads,
+                state.accumulators,
+            ),
+            axis_name,
+        )
+        return _Push(
+            gsum,
+            jnp.minimum(n_fresh, needed).astype(_I32),
+            prev_late,
+            other_stale,
+            jnp.maximum(n_fresh - needed, 0).astype(_I32),
+        )
+
+    def update_fn(
+        updates: optax.Updates,
+        state: SyncReplicasState,
+        params: optax.Params | None = None,
+        *,
+        local_step: Any = None,
+        arrival_time: Any = None,
+        **extra_args: Any,
+    ) -> tuple[optax.Updates, SyncReplicasState]:
+        if not isinstance(state, SyncReplicasState):
+            raise ValueError(
+                "sync_replicas: update() needs the state returned by tx.init(params), got "
+                f"{type(state).__name__}."
+            )
+        _check_grads(updates, state, params)
+        if decay is not None and params is None:
+            raise ValueError(
+                "sync_replicas(variable_averages=...) needs the params: call "
+                "tx.update(grads, state, params)."
+            )
+        n = spmd.bound_axis_size(axis_name)
+        if n is None:
+            if arrival_time is not None:
+                raise ValueError(
+                    "arrival_time is only used inside a replica context (shard_map over "
+                    f"axis {axis_name!r}); the host driver takes pushes in call order."
+                )
+            push = host_push(updates, state, local_step)
+            quota = max(host_total - k, 0)
+        else:
+            if total is not None and total != n:
+                raise ValueError(
+                    f"total_num_replicas={total} but the {axis_name!r} mesh axis has {n} "
+                    f"replicas; pass total_num_replicas={n} or None."
+                )
+            push = spmd_push(updates, state, local_step, arrival_time, n)
+            quota = max(n - k, 0)
+        return _finish(push, state, params, quota, extra_args)
+
+    def _finish(
+        push: _Push, state: SyncReplicasState, params: Any, quota: int, extra_args: dict
+    ) -> tuple[optax.Updates, SyncReplicasState]:
+        count = state.num_accumulated + push.n_new
+        apply = count >= k
+        room = jnp.maximum(quota - state.late_this_step, 0)
+        backup = jnp.minimum(push.prev_late, room)
+        stale = push.prev_late - backup + push.other_stale
+        late = state.late_this_step + push.prev_late
+        acc = jax.tree.map(jnp.add, state.accumulators, push.gsum)
+
+        def do_apply(acc, inner_state, ema):
+            avg = jax.tree.map(lambda a: a / count.astype(a.dtype), acc)
+            upd, inner_state = inner.update(avg, inner_state, params, **extra_args)
+            if ema is not None:
+                new_params = optax.apply_updates(params, upd)
+                ema = jax.tree.map(
+                    lambda e, p: None if e is None else e - (1.0 - decay) * (e - p),
+                    ema,
+                    new_params,
+                    is_leaf=_is_none,
+                )
+            return upd, inner_state, ema, jax.tree.map(jnp.zeros_like, acc)
+
+        operands = (acc, state.inner_state, state.ema)
+        applied = jax.eval_shape(do_apply, *operands)
+
+        def applied_branch(acc, inner_state, ema):
+            out = do_apply(acc, inner_state, ema)
+            return spmd.match_varying(out, (applied[0], inner_state, ema, acc))
+
+        def skipped_branch(acc, inner_state, ema):
+            zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), applied[0])
+            return spmd.match_varying((zeros, inner_state, ema, acc), applied)
+
+        upd, inner_state, ema, acc = jax.lax.cond(apply, applied_branch, skipped_branch, *operands)
+        backup_after = jnp.where(apply, jnp.minimum(push.losers, quota), 0)
+        stale_after = jnp.where(apply, push.losers, 0) - backup_after
+        new_state = SyncReplicasState(
+            accumulators=acc,
+            num_accumulated=jnp.where(apply, 0, count).astype(_I32),
+            global_step=(state.global_step + apply).astype(_I32),
+            tokens=state.tokens,
+            inner_state=inner_state,
+            ema=ema,
+            late_this_step=jnp.where(apply, push.losers, late).astype(_I32),
+            dropped_stale=(state.dropped_stale + stale + stale_after).astype(_I32),
+            dropped_backup=(state.dropped_backup + backup + backup_after).astype(_I32),
+        )
+        return upd, new_state
+
+    return optax.GradientTransformationExtraArgs(init_fn, update_fn)
