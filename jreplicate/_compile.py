@@ -113,7 +113,9 @@ class StepCache:
                     "Arguments must be pytrees of arrays; close over other values in fn "
                     "(e.g. with functools.partial) instead."
                 )
-            if not (isinstance(x, jax.Array) and x.sharding == self._replicated):
+            if isinstance(x, jax.core.Tracer):
+                pass  # under an outer jit: shard_map's in_specs place it
+            elif not (isinstance(x, jax.Array) and x.sharding == self._replicated):
                 x = jax.device_put(x, self._replicated)
             arrays.append(x)
             kinds.append("c")

@@ -173,9 +173,9 @@ class Replicator:
                     "Replicator. Call prepare_input on the Replicator that runs the step."
                 )
             inputs = inputs.get_next()
-        has_batch = inputs is not None
-        with self.scope():
-            return self._cache.call(fn, has_batch, inputs, args)
+        # No jax.set_mesh here: fn runs inside shard_map over this mesh, which is the
+        # scope, and run stays usable under an outer jax.jit (set_mesh is not).
+        return self._cache.call(fn, inputs is not None, inputs, args)
 
     # -- results -------------------------------------------------------------------
     def reduce(self, reduce_op: str, value: Any) -> Any:

@@ -10,3 +10,22 @@ if "--xla_force_host_platform_device_count" not in _flags:
 import jax  # noqa: E402
 
 jax.config.update("jax_num_cpu_devices", 8)
+
+import pytest  # noqa: E402
+
+import jreplicate as jr  # noqa: E402
+
+# Every in-process strategy configuration the conformance suite runs over. Strategies
+# that need several processes (MultiWorkerStrategy) run the same checks in
+# tests/test_multi_worker*.py through real processes.
+STRATEGY_FACTORIES = {
+    "mirrored-8": lambda: jr.MirroredStrategy(),
+    "mirrored-4": lambda: jr.MirroredStrategy(devices=jax.local_devices()[:4]),
+    "mirrored-2-odd": lambda: jr.MirroredStrategy(devices=[jax.local_devices()[i] for i in (5, 2)]),
+    "mirrored-1": lambda: jr.MirroredStrategy(devices=[0]),
+}
+
+
+@pytest.fixture(params=sorted(STRATEGY_FACTORIES))
+def strategy(request):
+    return STRATEGY_FACTORIES[request.param]()

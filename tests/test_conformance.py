@@ -1,0 +1,145 @@
+"""The Replicator contract, checked for every in-process strategy (see conftest)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import jreplicate as jr
+from tests._models import init_mlp, mlp, per_example_loss
+
+
+def test_run_overloads(strategy):
+    rep = jr.Replicator(strategy)
+    n = rep.num_replicas
+    assert rep.num_replicas_in_sync == n
+    ids = rep.run(lambda ctx: ctx.replica_id)
+    assert isinstance(ids, jr.PerReplica)  # depends on replica_id, even for n == 1
+    assert [int(i) for i in ids] == list(range(n))
+    w = rep.replicate(jnp.arange(3.0))
+    out = rep.run(lambda ctx, w, s: w * s + ctx.all_sum(1.0), None, w, 2.0)
+    np.testing.assert_array_equal(out, np.arange(3.0) * 2 + n)
+
+    inputs = rep.prepare_input(lambda ctx: iter([np.full((2,), ctx.input_pipeline_id)] * 3),
+                               replication_mode=jr.InputReplicationMode.PER_REPLICA)
+    got = rep.run(lambda ctx, batch, w: (batch + w[0], ctx.num_replicas), inputs, w)
+    assert got[1] == n or int(got[1]) == n
+    assert isinstance(got[0], jr.PerReplica) and len(got[0]) == n
+    for r, v in enumerate(got[0]):
+        np.testing.assert_array_equal(v, [r, r])
+
+
+def test_outputs_replicated_or_per_replica(strategy):
+    rep = jr.Replicator(strategy)
+    n = rep.num_replicas
+
+    def f(ctx):
+        same = ctx.all_sum(jnp.ones(2))
+        differs = jnp.full((3,), ctx.replica_id, jnp.float32)
+        return {"same": same, "differs": differs, "const": jnp.zeros(())}
+
+    out = rep.run(f)
+    assert isinstance(out["same"], jax.Array)
+    assert out["same"].sharding.is_fully_replicated
+    assert isinstance(out["const"], jax.Array)
+    pr = out["differs"]
+    assert isinstance(pr, jr.PerReplica)
+    assert len(pr) == n and pr.shape == (3,)
+    assert pr.array.shape == (n, 3) and isinstance(pr.array, jax.Array)
+    # One global array, sharded over the replica devices: nothing gathered to one host.
+    assert {s.device for s in pr.array.addressable_shards} == set(strategy.devices)
+    for r in range(n):
+        assert pr[r].devices() == {strategy.devices[r]}
+        np.testing.assert_array_equal(pr[r], np.full(3, r))
+    np.testing.assert_array_equal(pr[-1], np.full(3, n - 1))
+    with pytest.raises(IndexError):
+        pr[n]
+    np.testing.assert_array_equal(rep.reduce("sum", pr), np.full(3, n * (n - 1) / 2))
+    np.testing.assert_allclose(rep.reduce("mean", pr), np.full(3, (n - 1) / 2))
+    np.testing.assert_array_equal(rep.reduce("sum", out["same"]), np.full(2, n * n))
+    local = rep.local_results(out)
+    assert len(local) == n
+    for r, tree in enumerate(local):
+        np.testing.assert_array_equal(tree["differs"], np.full(3, r))
+        assert tree["same"].devices() == {strategy.devices[r]}
+
+
+def test_per_replica_args_roundtrip(strategy):
+    rep = jr.Replicator(strategy)
+    ids = rep.run(lambda ctx: ctx.replica_id * 2)
+    doubled = rep.run(lambda ctx, x: x + ctx.replica_id, None, ids)
+    assert [int(v) for v in doubled] == [3 * r for r in range(rep.num_replicas)]
+
+
+def test_compiled_once_and_retraced_only_on_new_signature(strategy):
+    rep = jr.Replicator(strategy)
+    traces = []
+
+    def f(ctx, x):
+        traces.append(jax.tree.map(jnp.shape, x))
+        return ctx.all_sum(jax.tree.map(lambda v: v * 2, x))
+
+    for _ in range(3):
+        rep.run(f, None, jnp.ones(3))
+    assert len(traces) == 1
+    rep.run(f, None, jnp.ones(4))  # new shape
+    rep.run(f, None, jnp.ones(3, jnp.int32))  # new dtype
+    rep.run(f, None, {"a": jnp.ones(3)})  # new structure
+    assert len(traces) == 4
+    for _ in range(2):
+        rep.run(f, None, jnp.ones(4))
+        rep.run(f, None, {"a": jnp.ones(3)})
+    assert len(traces) == 4
+
+
+def test_training_matches_single_device(strategy):
+    rep = jr.Replicator(strategy)
+    n, per = rep.num_replicas, 4
+    gb = n * per
+    rng = np.random.default_rng(0)
+    xs = rng.normal(size=(5, gb, 16)).astype(np.float32)
+    ys = rng.integers(0, 10, size=(5, gb)).astype(np.int32)
+    tx = optax.sgd(0.1, momentum=0.9)
+    params = init_mlp(jax.random.key(1))
+    ref_p, ref_o = params, tx.init(params)
+    for s in range(5):
+        g = jax.grad(lambda p: per_example_loss(mlp(p, xs[s]), ys[s]).mean())(ref_p)
+        u, ref_o = tx.update(g, ref_o, ref_p)
+        ref_p = optax.apply_updates(ref_p, u)
+
+    with rep.scope():
+        p = init_mlp(jax.random.key(1))
+        o = tx.init(p)
+
+    def step(ctx, batch, p, o):
+        x, y = batch
+        g = jax.grad(lambda p: jr.compute_average_loss(per_example_loss(mlp(p, x), y), gb))(p)
+        u, o = tx.update(g, o, p)
+        return optax.apply_updates(p, u), o
+
+    def input_fn(ctx):
+        b = ctx.get_per_replica_batch_size(gb)
+        return [(xs[s, r * b:(r + 1) * b], ys[s, r * b:(r + 1) * b])
+                for s in range(5) for r in range(ctx.num_replicas)]
+
+    inputs = rep.prepare_input(input_fn, replication_mode=jr.InputReplicationMode.SINGLE,
+                               enforce_ordering=True)
+    for _ in range(5):
+        p, o = rep.run(step, inputs, p, o)
+    for a, b in zip(jax.tree.leaves(p), jax.tree.leaves(ref_p)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
+
+
+def test_scope_places_state_replicated(strategy):
+    rep = jr.Replicator(strategy)
+    with rep.scope():
+        with rep.scope():  # re-entrant
+            w = jnp.zeros(4)
+        state = optax.adam(1e-3).init({"w": w})
+    for leaf in [w, *jax.tree.leaves(state)]:
+        assert leaf.sharding.is_fully_replicated
+        assert leaf.sharding.device_set == set(strategy.devices)
+    assert rep.initialize() == [] and rep.finalize() == []
+    with rep.logical_device_for_variables(0):
+        pass

@@ -1,0 +1,31 @@
+"""Every public name is importable, and __init__ only re-exports."""
+
+import importlib
+
+import jreplicate
+import jreplicate.input
+import jreplicate.strategies
+
+
+def test_every_public_name_imports():
+    for module in (jreplicate, jreplicate.input, jreplicate.strategies):
+        assert module.__all__, module
+        for name in module.__all__:
+            obj = getattr(module, name)
+            assert obj is not None, (module.__name__, name)
+            exec(f"from {module.__name__} import {name}", {})
+
+
+def test_init_defines_nothing_itself():
+    for module in (jreplicate, jreplicate.input, jreplicate.strategies):
+        for name in module.__all__:
+            obj = getattr(module, name)
+            owner = getattr(obj, "__module__", None)
+            if owner is not None:
+                assert owner != module.__name__ or not callable(obj), (module.__name__, name)
+
+
+def test_submodules_import():
+    for name in ("replicator", "context", "losses", "demo", "input.sources",
+                 "input.prefetch", "strategies.mirrored"):
+        importlib.import_module(f"jreplicate.{name}")
