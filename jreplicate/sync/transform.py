@@ -8,6 +8,7 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 from jreplicate.sync import spmd
@@ -127,6 +128,16 @@ def _resolve_mask(variables_to_average: Any, params: Any) -> Any:
             "variables_to_average must be a pytree of bools with the structure of params "
             f"(or a function params -> such a pytree): {err}"
         ) from None
+
+
+def _compilable(args: Any) -> bool:
+    """Whether ``args`` are concrete arrays/numbers only (not traced, nothing static)."""
+    leaves = jax.tree.leaves(args)
+    return all(
+        isinstance(x, (jax.Array, np.ndarray, np.generic, numbers.Number))
+        and not isinstance(x, (jax.core.Tracer, bool))
+        for x in leaves
+    )
 
 
 def _is_none(x: Any) -> bool:
@@ -387,8 +398,12 @@ def sync_replicas(
                     "arrival_time is only used inside a replica context (shard_map over "
                     f"axis {axis_name!r}); the host driver takes pushes in call order."
                 )
-            push = host_push(updates, state, local_step)
-            quota = max(host_total - k, 0)
+            if local_step is not None:
+                local_step = _as_scalar(local_step, "local_step", _I32, "int")
+            args = (updates, state, params, local_step, extra_args)
+            if _compilable(args):  # eager call: run one cached compiled program
+                return host_update_jit(*args)
+            return host_update(*args)
         else:
             if total is not None and total != n:
                 raise ValueError(
@@ -398,6 +413,12 @@ def sync_replicas(
             push = spmd_push(updates, state, local_step, arrival_time, n)
             quota = max(n - k, 0)
         return _finish(push, state, params, quota, extra_args)
+
+    def host_update(grads, state, params, local_step, extra_args):
+        push = host_push(grads, state, local_step)
+        return _finish(push, state, params, max(host_total - k, 0), extra_args)
+
+    host_update_jit = jax.jit(host_update)
 
     def _finish(
         push: _Push, state: SyncReplicasState, params: Any, quota: int, extra_args: dict
