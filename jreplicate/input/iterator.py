@@ -101,12 +101,26 @@ class InputIterator:
             return self._pipelines[self._feeds[k]].next()
 
         n = len(self._feeds)
+        got = []
         if self._enforce_ordering or len(self._pipelines) == 1 or n == 1:
-            return [take(k) for k in range(n)]
+            for k in range(n):
+                try:
+                    got.append(take(k))
+                except StopIteration:
+                    _warn_dropped(len(got), n)
+                    raise
+            return got
         # Distinct pipelines per replica: read them concurrently.
         with concurrent.futures.ThreadPoolExecutor(min(n, 8)) as pool:
             futures = [pool.submit(take, k) for k in range(n)]
-            return [f.result() for f in futures]
+            errors = [f.exception() for f in futures]
+        if any(isinstance(e, StopIteration) for e in errors):
+            _warn_dropped(sum(e is None for e in errors), n)
+            raise StopIteration
+        for e in errors:
+            if e is not None:
+                raise e
+        return [f.result() for f in futures]
 
     def _produce(self) -> Any:
         if self._exhausted:
@@ -177,6 +191,13 @@ class InputIterator:
 
 class _PartialBatch(Exception):
     pass
+
+
+def _warn_dropped(read: int, n: int) -> None:
+    if read:
+        warnings.warn(f"jreplicate: dropped a final partial batch (an input pipeline ran "
+                      f"out after {read} of {n} replicas got an element); the input iterator "
+                      "is exhausted.", stacklevel=5)
 
 
 def _flatten(element: Any, replica_id: int) -> tuple[list[np.ndarray], Any, list]:
