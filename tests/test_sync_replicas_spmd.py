@@ -1,0 +1,302 @@
+"""sync_replicas, SPMD driver: every replica calls update together inside shard_map."""
+
+import doctest
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import jreplicate.sync.spmd
+import jreplicate.sync.state
+import jreplicate.sync.transform
+from jreplicate.sync_replicas import (
+    averaged_params,
+    replica_grad,
+    replica_value_and_grad,
+    sync_replicas,
+)
+
+
+def _mesh(n):
+    return jax.make_mesh((n,), ("replica",), devices=jax.devices()[:n])
+
+
+def _shard(mesh, x):
+    return jax.device_put(jnp.asarray(x), NamedSharding(mesh, P("replica")))
+
+
+def _init_mlp(key, sizes=(6, 16, 3)):
+    params = []
+    for i, (a, b) in enumerate(zip(sizes[:-1], sizes[1:], strict=True)):
+        w = jax.random.normal(jax.random.fold_in(key, i), (a, b)) / np.sqrt(a)
+        params.append({"w": w, "b": jnp.zeros(b)})
+    return params
+
+
+def _loss(params, x, y):
+    h = x
+    for layer in params[:-1]:
+        h = jnp.tanh(h @ layer["w"] + layer["b"])
+    logits = h @ params[-1]["w"] + params[-1]["b"]
+    return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits), y[:, None], axis=1))
+
+
+def _data(steps, n, b, seed=0):
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(steps, n * b, 6)).astype(np.float32)
+    y = rng.integers(0, 3, size=(steps, n * b)).astype(np.int32)
+    return x, y
+
+
+@pytest.mark.parametrize("n", [2, 8])
+def test_all_replicas_equals_one_device_on_global_batch(n):
+    steps, b = 12, 4
+    x, y = _data(steps, n, b)
+    params0 = _init_mlp(jax.random.key(0))
+    inner = optax.adam(3e-2)
+
+    # one-device reference: plain adam on the concatenated global batch
+    @jax.jit
+    def ref_step(p, s, xb, yb):
+        g = jax.grad(_loss)(p, xb, yb)
+        u, s = inner.update(g, s, p)
+        return optax.apply_updates(p, u), s
+
+    p_ref, s_ref = params0, inner.init(params0)
+    for t in range(steps):
+        p_ref, s_ref = ref_step(p_ref, s_ref, x[t], y[t])
+
+    mesh = _mesh(n)
+    tx = sync_replicas(inner, replicas_to_aggregate=n, variable_averages=0.5)
+
+    def step(p, s, xb, yb):
+        g = replica_grad(_loss)(p, xb, yb)
+        u, s = tx.update(g, s, p)
+        return optax.apply_updates(p, u), s
+
+    run = jax.jit(
+        jax.shard_map(
+            step, mesh=mesh, in_specs=(P(), P(), P("replica"), P("replica")), out_specs=(P(), P())
+        )
+    )
+    p, s = params0, tx.init(params0)
+    for t in range(steps):
+        p, s = run(p, s, _shard(mesh, x[t]), _shard(mesh, y[t]))
+    for a, r in zip(jax.tree.leaves(p), jax.tree.leaves(p_ref), strict=True):
+        np.testing.assert_allclose(a, r, rtol=2e-5, atol=2e-6)
+    assert int(s.global_step) == steps
+    assert (int(s.dropped_backup), int(s.dropped_stale), int(s.num_accumulated)) == (0, 0, 0)
+    assert averaged_params(s, p)[0]["w"].shape == p[0]["w"].shape
+
+
+@functools.cache
+def _linear_step(n, k, total=None, with_local_step=False):
+    """Compiled SPMD step on w with loss sum(w * x_i): replica i's gradient is x_i."""
+    mesh = _mesh(n)
+    tx = sync_replicas(optax.sgd(1.0), replicas_to_aggregate=k, total_num_replicas=total)
+
+    def step(w, s, x, t, ls):
+        g = replica_grad(lambda w: jnp.sum(w * x[0]))(w)
+        kw = {"local_step": ls[0]} if with_local_step else {}
+        u, s = tx.update(g, s, w, arrival_time=t[0], **kw)
+        return optax.apply_updates(w, u), s
+
+    run = jax.jit(
+        jax.shard_map(
+            step,
+            mesh=mesh,
+            in_specs=(P(), P(), P("replica"), P("replica"), P("replica")),
+            out_specs=(P(), P()),
+        )
+    )
+
+    def call(w, s, x, t, ls=None):
+        ls = np.zeros(n, np.int32) if ls is None else ls
+        return run(w, s, _shard(mesh, x), _shard(mesh, t), _shard(mesh, ls))
+
+    return tx, call
+
+
+@settings(deadline=None, max_examples=30)
+@given(
+    k=st.sampled_from([1, 5, 8]),
+    times=st.lists(st.lists(st.integers(0, 4), min_size=8, max_size=8), min_size=1, max_size=3),
+)
+def test_backups_fastest_replicas_contribute(k, times):
+    n = 8
+    tx, call = _linear_step(n, k)
+    rng = np.random.default_rng(len(times))
+    w = jnp.zeros(3)
+    s = tx.init(w)
+    w_ref = np.zeros(3)
+    for t in times:
+        x = rng.normal(size=(n, 3)).astype(np.float32)
+        w, s = call(w, s, x, np.asarray(t, np.float32))
+        fastest = np.argsort(np.asarray(t), kind="stable")[:k]  # ties: lower replica id
+        w_ref = w_ref - x[fastest].mean(axis=0)
+        np.testing.assert_allclose(w, w_ref, rtol=1e-5, atol=1e-6)
+    assert int(s.global_step) == len(times)
+    assert int(s.dropped_backup) == (n - k) * len(times) and int(s.dropped_stale) == 0
+
+
+def test_multi_batch_replicas_spmd():
+    """2 replicas, 5 gradients per update: rounds of 2 fill the accumulators."""
+    n, k = 2, 5
+    tx, call = _linear_step(n, k)
+    rng = np.random.default_rng(0)
+    w, s = jnp.zeros(2), tx.init(jnp.zeros(2))
+    w_ref, acc, pending_steps = np.zeros(2), [], []
+    for r in range(7):
+        x = rng.normal(size=(n, 2)).astype(np.float32)
+        t = np.array([1.0, 0.0] if r % 2 else [0.0, 1.0], np.float32)
+        w, s = call(w, s, x, t)
+        for i in np.argsort(t, kind="stable"):
+            if len(acc) < k:
+                acc.append(x[i])
+            if len(acc) == k:
+                w_ref = w_ref - np.mean(acc, axis=0)
+                acc = []
+                pending_steps.append(r)
+                break  # the slower replica of this round arrives after the update
+        np.testing.assert_allclose(w, w_ref, rtol=1e-5, atol=1e-6)
+        assert int(s.num_accumulated) == len(acc)
+    # Updates at rounds 2 and 5 (5 gradients each); there the slower replica lost the
+    # race and, as no backup replicas are configured, counts as stale.
+    assert pending_steps == [2, 5] and int(s.global_step) == 2
+    assert (int(s.dropped_stale), int(s.dropped_backup)) == (2, 0)
+
+
+def test_stale_local_steps_in_spmd():
+    n, k = 4, 2
+    tx, call = _linear_step(n, k, with_local_step=True)
+    x = np.arange(12, dtype=np.float32).reshape(4, 3)
+    w, s = jnp.zeros(3), tx.init(jnp.zeros(3))
+    # global step is 0; replicas 0 and 2 carry old tokens (-1: late for the step
+    # before, so backups; -3: stale). Replicas 1 and 3 are fresh and contribute.
+    w, s = call(w, s, x, np.zeros(4, np.float32), np.array([-1, 0, -3, 0], np.int32))
+    np.testing.assert_allclose(w, -(x[1] + x[3]) / 2)
+    assert int(s.global_step) == 1
+    assert (int(s.dropped_backup), int(s.dropped_stale)) == (1, 1)
+
+
+def test_summed_gradients_are_rejected():
+    mesh = _mesh(4)
+    tx = sync_replicas(optax.sgd(1.0), 4)
+
+    def step(w, s, x):
+        g = jax.grad(lambda w: jnp.sum(w * x))(w)  # summed over replicas by JAX
+        return tx.update(g, s, w)
+
+    run = jax.jit(
+        jax.shard_map(step, mesh=mesh, in_specs=(P(), P(), P("replica")), out_specs=(P(), P()))
+    )
+    with pytest.raises(ValueError, match=r"already SUMMED.*replica_value_and_grad"):
+        run(jnp.zeros(()), tx.init(jnp.zeros(())), _shard(mesh, jnp.arange(4.0)))
+
+
+def test_total_num_replicas_must_match_axis():
+    mesh = _mesh(4)
+    tx = sync_replicas(optax.sgd(1.0), 2, total_num_replicas=3)
+
+    def step(w, s, x):
+        return tx.update(replica_grad(lambda w: jnp.sum(w * x))(w), s, w)
+
+    run = jax.jit(
+        jax.shard_map(step, mesh=mesh, in_specs=(P(), P(), P("replica")), out_specs=(P(), P()))
+    )
+    with pytest.raises(ValueError, match="pass total_num_replicas=4 or None"):
+        run(jnp.zeros(()), tx.init(jnp.zeros(())), _shard(mesh, jnp.arange(4.0)))
+
+
+def test_arrival_time_must_be_scalar():
+    mesh = _mesh(2)
+    tx = sync_replicas(optax.sgd(1.0), 2)
+
+    def step(w, s, x):
+        return tx.update(replica_grad(lambda w: jnp.sum(w * x))(w), s, w, arrival_time=x)
+
+    run = jax.jit(
+        jax.shard_map(step, mesh=mesh, in_specs=(P(), P(), P("replica")), out_specs=(P(), P()))
+    )
+    with pytest.raises(ValueError, match="arrival_time must be a scalar"):
+        run(jnp.zeros(2), tx.init(jnp.zeros(2)), _shard(mesh, jnp.ones((2, 2))))
+
+
+def test_replica_grad_helpers_give_own_gradient():
+    mesh = _mesh(4)
+
+    def f(w, x):
+        return jnp.sum(w * x), x.sum()
+
+    def step(w, x):
+        (v, aux), g = replica_value_and_grad(f, has_aux=True)(w, x)
+        g2, aux2 = replica_grad(f, has_aux=True)(w, x)
+        return v[None], g, g2, aux2[None]
+
+    x = jnp.arange(8.0).reshape(4, 2)
+    for check_vma in (True, False):
+        run = jax.jit(
+            jax.shard_map(
+                step,
+                mesh=mesh,
+                in_specs=(P(), P("replica")),
+                out_specs=(P("replica"), P("replica"), P("replica"), P("replica")),
+                check_vma=check_vma,
+            )
+        )
+        v, g, g2, aux = run(jnp.ones(2), _shard(mesh, x))
+        np.testing.assert_allclose(g, x.reshape(-1))
+        np.testing.assert_allclose(g2, x.reshape(-1))
+        np.testing.assert_allclose(v, x.sum(axis=1))
+        np.testing.assert_allclose(aux, x.sum(axis=1))
+    # outside a replica context: plain jax.value_and_grad
+    v, g = replica_value_and_grad(lambda w: jnp.sum(w * 3.0))(jnp.ones(2))
+    assert float(v) == 6.0 and g.tolist() == [3.0, 3.0]
+
+
+def test_through_replicator():
+    import jreplicate as jr
+
+    if not hasattr(jr, "Replicator"):
+        pytest.skip("jreplicate.Replicator not available")
+    n, k, steps = 8, 6, 5
+    rng = np.random.default_rng(3)
+    xs = rng.normal(size=(steps, n, 3)).astype(np.float32)
+    ts = rng.permutation(np.tile(np.arange(n, dtype=np.float32), (steps, 1)).T).T
+
+    rep = jr.Replicator(jr.MirroredStrategy())
+    tx = sync_replicas(optax.sgd(0.5), replicas_to_aggregate=k)
+    with rep.scope():
+        w = jnp.zeros(3)
+        state = tx.init(w)
+
+    def step(ctx, batch, w, state):
+        x, t = batch
+        g = replica_grad(lambda w: jnp.sum(w * x), axis_name=ctx.axis_name)(w)
+        u, state = tx.update(g, state, w, arrival_time=t)
+        return optax.apply_updates(w, u), state
+
+    w_ref = np.zeros(3)
+    for i in range(steps):
+        batch = (jr.PerReplica(jnp.asarray(xs[i])), jr.PerReplica(jnp.asarray(ts[i])))
+        w, state = rep.run(step, batch, w, state)
+        fastest = np.argsort(ts[i], kind="stable")[:k]
+        w_ref = w_ref - 0.5 * xs[i][fastest].mean(axis=0)
+    assert not isinstance(w, jr.PerReplica)
+    np.testing.assert_allclose(np.asarray(w), w_ref, rtol=1e-5, atol=1e-6)
+    assert int(state.global_step) == steps and int(state.dropped_backup) == (n - k) * steps
+
+
+@pytest.mark.parametrize(
+    "module", [jreplicate.sync.state, jreplicate.sync.spmd, jreplicate.sync.transform]
+)
+def test_docstring_examples(module):
+    result = doctest.testmod(module, optionflags=doctest.ELLIPSIS)
+    assert result.attempted > 0 and result.failed == 0
