@@ -104,7 +104,7 @@ def test_training_matches_single_device(strategy):
     params = init_mlp(jax.random.key(1))
     ref_p, ref_o = params, tx.init(params)
     for s in range(5):
-        g = jax.grad(lambda p: per_example_loss(mlp(p, xs[s]), ys[s]).mean())(ref_p)
+        g = jax.grad(lambda p, s=s: per_example_loss(mlp(p, xs[s]), ys[s]).mean())(ref_p)
         u, ref_o = tx.update(g, ref_o, ref_p)
         ref_p = optax.apply_updates(ref_p, u)
 

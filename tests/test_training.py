@@ -58,7 +58,7 @@ def test_pytree_mlp_adam_matches_one_device():
         u, opt = tx.update(g, opt, params)
         return optax.apply_updates(params, u), opt, ctx.all_sum(loss)
 
-    inputs = rep.prepare_input(_input_fn(x, y), replication_mode=jr.InputReplicationMode.PER_REPLICA)
+    inputs = rep.prepare_input(_input_fn(x, y), jr.InputReplicationMode.PER_REPLICA)
     losses = []
     for _ in range(STEPS):
         params, opt, loss = rep.run(step, inputs, params, opt)
@@ -96,7 +96,7 @@ def test_nnx_mlp_adam_matches_one_device():
     def step(ctx, batch, model, optimizer):
         return ctx.all_sum(train_step(model, optimizer, *batch, GLOBAL_BATCH))
 
-    inputs = rep.prepare_input(_input_fn(x, y), replication_mode=jr.InputReplicationMode.PER_REPLICA)
+    inputs = rep.prepare_input(_input_fn(x, y), jr.InputReplicationMode.PER_REPLICA)
     losses = [float(rep.run(step, inputs, model, optimizer)) for _ in range(STEPS)]
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5, atol=1e-6)
     got = jax.tree.leaves(nnx.state(model, nnx.Param))
