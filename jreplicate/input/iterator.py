@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import concurrent.futures
+import pickle
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -48,6 +49,12 @@ class InputIterator:
         self._spec: list | None = None
         self._exhausted = False
         self._buffer = prefetch_buffer_size
+        # Across processes, every step's outcome is agreed first (see _produce_shared).
+        self._agreement = (strategy._agreement("input")
+                           if strategy.num_workers > 1 and hasattr(strategy, "_agreement")
+                           else None)
+        if self._agreement is not None and replication_mode is InputReplicationMode.SINGLE:
+            self._buffer = 0  # its broadcast is a collective: keep it on the main thread
         self._prefetcher = Prefetcher(self._produce, self._buffer) if self._buffer else None
 
     @property
@@ -125,6 +132,8 @@ class InputIterator:
     def _produce(self) -> Any:
         if self._exhausted:
             raise StopIteration
+        if self._agreement is not None:
+            return self._produce_shared()
         try:
             elements = self._read()
         except StopIteration:
@@ -139,25 +148,104 @@ class InputIterator:
             raise StopIteration from None
 
     def _assemble(self, elements: list[Any]) -> Any:
-        flat = [_flatten(e, self._strategy.local_replica_ids[k]) for k, e in
-                enumerate(elements)]
+        flat, treedef = self._check(elements, self._strategy.local_replica_ids)
+        return self._to_global(flat, treedef)
+
+    def _check(self, elements: list[Any], ids: tuple[int, ...]) -> tuple[list, Any]:
+        flat = [_flatten(e, ids[k]) for k, e in enumerate(elements)]
         treedef = flat[0][1]
         for k, (_, td, _) in enumerate(flat):
             if td != treedef:
                 raise ValueError(
-                    f"input element of replica {self._strategy.local_replica_ids[k]} has "
-                    f"structure {td}, but replica {self._strategy.local_replica_ids[0]}'s "
+                    f"input element of replica {ids[k]} has "
+                    f"structure {td}, but replica {ids[0]}'s "
                     f"has {treedef}. Every pipeline must yield elements of one structure."
                 )
         spec = [(x.shape, x.dtype) for x in flat[0][0]]
         if self._spec is None:
             self._spec = spec
-        self._check_shapes(flat)
+        self._check_shapes(flat, ids)
+        return flat, treedef
+
+    def _produce_shared(self) -> Any:
+        """One step across processes: read locally, agree, then all decide alike.
+
+        Each process publishes the outcome of its read (data with its element spec, end
+        of input, partial batch, or error) through the coordination service; from the
+        same list of outcomes every process takes the same decision, so no process
+        raises while another waits in a collective. In SINGLE mode worker 0 reads every
+        replica's element and the stacked batch is broadcast to the other processes.
+        """
+        strategy = self._strategy
+        single = self._mode is InputReplicationMode.SINGLE
+        ids = tuple(range(strategy.num_replicas)) if single else strategy.local_replica_ids
+        status, detail, flat, treedef, error = "ok", "", None, None, None
+        try:
+            if self._feeds:
+                flat, treedef = self._check(self._read(), ids)
+        except StopIteration:
+            status = "end"
+        except _PartialBatch as e:
+            status, detail = "partial", str(e)
+        except Exception as e:  # shared below, so that every process raises it
+            status, detail, error = "error", f"{type(e).__name__}: {e}", e
+        spec = None
+        if flat is not None:
+            spec = (treedef, [(tuple(x.shape), str(x.dtype)) for x in flat[0][0]])
+        reports = [pickle.loads(r) for r in self._agreement.all_gather(
+            pickle.dumps((status, detail, spec)), "this step's input")]
+        me = strategy.worker_index
+        for p, (s, d, _) in enumerate(reports):
+            if s == "error":
+                self._exhausted = True
+                if p == me and error is not None:
+                    raise error
+                kind = {"ValueError": ValueError, "TypeError": TypeError}.get(
+                    d.split(":", 1)[0], RuntimeError)
+                raise kind(f"reading the input on process {p} failed, so every process "
+                           f"stops: {d}")
+        ended = [p for p, (s, _, _) in enumerate(reports) if s in ("end", "partial")]
+        if ended:
+            self._exhausted = True
+            if any(s == "partial" or sp is not None for s, _, sp in reports):
+                warnings.warn(
+                    "jreplicate: dropped the last step's input: "
+                    + "; ".join(f"process {p} " + (f"had a partial batch ({reports[p][1]})"
+                                                   if reports[p][0] == "partial"
+                                                   else "ran out of input") for p in ended)
+                    + "; the input iterator is exhausted.", stacklevel=4)
+            raise StopIteration
+        specs = [(p, sp) for p, (_, _, sp) in enumerate(reports) if sp is not None]
+        if any(sp != specs[0][1] for _, sp in specs):
+            self._exhausted = True
+            listing = "; ".join(f"process {p}: {_spec_str(sp)}" for p, sp in specs)
+            raise ValueError(
+                "the input elements differ across processes (" + listing + "). Every "
+                "replica must get an element of one structure, shape and dtype: batch each "
+                "pipeline with ctx.get_per_replica_batch_size(global_batch_size), with a "
+                "global batch size divisible by the number of replicas "
+                f"({strategy.num_replicas}), and split the data evenly across processes."
+            )
+        if single:
+            flat = self._broadcast_single(flat, specs[0][1], ids)
+            treedef = specs[0][1][0]
         return self._to_global(flat, treedef)
 
-    def _check_shapes(self, flat: list) -> None:
+    def _broadcast_single(self, flat: list | None, spec: tuple, ids: tuple) -> list:
+        """Worker 0's elements of every replica, on every process (SINGLE mode)."""
+        from jax.experimental import multihost_utils
+        treedef, leaf_specs = spec
+        if flat is not None:
+            stacked = [np.stack([f[0][j] for f in flat]) for j in range(len(leaf_specs))]
+        else:
+            stacked = [np.zeros((len(ids),) + shape, dtype) for shape, dtype in leaf_specs]
+        stacked = [np.asarray(x) for x in multihost_utils.broadcast_one_to_all(stacked)]
+        return [([x[r] for x in stacked], treedef, None)
+                for r in self._strategy.local_replica_ids]
+
+    def _check_shapes(self, flat: list, ids: tuple[int, ...]) -> None:
         for k, (leaves, _, paths) in enumerate(flat):
-            rid = self._strategy.local_replica_ids[k]
+            rid = ids[k]
             for x, (shape, dtype), path in zip(leaves, self._spec, paths):
                 if x.shape == shape and x.dtype == dtype:
                     continue
@@ -191,6 +279,12 @@ class InputIterator:
 
 class _PartialBatch(Exception):
     pass
+
+
+def _spec_str(spec: tuple) -> str:
+    treedef, leaves = spec
+    shapes = ", ".join(f"{dtype}{list(shape)}" for shape, dtype in leaves)
+    return f"{shapes} in {treedef}" if treedef.num_nodes > 1 else shapes
 
 
 def _warn_dropped(read: int, n: int) -> None:
@@ -230,12 +324,17 @@ def _make_pipelines(strategy: Strategy, input_fn: Callable, mode: InputReplicati
         ctx = InputContext(input_pipeline_id=strategy.worker_index,
                            num_input_pipelines=strategy.num_workers, **common)
     elif mode is InputReplicationMode.SINGLE:
-        if strategy.num_workers > 1:
-            raise ValueError(
-                "InputReplicationMode.SINGLE across several processes needs a strategy "
-                "that distributes worker 0's batches (MultiWorkerStrategy)."
-            )
         ctx = InputContext(input_pipeline_id=0, num_input_pipelines=1, **common)
+        if strategy.num_workers > 1:
+            if not hasattr(strategy, "_agreement"):
+                raise ValueError(
+                    "InputReplicationMode.SINGLE across several processes needs a strategy "
+                    "that distributes worker 0's batches (MultiWorkerStrategy)."
+                )
+            # Worker 0 reads every replica's element; the others receive them.
+            if strategy.worker_index != 0:
+                return [], []
+            return [Pipeline(input_fn, ctx)], [0] * strategy.num_replicas
     else:
         raise TypeError(
             "prepare_input(replication_mode=...) must be an InputReplicationMode "
