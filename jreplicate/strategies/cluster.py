@@ -302,6 +302,16 @@ def _backend_ready() -> bool:
     return xla_bridge.backends_are_initialized()
 
 
+def _cluster_env_present() -> bool:
+    """Whether JAX's auto-detection would find a cluster (SLURM, Open MPI, Cloud TPU...)."""
+    try:
+        from jax._src import clusters
+        kinds = clusters.ClusterEnv._cluster_types
+    except (ImportError, AttributeError):  # unknown JAX internals: let JAX decide
+        return True
+    return any(not k.opt_in_only_method and k.is_env_present() for k in kinds)
+
+
 def _set_collective_timeout(seconds: float) -> None:
     """Bounds CPU (gloo) collectives: an XLA flag read when the backend starts."""
     flag = "--xla_cpu_collective_timeout_seconds"
@@ -377,6 +387,10 @@ def connect(spec: ClusterSpec, timeouts: Timeouts,
         return dataclasses.replace(spec, num_processes=n, process_id=pid)
     if spec.num_processes == 1:
         return dataclasses.replace(spec, process_id=0)
+    if (spec.source == "auto-detect" and cluster_detection_method is None
+            and not _cluster_env_present()):
+        logger.info("jreplicate: no cluster found; running as one process.")
+        return ClusterSpec(None, 1, 0, spec.local_device_ids, "single process")
     if _backend_ready():
         raise RuntimeError(
             "MultiWorkerStrategy must be created before anything starts the JAX backend "

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import sys
 from collections.abc import Sequence
 from typing import final
 
@@ -101,6 +102,8 @@ class MultiWorkerStrategy(Strategy):
         self._mesh = _global_mesh(self._cluster)
         self._uid = next(_instances)
         self._agreements = itertools.count()
+        if self.num_workers > 1:
+            _explain_peer_failures(self)
 
     # -- facts ---------------------------------------------------------------------
     @property
@@ -137,6 +140,41 @@ class MultiWorkerStrategy(Strategy):
         prefix = f"jreplicate/{self._uid}/{name}/{next(self._agreements)}"
         return _cluster.Agreement(prefix, self.num_workers, self.worker_index,
                                   self._timeouts.collective_timeout)
+
+
+_PEER_FAILURE_SIGNS = ("gloo", "connection closed by peer", "timed out waiting",
+                       "heartbeat", "coordination service", "unavailable", "deadline")
+
+
+def _explain_peer_failures(strategy: MultiWorkerStrategy) -> None:
+    """Adds a jreplicate explanation to an uncaught cross-process failure.
+
+    A dead or stuck peer surfaces as a terse runtime error from XLA or gloo (or as a
+    :class:`ClusterError` from jreplicate's agreements). The hook says, once, what it
+    means and what happens next, then defers to the previous hook.
+    """
+    previous = sys.excepthook
+    if getattr(previous, "_jreplicate", False):
+        return
+    t = strategy.timeouts
+
+    def hook(kind, value, tb):
+        previous(kind, value, tb)
+        text = str(value).lower()
+        if isinstance(value, _cluster.ClusterError) or (
+                issubclass(kind, RuntimeError) and any(s in text for s in _PEER_FAILURE_SIGNS)):
+            sys.stderr.write(
+                f"jreplicate: process {strategy.worker_index} of {strategy.num_workers} "
+                "stopped because a collective across processes failed: another process died "
+                f"(detected at once, or within heartbeat_timeout={t.heartbeat_timeout:g}s) "
+                "or stopped taking part (detected after collective_timeout="
+                f"{t.collective_timeout:g}s). See that process's output for the cause; the "
+                "runtime stops the remaining processes within shutdown_timeout="
+                f"{t.shutdown_timeout:g}s.\n")
+            sys.stderr.flush()
+
+    hook._jreplicate = True  # type: ignore[attr-defined]
+    sys.excepthook = hook
 
 
 def _global_mesh(spec: ClusterSpec) -> Mesh:

@@ -1,0 +1,291 @@
+"""Starts a multi-process job on this machine: ``python -m jreplicate.launch``.
+
+Usage::
+
+    python -m jreplicate.launch --nproc N [--devices-per-proc K] [--max-restarts R] \\
+        [--timeout S] script.py [args ...]
+
+Starts ``N`` copies of ``script.py`` (or ``-m module``) that find each other through a
+coordinator on ``127.0.0.1`` and a free port: each gets ``JREPLICATE_COORDINATOR``,
+``JREPLICATE_NUM_PROCESSES`` and ``JREPLICATE_PROCESS_ID``, which
+:class:`jreplicate.MultiWorkerStrategy` reads, and ``JREPLICATE_RESTART_COUNT`` (0 for
+the first attempt). ``--devices-per-proc K`` gives every process ``K`` simulated CPU
+devices (``XLA_FLAGS=--xla_force_host_platform_device_count=K``, ``JAX_PLATFORMS=cpu``).
+
+Every output line of process ``i`` is printed prefixed with ``[p<i>]``. When a process
+fails (non-zero exit code or a signal), the others are terminated (SIGTERM, then SIGKILL
+after ``--grace`` seconds) and the launcher exits with that process's status (128 +
+signal number for a signal) and a message saying which process failed and how. With
+``--max-restarts R`` the whole group is started again, up to ``R`` times, on a fresh
+port; a program that restores its latest checkpoint on start (see
+:class:`jreplicate.checkpoint.CheckpointManager`) then resumes where it stopped.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import dataclasses
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Sequence
+
+from jreplicate.strategies.cluster import (
+    ENV_COORDINATOR,
+    ENV_NUM_PROCESSES,
+    ENV_PROCESS_ID,
+    EXIT_INIT_TIMEOUT,
+)
+
+ENV_RESTART_COUNT = "JREPLICATE_RESTART_COUNT"
+_PROG = "jreplicate.launch"
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port that was free on ``host`` a moment ago."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+@dataclasses.dataclass
+class Outcome:
+    """How one attempt of the group ended.
+
+    Attributes:
+      ok: every process exited with status 0.
+      exit_code: the launcher's exit status for this outcome.
+      message: which process failed and why (empty when ``ok``).
+    """
+
+    ok: bool
+    exit_code: int = 0
+    message: str = ""
+
+
+def describe_status(returncode: int) -> str:
+    """``"exit code 3"`` or ``"killed by signal 9 (SIGKILL)"``."""
+    if returncode < 0:
+        try:
+            name = signal.Signals(-returncode).name
+        except ValueError:
+            name = "unknown signal"
+        return f"killed by signal {-returncode} ({name})"
+    if returncode == EXIT_INIT_TIMEOUT:
+        return f"exit code {returncode} (could not join the cluster in time)"
+    return f"exit code {returncode}"
+
+
+def child_env(base: dict[str, str], *, coordinator: str, nproc: int, rank: int,
+              devices_per_proc: int | None, restart: int) -> dict[str, str]:
+    """The environment of process ``rank``."""
+    env = dict(base)
+    env.update({ENV_COORDINATOR: coordinator, ENV_NUM_PROCESSES: str(nproc),
+                ENV_PROCESS_ID: str(rank), ENV_RESTART_COUNT: str(restart),
+                "PYTHONUNBUFFERED": "1"})
+    if devices_per_proc is not None:
+        flag = "--xla_force_host_platform_device_count"
+        kept = [f for f in env.get("XLA_FLAGS", "").split() if not f.startswith(flag)]
+        env["XLA_FLAGS"] = " ".join(kept + [f"{flag}={devices_per_proc}"])
+        env["JAX_NUM_CPU_DEVICES"] = str(devices_per_proc)
+        env["JAX_PLATFORMS"] = "cpu"
+        # Enough CPU client threads for K devices' collectives on small machines.
+        env.setdefault("PJRT_NPROC", str(2 * devices_per_proc + 2))
+    return env
+
+
+class _Group:
+    """The N processes of one attempt, their output pumps, and their shutdown."""
+
+    def __init__(self, cmd: list[str], envs: list[dict[str, str]]):
+        self._lock = threading.Lock()
+        self._last_err = [collections.deque(maxlen=5) for _ in envs]
+        self.procs: list[subprocess.Popen] = []
+        self._pumps: list[threading.Thread] = []
+        for rank, env in enumerate(envs):
+            p = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                 stderr=subprocess.PIPE, start_new_session=True)
+            self.procs.append(p)
+            for stream, out, keep in ((p.stdout, sys.stdout, None),
+                                      (p.stderr, sys.stderr, self._last_err[rank])):
+                t = threading.Thread(target=self._pump, args=(rank, stream, out, keep),
+                                     daemon=True)
+                t.start()
+                self._pumps.append(t)
+
+    def _pump(self, rank: int, stream, out, keep) -> None:
+        prefix = f"[p{rank}] "
+        for raw in iter(stream.readline, b""):
+            line = raw.decode("utf-8", errors="replace").rstrip("\n")
+            if keep is not None and line.strip():
+                keep.append(line.strip())
+            with self._lock:
+                out.write(prefix + line + "\n")
+                out.flush()
+        stream.close()
+
+    def last_error_line(self, rank: int) -> str:
+        lines = [ln for ln in self._last_err[rank] if not ln.startswith("*** ")]
+        return lines[-1] if lines else ""
+
+    def signal_all(self, sig: int) -> None:
+        for p in self.procs:
+            if p.poll() is None:
+                try:
+                    os.killpg(p.pid, sig)
+                except (ProcessLookupError, PermissionError):
+                    pass
+
+    def stop(self, grace: float) -> None:
+        """SIGTERM the processes still running, SIGKILL them after ``grace`` seconds."""
+        self.signal_all(signal.SIGTERM)
+        deadline = time.monotonic() + grace
+        while time.monotonic() < deadline and any(p.poll() is None for p in self.procs):
+            time.sleep(0.05)
+        self.signal_all(signal.SIGKILL)
+        for p in self.procs:
+            try:
+                p.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                pass
+        self.join_output()
+
+    def join_output(self) -> None:
+        for t in self._pumps:
+            t.join(timeout=5)
+
+
+def run_group(cmd: list[str], *, nproc: int, devices_per_proc: int | None, host: str,
+              restart: int, grace: float, timeout: float | None) -> Outcome:
+    """Runs one attempt of the group to completion or first failure."""
+    coordinator = f"{host}:{free_port(host)}"
+    envs = [child_env(dict(os.environ), coordinator=coordinator, nproc=nproc, rank=r,
+                      devices_per_proc=devices_per_proc, restart=restart)
+            for r in range(nproc)]
+    group = _Group(cmd, envs)
+    start = time.monotonic()
+    try:
+        while True:
+            codes = [p.poll() for p in group.procs]
+            failed = [(r, c) for r, c in enumerate(codes) if c not in (None, 0)]
+            if failed:
+                rank, code = failed[0]
+                group.stop(grace)
+                why = group.last_error_line(rank)
+                msg = f"process {rank} of {nproc} failed first: {describe_status(code)}"
+                if why:
+                    msg += f"; its last stderr line: {why[:500]}"
+                others = [r for r in range(nproc) if r != rank]
+                if others:
+                    msg += "; stopped the other processes"
+                return Outcome(False, code if code > 0 else 128 - code, msg)
+            if all(c == 0 for c in codes):
+                group.join_output()
+                return Outcome(True)
+            if timeout is not None and time.monotonic() - start > timeout:
+                running = [r for r, c in enumerate(codes) if c is None]
+                group.stop(grace)
+                return Outcome(False, 124, f"--timeout {timeout:g}s expired with processes "
+                                           f"{running} still running; stopped them")
+            time.sleep(0.05)
+    except BaseException:
+        group.stop(grace)
+        raise
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog=f"python -m {_PROG}",
+        description="Start N local processes of a jreplicate multi-worker program.")
+    p.add_argument("--nproc", type=int, required=True, help="number of processes (>= 1)")
+    p.add_argument("--devices-per-proc", type=int, default=None, metavar="K",
+                   help="simulated CPU devices per process")
+    p.add_argument("--max-restarts", type=int, default=0, metavar="R",
+                   help="restart the whole group up to R times after a failure (default 0)")
+    p.add_argument("--host", default="127.0.0.1", help="coordinator host (default 127.0.0.1)")
+    p.add_argument("--grace", type=float, default=5.0, metavar="S",
+                   help="seconds between SIGTERM and SIGKILL when stopping (default 5)")
+    p.add_argument("--timeout", type=float, default=None, metavar="S",
+                   help="stop the group if an attempt runs longer than S seconds")
+    p.add_argument("script", help="the program: a .py file, or -m module")
+    p.add_argument("args", nargs=argparse.REMAINDER, help="arguments of the program")
+    return p
+
+
+_VALUED = ("--nproc", "--devices-per-proc", "--max-restarts", "--host", "--grace", "--timeout")
+
+
+def _program_start(argv: list[str]) -> int:
+    """Index of the program (script or ``-m``): the first token that is not ours."""
+    i = 0
+    while i < len(argv):
+        a = argv[i]
+        if a == "--":
+            return i + 1
+        if a in _VALUED:
+            i += 2
+        elif a.startswith("--") and a.split("=", 1)[0] in _VALUED or a in ("-h", "--help"):
+            i += 1
+        else:
+            return i
+    return i
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Runs the launcher; returns its exit status."""
+    parser = _parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    i = _program_start(argv)
+    if i < len(argv) and argv[i] == "-m":  # `-m module args...`
+        if i + 1 >= len(argv):
+            parser.error("-m needs a module name, e.g. -m mypackage.train")
+        ns = parser.parse_args(argv[:i] + ["--", "-m"])
+        cmd = [sys.executable, "-u", "-m", argv[i + 1], *argv[i + 2:]]
+    else:
+        ns = parser.parse_args(argv[:i] + ["--"] + argv[i:])
+        if not os.path.exists(ns.script):
+            parser.error(f"script {ns.script!r} does not exist; give the path of a Python "
+                         "file, or -m module")
+        cmd = [sys.executable, "-u", ns.script, *ns.args]
+    if ns.nproc < 1:
+        parser.error(f"--nproc {ns.nproc}: the number of processes must be >= 1")
+    if ns.devices_per_proc is not None and ns.devices_per_proc < 1:
+        parser.error(f"--devices-per-proc {ns.devices_per_proc}: must be >= 1")
+    if ns.max_restarts < 0:
+        parser.error(f"--max-restarts {ns.max_restarts}: must be >= 0")
+    if ns.timeout is not None and ns.timeout <= 0:
+        parser.error(f"--timeout {ns.timeout}: must be a positive number of seconds")
+
+    def on_term(signum, frame):
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, on_term)
+    outcome = Outcome(True)
+    for attempt in range(ns.max_restarts + 1):
+        try:
+            outcome = run_group(cmd, nproc=ns.nproc, devices_per_proc=ns.devices_per_proc,
+                                host=ns.host, restart=attempt, grace=ns.grace,
+                                timeout=ns.timeout)
+        except KeyboardInterrupt:
+            print(f"{_PROG}: interrupted; stopped all processes", file=sys.stderr)
+            return 130
+        if outcome.ok:
+            if attempt:
+                print(f"{_PROG}: succeeded after {attempt} restart(s)", file=sys.stderr)
+            return 0
+        print(f"{_PROG}: {outcome.message}", file=sys.stderr, flush=True)
+        if attempt < ns.max_restarts:
+            print(f"{_PROG}: restarting all {ns.nproc} processes (restart {attempt + 1} of "
+                  f"{ns.max_restarts})", file=sys.stderr, flush=True)
+    if ns.max_restarts:
+        print(f"{_PROG}: giving up after {ns.max_restarts} restart(s)", file=sys.stderr)
+    return outcome.exit_code
+
+
+if __name__ == "__main__":
+    sys.exit(main())
