@@ -1,0 +1,89 @@
+"""Validation across processes: every process must raise the same error, none may hang.
+
+Run under ``python -m jreplicate.launch --nproc 2``. Each scenario is set up so that it
+would pass on one process and fail on the other; the script prints one
+``RESULT <scenario> <exception type> <message>`` line per scenario and ``DONE``.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import tempfile
+
+sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..")))
+
+import numpy as np  # noqa: E402
+
+from jreplicate.checkpoint import CheckpointManager  # noqa: E402
+from jreplicate.input.context import InputReplicationMode as Mode  # noqa: E402
+from jreplicate.replicator import Replicator  # noqa: E402
+from jreplicate.strategies.multi_worker import MultiWorkerStrategy  # noqa: E402
+
+
+def main() -> None:
+    strategy = MultiWorkerStrategy()
+    rep = Replicator(strategy)
+    me = strategy.worker_index
+    per_worker = strategy.devices_per_worker
+
+    def step(ctx, batch):
+        return ctx.all_sum(batch.sum())
+
+    def consume(it):
+        n = 0
+        for batch in it:
+            rep.run(step, batch)
+            n += 1
+        return n
+
+    def batch_differs(ctx):  # process 1 batches 5 examples per replica, process 0 4
+        b = ctx.get_per_replica_batch_size(4 * ctx.num_replicas) + ctx.input_pipeline_id
+        return (np.ones((b, 2), np.float32) for _ in range(3 * per_worker))
+
+    def fails_on_one(ctx):  # process 1's pipeline raises at its second step
+        for i in range(3 * per_worker):
+            if ctx.input_pipeline_id == 1 and i == per_worker:
+                raise ValueError("corrupt record in shard 1")
+            yield np.ones((2, 2), np.float32)
+
+    def shorter_on_one(ctx):  # process 1 has one step less
+        steps = 3 - ctx.input_pipeline_id
+        return (np.ones((2, 2), np.float32) for _ in range(steps * per_worker))
+
+    def indivisible(ctx):
+        b = ctx.get_per_replica_batch_size(30)
+        return (np.ones((b, 2), np.float32) for _ in range(3))
+
+    def single_bad(ctx):  # worker 0 reads everything; its 2nd step changes shape
+        for i in range(3 * ctx.num_replicas):
+            yield np.ones((2 if i < ctx.num_replicas else 3, 2), np.float32)
+
+    scenarios = [
+        ("batch_differs", lambda: consume(rep.prepare_input(batch_differs))),
+        ("input_error", lambda: consume(rep.prepare_input(fails_on_one))),
+        ("shorter", lambda: consume(rep.prepare_input(shorter_on_one))),
+        ("indivisible", lambda: consume(rep.prepare_input(indivisible))),
+        ("single_shape", lambda: consume(rep.prepare_input(single_bad, Mode.SINGLE))),
+    ]
+    for name, fn in scenarios:
+        try:
+            out = fn()
+            print(f"RESULT {name} ok {out}", flush=True)
+        except Exception as e:  # report, and carry on with the next scenario
+            print(f"RESULT {name} {type(e).__name__} {str(e).splitlines()[0]}", flush=True)
+
+    per_replica = rep.run(lambda ctx: ctx.replica_id * 1.0)
+    with tempfile.TemporaryDirectory() as d:
+        mngr = CheckpointManager(os.path.join(d, f"ck{me}"), rep)
+        try:
+            mngr.save(1, {"loss": per_replica})
+            print("RESULT save_per_replica ok", flush=True)
+        except Exception as e:
+            print(f"RESULT save_per_replica {type(e).__name__} {str(e).splitlines()[0]}",
+                  flush=True)
+    print("DONE", flush=True)
+
+
+if __name__ == "__main__":
+    main()
