@@ -99,6 +99,23 @@ def child_env(base: dict[str, str], *, coordinator: str, nproc: int, rank: int,
     return env
 
 
+def _die_with_parent() -> None:  # pragma: no cover - runs in the child before exec
+    """Linux: the child gets SIGKILL if the launcher dies, so nothing is left behind."""
+    try:
+        import ctypes
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except Exception:  # noqa: BLE001 - best effort
+        pass
+
+
+def popen_kwargs() -> dict:
+    """Popen arguments for a child of a group: its own session, tied to our life."""
+    kwargs: dict = {"start_new_session": True}
+    if sys.platform.startswith("linux"):
+        kwargs["preexec_fn"] = _die_with_parent
+    return kwargs
+
+
 class _Group:
     """The N processes of one attempt, their output pumps, and their shutdown."""
 
@@ -109,7 +126,7 @@ class _Group:
         self._pumps: list[threading.Thread] = []
         for rank, env in enumerate(envs):
             p = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                 stderr=subprocess.PIPE, start_new_session=True)
+                                 stderr=subprocess.PIPE, **popen_kwargs())
             self.procs.append(p)
             for stream, out, keep in ((p.stdout, sys.stdout, None),
                                       (p.stderr, sys.stderr, self._last_err[rank])):

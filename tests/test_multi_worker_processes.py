@@ -7,6 +7,7 @@ killed at the end of its test. The scripts live in tests/mp_scripts/.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -19,7 +20,7 @@ import jax
 import numpy as np
 import pytest
 
-from jreplicate.launch import child_env, free_port
+from jreplicate.launch import child_env, free_port, popen_kwargs
 from jreplicate.strategies.multi_worker import MultiWorkerStrategy
 from tests.mp_scripts import train as train_script
 
@@ -52,12 +53,16 @@ def _launch(args: list[str], timeout: float = 150) -> subprocess.CompletedProces
     """Runs ``python -m jreplicate.launch args``, killing its whole group on timeout."""
     cmd = [sys.executable, "-m", "jreplicate.launch", "--timeout", str(timeout - 10), *args]
     p = subprocess.Popen(cmd, cwd=ROOT, env=_base_env(), stdout=subprocess.PIPE,
-                         stderr=subprocess.PIPE, text=True, start_new_session=True)
+                         stderr=subprocess.PIPE, text=True, **popen_kwargs())
     try:
         out, err = p.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        os.killpg(p.pid, signal.SIGKILL)
-        out, err = p.communicate()
+        p.terminate()  # the launcher stops its processes on SIGTERM...
+        try:
+            out, err = p.communicate(timeout=20)
+        except subprocess.TimeoutExpired:
+            p.kill()  # ...and they die with it (PR_SET_PDEATHSIG) if it is killed
+            out, err = p.communicate()
         pytest.fail(f"launcher did not finish in {timeout}s:\n{out[-3000:]}\n{err[-3000:]}")
     return subprocess.CompletedProcess(cmd, p.returncode, out, err)
 
@@ -68,7 +73,8 @@ class _Group:
 
     def __init__(self, tmp: Path, script: str, args: list[str], devices: list[int],
                  nproc: int | None = None, coordinator: str | None = None,
-                 ranks: list[int] | None = None, env: dict[str, str] | None = None):
+                 ranks: list[int] | None = None, env: dict[str, str] | None = None,
+                 tf_config: bool = False):
         coordinator = coordinator or f"127.0.0.1:{free_port()}"
         nproc = nproc or len(devices)
         ranks = list(range(len(devices))) if ranks is None else ranks
@@ -76,12 +82,20 @@ class _Group:
         for rank, k in zip(ranks, devices, strict=True):
             e = child_env(_base_env(**(env or {})), coordinator=coordinator, nproc=nproc,
                           rank=rank, devices_per_proc=k, restart=0)
+            if tf_config:  # the cluster from TF_CONFIG instead of JREPLICATE_*
+                for key in ("JREPLICATE_COORDINATOR", "JREPLICATE_NUM_PROCESSES",
+                            "JREPLICATE_PROCESS_ID"):
+                    del e[key]
+                e["TF_CONFIG"] = json.dumps({
+                    "cluster": {"worker": [coordinator] + [f"127.0.0.1:{free_port()}"
+                                                           for _ in range(nproc - 1)]},
+                    "task": {"type": "worker", "index": rank}})
             out = open(tmp / f"p{rank}-{free_port()}.out", "w+")
             err = open(tmp / f"p{rank}-{free_port()}.err", "w+")
             self.logs.append((out, err))
             self.procs.append(subprocess.Popen(
                 [sys.executable, "-u", str(SCRIPTS / script), *args], cwd=ROOT, env=e,
-                stdout=out, stderr=err, start_new_session=True))
+                stdout=out, stderr=err, **popen_kwargs()))
 
     def wait(self, timeout: float) -> list[float]:
         """Waits for every process; returns their exit times (time.time())."""
@@ -238,6 +252,7 @@ def test_stuck_worker_is_detected_by_collective_timeout(group, tmp_path):
 def test_validation_is_identical_on_every_process():
     r = _launch(["--nproc", "2", "--devices-per-proc", "2", str(SCRIPTS / "errors.py")])
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-5000:]
+    assert r.stdout.count("CLUSTER arguments") == 2
     results = {}
     for rank, name, kind, msg in re.findall(r"\[p(\d)\] RESULT (\w+) (\w+) ?(.*)", r.stdout):
         results.setdefault(name, {})[int(rank)] = (kind, msg)
@@ -263,7 +278,8 @@ def test_validation_is_identical_on_every_process():
 
 
 def test_mismatched_device_counts_fail_on_every_process(group):
-    g = group("train.py", ["--steps", "2"], [4, 2])
+    # The cluster comes from TF_CONFIG here (worker 0's address is the coordinator).
+    g = group("train.py", ["--steps", "2"], [4, 2], tf_config=True)
     g.wait(timeout=60)
     assert g.returncodes() == [1, 1], g.output()
     for rank in (0, 1):
@@ -271,6 +287,7 @@ def test_mismatched_device_counts_fail_on_every_process(group):
         assert ("MultiWorkerStrategy needs the same number of devices on every process, got "
                 "process 0: 4, process 1: 2") in err, err
         assert "--devices-per-proc" in err
+        assert "ValueError" in err
 
 
 def test_unreachable_coordinator_fails_within_init_timeout(group):

@@ -22,7 +22,12 @@ from jreplicate.strategies.multi_worker import MultiWorkerStrategy  # noqa: E402
 
 
 def main() -> None:
-    strategy = MultiWorkerStrategy()
+    # The cluster from explicit arguments (here read from the launcher's variables).
+    strategy = MultiWorkerStrategy(os.environ["JREPLICATE_COORDINATOR"],
+                                   int(os.environ["JREPLICATE_NUM_PROCESSES"]),
+                                   int(os.environ["JREPLICATE_PROCESS_ID"]),
+                                   heartbeat_timeout=5, collective_timeout=20)
+    print(f"CLUSTER {strategy.cluster.source}", flush=True)
     rep = Replicator(strategy)
     me = strategy.worker_index
     per_worker = strategy.devices_per_worker
