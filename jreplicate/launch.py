@@ -99,21 +99,23 @@ def child_env(base: dict[str, str], *, coordinator: str, nproc: int, rank: int,
     return env
 
 
-def _die_with_parent() -> None:  # pragma: no cover - runs in the child before exec
-    """Linux: the child gets SIGKILL if the launcher dies, so nothing is left behind."""
-    try:
-        import ctypes
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except Exception:  # noqa: BLE001 - best effort
-        pass
+# Runs first in each child (Linux): ask for SIGKILL when the launcher dies, check the
+# launcher is still alive, then become the program. No Python runs between fork and exec.
+_TIE_TO_PARENT = (
+    "import ctypes,os,signal,sys\n"
+    "try:\n ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)\n"
+    "except Exception:\n pass\n"
+    "if os.getppid() != int(sys.argv[1]):\n sys.exit(1)\n"
+    "os.execv(sys.argv[2], sys.argv[2:])\n"
+)
 
 
-def popen_kwargs() -> dict:
-    """Popen arguments for a child of a group: its own session, tied to our life."""
-    kwargs: dict = {"start_new_session": True}
-    if sys.platform.startswith("linux"):
-        kwargs["preexec_fn"] = _die_with_parent
-    return kwargs
+def tied_to_parent(cmd: list[str]) -> list[str]:
+    """``cmd`` made to die with this process (PR_SET_PDEATHSIG on Linux), so that a
+    killed launcher leaves nothing behind; unchanged elsewhere."""
+    if not sys.platform.startswith("linux"):
+        return list(cmd)
+    return [sys.executable, "-S", "-c", _TIE_TO_PARENT, str(os.getpid()), *cmd]
 
 
 class _Group:
@@ -125,8 +127,9 @@ class _Group:
         self.procs: list[subprocess.Popen] = []
         self._pumps: list[threading.Thread] = []
         for rank, env in enumerate(envs):
-            p = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                 stderr=subprocess.PIPE, **popen_kwargs())
+            p = subprocess.Popen(tied_to_parent(cmd), env=env, stdin=subprocess.DEVNULL,
+                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                 start_new_session=True)
             self.procs.append(p)
             for stream, out, keep in ((p.stdout, sys.stdout, None),
                                       (p.stderr, sys.stderr, self._last_err[rank])):

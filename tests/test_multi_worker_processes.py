@@ -20,7 +20,7 @@ import jax
 import numpy as np
 import pytest
 
-from jreplicate.launch import child_env, free_port, popen_kwargs
+from jreplicate.launch import child_env, free_port, tied_to_parent
 from jreplicate.strategies.multi_worker import MultiWorkerStrategy
 from tests.mp_scripts import train as train_script
 
@@ -52,8 +52,9 @@ def _base_env(**extra: str) -> dict[str, str]:
 def _launch(args: list[str], timeout: float = 150) -> subprocess.CompletedProcess:
     """Runs ``python -m jreplicate.launch args``, killing its whole group on timeout."""
     cmd = [sys.executable, "-m", "jreplicate.launch", "--timeout", str(timeout - 10), *args]
-    p = subprocess.Popen(cmd, cwd=ROOT, env=_base_env(), stdout=subprocess.PIPE,
-                         stderr=subprocess.PIPE, text=True, **popen_kwargs())
+    p = subprocess.Popen(tied_to_parent(cmd), cwd=ROOT, env=_base_env(),
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         start_new_session=True)
     try:
         out, err = p.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -61,7 +62,7 @@ def _launch(args: list[str], timeout: float = 150) -> subprocess.CompletedProces
         try:
             out, err = p.communicate(timeout=20)
         except subprocess.TimeoutExpired:
-            p.kill()  # ...and they die with it (PR_SET_PDEATHSIG) if it is killed
+            p.kill()  # ...and they die with it (tied_to_parent) if it is killed
             out, err = p.communicate()
         pytest.fail(f"launcher did not finish in {timeout}s:\n{out[-3000:]}\n{err[-3000:]}")
     return subprocess.CompletedProcess(cmd, p.returncode, out, err)
@@ -94,8 +95,8 @@ class _Group:
             err = open(tmp / f"p{rank}-{free_port()}.err", "w+")
             self.logs.append((out, err))
             self.procs.append(subprocess.Popen(
-                [sys.executable, "-u", str(SCRIPTS / script), *args], cwd=ROOT, env=e,
-                stdout=out, stderr=err, **popen_kwargs()))
+                tied_to_parent([sys.executable, "-u", str(SCRIPTS / script), *args]),
+                cwd=ROOT, env=e, stdout=out, stderr=err, start_new_session=True))
 
     def wait(self, timeout: float) -> list[float]:
         """Waits for every process; returns their exit times (time.time())."""
