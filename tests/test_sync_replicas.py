@@ -425,3 +425,21 @@ def test_update_errors():
     ema_tx = sync_replicas(optax.sgd(1.0), 2, variable_averages=0.9)
     with pytest.raises(ValueError, match=r"call tx.update\(grads, state, params\)"):
         ema_tx.update(params, ema_tx.init(params))
+
+
+def test_state_leaves_do_not_alias_and_can_be_donated():
+    tx = sync_replicas(optax.adam(0.1), 2, variable_averages=0.9)
+    params = {"a": jnp.ones(3), "b": jnp.zeros(())}
+    state = tx.init(params)
+
+    def distinct(tree):
+        ptrs = [x.unsafe_buffer_pointer() for x in jax.tree.leaves(tree)]
+        return len(set(ptrs)) == len(ptrs)
+
+    assert distinct((params, state))
+    updates, state = tx.update(params, state, params)  # eager host call
+    assert distinct(state)
+    step = jax.jit(tx.update, donate_argnums=(1,))
+    for _ in range(3):
+        updates, state = step(params, state, params)
+    assert int(state.global_step) == 2

@@ -44,7 +44,10 @@ class SyncReplicasState(NamedTuple):
     """
 
     accumulators: optax.Updates
-    """Sum of the gradients accepted for the current step (same structure as params)."""
+    """Sum of the gradients accepted for the current step (same structure as params).
+    Meaningful only while ``num_accumulated > 0``: once a step is applied they are left
+    as they are (not zeroed, which would cost a pass over memory every step) and the
+    next accepted gradient overwrites them."""
     num_accumulated: jax.Array
     """int32: how many gradients ``accumulators`` holds."""
     global_step: jax.Array

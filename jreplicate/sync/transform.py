@@ -140,6 +140,15 @@ def _compilable(args: Any) -> bool:
     )
 
 
+def _cast_like(g: Any, a: Any) -> Any:
+    return g.astype(a.dtype)
+
+
+def _zero() -> jax.Array:
+    # A new buffer each time: state leaves must not alias, or donating the state fails.
+    return jnp.zeros((), _I32)
+
+
 def _is_none(x: Any) -> bool:
     return x is None
 
@@ -286,25 +295,24 @@ def sync_replicas(
                 "sync_replicas: Must supply at least one variable, but params "
                 f"{params!r} has no arrays. Pass the pytree of trainable arrays."
             )
-        zero = jnp.zeros((), _I32)
         ema = None
         if decay is not None:
             mask = _resolve_mask(variables_to_average, params)
             ema = jax.tree.map(lambda p, m: jnp.array(p) if m else None, params, mask)
         return SyncReplicasState(
             accumulators=jax.tree.map(jnp.zeros_like, params),
-            num_accumulated=zero,
-            global_step=zero,
+            num_accumulated=_zero(),
+            global_step=_zero(),
             tokens=TokenQueue(
-                head_step=zero,
-                head_count=jnp.asarray(n_tokens, _I32),
-                per_step=jnp.asarray(max(host_total, k), _I32),
+                head_step=_zero(),
+                head_count=jnp.full((), n_tokens, _I32),
+                per_step=jnp.full((), max(host_total, k), _I32),
             ),
             inner_state=inner.init(params),
             ema=ema,
-            late_this_step=zero,
-            dropped_stale=zero,
-            dropped_backup=zero,
+            late_this_step=_zero(),
+            dropped_stale=_zero(),
+            dropped_backup=_zero(),
         )
 
     def host_push(grads: Any, state: SyncReplicasState, local_step: Any) -> _Push:
@@ -325,9 +333,15 @@ def sync_replicas(
             jnp.zeros((), _I32),
         )
 
-    def spmd_push(
-        grads: Any, state: SyncReplicasState, local_step: Any, arrival_time: Any, n: int
-    ) -> _Push:
+    def spmd_update(
+        grads: Any,
+        state: SyncReplicasState,
+        params: Any,
+        local_step: Any,
+        arrival_time: Any,
+        n: int,
+        extra_args: dict,
+    ) -> tuple[optax.Updates, SyncReplicasState]:
         _check_own_gradients(grads, axis_name)
         gs = state.global_step
         me = jax.lax.axis_index(axis_name)
@@ -355,20 +369,84 @@ def sync_replicas(
             n_fresh = jnp.sum(fresh).astype(_I32)
             prev_late = jnp.sum(~fresh & (ls_vec == gs - 1)).astype(_I32)
             other_stale = jnp.sum(~fresh).astype(_I32) - prev_late
-        gsum = jax.lax.psum(
-            jax.tree.map(
-                lambda g, a: jnp.where(contrib, g.astype(a.dtype), jnp.zeros((), a.dtype)),
-                grads,
-                state.accumulators,
-            ),
-            axis_name,
-        )
-        return _Push(
+        if local_step is None and n >= k:
+            # Every call completes a step (n fresh gradients >= the needed ones).
+            return _complete_step(
+                grads, state, params, contrib, needed, n, extra_args, everyone_if_first=k == n
+            )
+        gsum = _masked_psum(grads, contrib, state.accumulators)
+        push = _Push(
             gsum,
             jnp.minimum(n_fresh, needed).astype(_I32),
             prev_late,
             other_stale,
             jnp.maximum(n_fresh - needed, 0).astype(_I32),
+        )
+        return _finish(push, state, params, max(n - k, 0), extra_args)
+
+    def _masked_psum(grads: Any, contrib: Any, like: Any) -> Any:
+        return jax.lax.psum(
+            jax.tree.map(
+                lambda g, a: jnp.where(contrib, g.astype(a.dtype), jnp.zeros((), a.dtype)),
+                grads,
+                like,
+            ),
+            axis_name,
+        )
+
+    def _complete_step(
+        grads: Any,
+        state: SyncReplicasState,
+        params: Any,
+        contrib: Any,
+        needed: Any,
+        n: int,
+        extra_args: dict,
+        everyone_if_first: bool,
+    ) -> tuple[optax.Updates, SyncReplicasState]:
+        """SPMD step known to complete: no branch around ``inner``, so XLA can fuse it.
+
+        The accumulators are read only when a previous call left gradients in them
+        (``num_accumulated > 0``, e.g. from the host driver).
+        """
+        acc = state.accumulators
+        first = state.num_accumulated == 0
+
+        def fresh_start(grads, acc):
+            if everyone_if_first:  # all n replicas contribute: no masking pass
+                return jax.lax.psum(jax.tree.map(_cast_like, grads, acc), axis_name)
+            return _masked_psum(grads, contrib, acc)
+
+        def continued(grads, acc):
+            return jax.tree.map(jnp.add, _masked_psum(grads, contrib, acc), acc)
+
+        # The accumulators are left as they are (they are only read while
+        # num_accumulated > 0), so they are neither copied nor written here.
+        total = jax.lax.cond(first, fresh_start, continued, grads, acc)
+        avg = jax.tree.map(lambda a: a / k, total)
+        upd, inner_state = inner.update(avg, state.inner_state, params, **extra_args)
+        losers = n - needed
+        backup = jnp.minimum(losers, n - k)
+        return upd, state._replace(
+            accumulators=acc,
+            num_accumulated=jnp.zeros_like(state.num_accumulated),
+            global_step=state.global_step + 1,
+            inner_state=inner_state,
+            ema=_averaged(state.ema, params, upd),
+            late_this_step=losers.astype(_I32),
+            dropped_stale=(state.dropped_stale + losers - backup).astype(_I32),
+            dropped_backup=(state.dropped_backup + backup).astype(_I32),
+        )
+
+    def _averaged(ema: Any, params: Any, upd: Any) -> Any:
+        if ema is None:
+            return None
+        new_params = optax.apply_updates(params, upd)
+        return jax.tree.map(
+            lambda e, p: None if e is None else e - (1.0 - decay) * (e - p),
+            ema,
+            new_params,
+            is_leaf=_is_none,
         )
 
     def update_fn(
@@ -410,9 +488,7 @@ def sync_replicas(
                     f"total_num_replicas={total} but the {axis_name!r} mesh axis has {n} "
                     f"replicas; pass total_num_replicas={n} or None."
                 )
-            push = spmd_push(updates, state, local_step, arrival_time, n)
-            quota = max(n - k, 0)
-        return _finish(push, state, params, quota, extra_args)
+            return spmd_update(updates, state, params, local_step, arrival_time, n, extra_args)
 
     def host_update(grads, state, params, local_step, extra_args):
         push = host_push(grads, state, local_step)
@@ -423,42 +499,38 @@ def sync_replicas(
     def _finish(
         push: _Push, state: SyncReplicasState, params: Any, quota: int, extra_args: dict
     ) -> tuple[optax.Updates, SyncReplicasState]:
+        """Adds a push to the accumulators; applies ``inner`` (under ``lax.cond``) when
+        the step is complete."""
         count = state.num_accumulated + push.n_new
         apply = count >= k
         room = jnp.maximum(quota - state.late_this_step, 0)
         backup = jnp.minimum(push.prev_late, room)
         stale = push.prev_late - backup + push.other_stale
         late = state.late_this_step + push.prev_late
-        acc = jax.tree.map(jnp.add, state.accumulators, push.gsum)
+        # Accumulators hold garbage while num_accumulated == 0 (see SyncReplicasState).
+        first = state.num_accumulated == 0
+        acc = jax.tree.map(lambda a, g: jnp.where(first, g, a + g), state.accumulators, push.gsum)
 
         def do_apply(acc, inner_state, ema):
             avg = jax.tree.map(lambda a: a / count.astype(a.dtype), acc)
             upd, inner_state = inner.update(avg, inner_state, params, **extra_args)
-            if ema is not None:
-                new_params = optax.apply_updates(params, upd)
-                ema = jax.tree.map(
-                    lambda e, p: None if e is None else e - (1.0 - decay) * (e - p),
-                    ema,
-                    new_params,
-                    is_leaf=_is_none,
-                )
-            return upd, inner_state, ema, jax.tree.map(jnp.zeros_like, acc)
+            return upd, inner_state, _averaged(ema, params, upd)
 
         operands = (acc, state.inner_state, state.ema)
         applied = jax.eval_shape(do_apply, *operands)
 
         def applied_branch(acc, inner_state, ema):
             out = do_apply(acc, inner_state, ema)
-            return spmd.match_varying(out, (applied[0], inner_state, ema, acc))
+            return spmd.match_varying(out, (applied[0], inner_state, ema))
 
         def skipped_branch(acc, inner_state, ema):
             zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), applied[0])
-            return spmd.match_varying((zeros, inner_state, ema, acc), applied)
+            return spmd.match_varying((zeros, inner_state, ema), applied)
 
-        upd, inner_state, ema, acc = jax.lax.cond(apply, applied_branch, skipped_branch, *operands)
+        upd, inner_state, ema = jax.lax.cond(apply, applied_branch, skipped_branch, *operands)
         backup_after = jnp.where(apply, jnp.minimum(push.losers, quota), 0)
         stale_after = jnp.where(apply, push.losers, 0) - backup_after
-        new_state = SyncReplicasState(
+        return upd, SyncReplicasState(
             accumulators=acc,
             num_accumulated=jnp.where(apply, 0, count).astype(_I32),
             global_step=(state.global_step + apply).astype(_I32),
@@ -469,6 +541,5 @@ def sync_replicas(
             dropped_stale=(state.dropped_stale + stale + stale_after).astype(_I32),
             dropped_backup=(state.dropped_backup + backup + backup_after).astype(_I32),
         )
-        return upd, new_state
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
