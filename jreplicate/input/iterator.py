@@ -97,9 +97,12 @@ class InputIterator:
         return []
 
     def close(self) -> None:
-        """Stops the prefetch thread, if any."""
+        """Stops the prefetch thread and the reader threads, if any."""
         if self._prefetcher is not None:
             self._prefetcher.close()
+        pool = self.__dict__.pop("_pool", None)
+        if pool is not None:
+            pool.shutdown(wait=False)
 
     # -- reading -----------------------------------------------------------------
     def _read(self) -> list[Any]:
@@ -117,10 +120,14 @@ class InputIterator:
                     _warn_dropped(len(got), n)
                     raise
             return got
-        # Distinct pipelines per replica: read them concurrently.
-        with concurrent.futures.ThreadPoolExecutor(min(n, 8)) as pool:
-            futures = [pool.submit(take, k) for k in range(n)]
-            errors = [f.exception() for f in futures]
+        # Distinct pipelines per replica: read them concurrently, on threads kept for
+        # the iterator's life (a new pool per step costs milliseconds).
+        pool = self.__dict__.get("_pool")
+        if pool is None:
+            pool = self._pool = concurrent.futures.ThreadPoolExecutor(
+                min(n, 8), thread_name_prefix="jreplicate-input")
+        futures = [pool.submit(take, k) for k in range(n)]
+        errors = [f.exception() for f in futures]
         if any(isinstance(e, StopIteration) for e in errors):
             _warn_dropped(sum(e is None for e in errors), n)
             raise StopIteration
