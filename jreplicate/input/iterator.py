@@ -49,6 +49,7 @@ class InputIterator:
         self._spec: list | None = None
         self._exhausted = False
         self._buffer = prefetch_buffer_size
+        self._pool: concurrent.futures.ThreadPoolExecutor | None = None
         # Across processes, every step's outcome is agreed first (see _produce_shared).
         self._agreement = (strategy._agreement("input")
                            if strategy.num_workers > 1 and hasattr(strategy, "_agreement")
@@ -100,9 +101,9 @@ class InputIterator:
         """Stops the prefetch thread and the reader threads, if any."""
         if self._prefetcher is not None:
             self._prefetcher.close()
-        pool = self.__dict__.pop("_pool", None)
-        if pool is not None:
-            pool.shutdown(wait=False)
+        if self._pool is not None:
+            self._pool.shutdown(wait=False)
+            self._pool = None
 
     # -- reading -----------------------------------------------------------------
     def _read(self) -> list[Any]:
@@ -122,11 +123,10 @@ class InputIterator:
             return got
         # Distinct pipelines per replica: read them concurrently, on threads kept for
         # the iterator's life (a new pool per step costs milliseconds).
-        pool = self.__dict__.get("_pool")
-        if pool is None:
-            pool = self._pool = concurrent.futures.ThreadPoolExecutor(
+        if self._pool is None:
+            self._pool = concurrent.futures.ThreadPoolExecutor(
                 min(n, 8), thread_name_prefix="jreplicate-input")
-        futures = [pool.submit(take, k) for k in range(n)]
+        futures = [self._pool.submit(take, k) for k in range(n)]
         errors = [f.exception() for f in futures]
         if any(isinstance(e, StopIteration) for e in errors):
             _warn_dropped(sum(e is None for e in errors), n)
