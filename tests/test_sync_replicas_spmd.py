@@ -70,8 +70,10 @@ def test_all_replicas_equals_one_device_on_global_batch(n):
         return optax.apply_updates(p, u), s
 
     p_ref, s_ref = params0, inner.init(params0)
+    ema_ref = params0
     for t in range(steps):
         p_ref, s_ref = ref_step(p_ref, s_ref, x[t], y[t])
+        ema_ref = jax.tree.map(lambda e, p: e - 0.5 * (e - p), ema_ref, p_ref)
 
     mesh = _mesh(n)
     tx = sync_replicas(inner, replicas_to_aggregate=n, variable_averages=0.5)
@@ -93,7 +95,28 @@ def test_all_replicas_equals_one_device_on_global_batch(n):
         np.testing.assert_allclose(a, r, rtol=2e-5, atol=2e-6)
     assert int(s.global_step) == steps
     assert (int(s.dropped_backup), int(s.dropped_stale), int(s.num_accumulated)) == (0, 0, 0)
-    assert averaged_params(s, p)[0]["w"].shape == p[0]["w"].shape
+    for a, r in zip(jax.tree.leaves(averaged_params(s, p)), jax.tree.leaves(ema_ref), strict=True):
+        np.testing.assert_allclose(a, r, rtol=2e-5, atol=2e-6)
+
+
+def test_spmd_continues_gradients_pushed_by_the_host_driver():
+    """A step started by host pushes is finished by an SPMD call (accumulators used)."""
+    n = k = 4
+    tx, call = _linear_step(n, k)
+    w = jnp.zeros(3)
+    state = tx.init(w)
+    g0 = jnp.array([8.0, 0.0, -4.0])
+    _, state = tx.update(g0, state, w)  # one host push: 3 more gradients needed
+    assert int(state.num_accumulated) == 1
+    x = np.arange(12, dtype=np.float32).reshape(4, 3)
+    w, state = call(w, state, x, np.zeros(4, np.float32))
+    # replicas 0-2 complete the step (ties: lower ids first); replica 3 is late and, with
+    # no backup replicas configured, stale.
+    np.testing.assert_allclose(w, -(g0 + x[0] + x[1] + x[2]) / 4, rtol=1e-6)
+    assert (int(state.global_step), int(state.num_accumulated)) == (1, 0)
+    assert (int(state.dropped_stale), int(state.dropped_backup)) == (1, 0)
+    w2, state = call(w, state, x, np.zeros(4, np.float32))  # a fresh step: all four
+    np.testing.assert_allclose(w2, w - x.mean(axis=0), rtol=1e-6)
 
 
 @functools.cache

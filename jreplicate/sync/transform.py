@@ -8,13 +8,12 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 
-from jreplicate.sync import spmd
+from jreplicate.sync import checks, spmd
 from jreplicate.sync.state import SyncReplicasState, TokenQueue
 
-_I32 = jnp.int32
+_I32 = checks.I32
 
 
 class _Push(NamedTuple):
@@ -25,132 +24,6 @@ class _Push(NamedTuple):
     prev_late: Any  # pushes for the step completed last (backup candidates)
     other_stale: Any  # pushes for older (or future) steps
     losers: Any  # fresh gradients that lose the race if this call completes the step
-
-
-def _check_count(name: str, value: Any, meaning: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise TypeError(f"{name} must be an int >= 1 ({meaning}), got {value!r}.")
-    if value < 1:
-        raise ValueError(f"{name} must be >= 1 ({meaning}), got {value}.")
-    return int(value)
-
-
-def _check_num_tokens(num_tokens: Any, k: int, total: int) -> int:
-    if num_tokens is None:
-        return k
-    if isinstance(num_tokens, bool) or not isinstance(num_tokens, numbers.Integral):
-        raise TypeError(f"num_tokens must be an int or None, got {num_tokens!r}.")
-    if num_tokens < 0:
-        raise ValueError(
-            f"num_tokens must be >= 0, got {num_tokens}; leave num_tokens=None for "
-            f"TensorFlow's default of replicas_to_aggregate ({k}) initial tokens."
-        )
-    tokens_needed = k - total
-    if num_tokens < tokens_needed:
-        raise ValueError(
-            f"Too few tokens to finish the first step: {num_tokens} (given) vs "
-            f"{tokens_needed} (needed). Pass num_tokens >= replicas_to_aggregate - "
-            f"total_num_replicas ({k} - {total}), or leave num_tokens=None for {k}."
-        )
-    return int(num_tokens)
-
-
-def _as_scalar(value: Any, name: str, dtype: Any, kind: str) -> jax.Array:
-    x = jnp.asarray(value)
-    if x.shape != ():
-        raise ValueError(
-            f"{name} must be a scalar ({kind}) for this replica, got shape {x.shape}. "
-            "Inside shard_map each replica passes its own scalar."
-        )
-    if dtype == _I32 and not jnp.issubdtype(x.dtype, jnp.integer):
-        raise TypeError(f"{name} must be an integer step (a token), got dtype {x.dtype}.")
-    return x.astype(dtype)
-
-
-def _check_grads(grads: Any, state: SyncReplicasState, params: Any) -> None:
-    if not jax.tree.leaves(grads):
-        raise ValueError(
-            "sync_replicas: Must supply at least one gradient, but the gradients pytree "
-            f"{grads!r} has no arrays. Pass the gradients of the trainable params, "
-            "e.g. jax.grad(loss)(params)."
-        )
-    gdef, adef = jax.tree.structure(grads), jax.tree.structure(state.accumulators)
-    if gdef != adef:
-        raise ValueError(
-            f"sync_replicas: the gradients have structure {gdef} but the state was "
-            f"initialised for params of structure {adef}. Pass gradients of the same "
-            "params that were given to tx.init (same keys and nesting)."
-        )
-    if params is not None and jax.tree.structure(params) != gdef:
-        raise ValueError(
-            f"sync_replicas: params has structure {jax.tree.structure(params)} but the "
-            f"gradients have structure {gdef}; pass the params the gradients were "
-            "computed for."
-        )
-    for (path, g), a in zip(
-        jax.tree_util.tree_flatten_with_path(grads)[0],
-        jax.tree.leaves(state.accumulators),
-        strict=True,
-    ):
-        if jnp.shape(g) != a.shape:
-            raise ValueError(
-                f"sync_replicas: gradient at {jax.tree_util.keystr(path)} has shape "
-                f"{jnp.shape(g)} but its param has shape {a.shape}."
-            )
-
-
-def _check_own_gradients(grads: Any, axis_name: str) -> None:
-    if not spmd.tracks_varying(axis_name):
-        return
-    for path, g in jax.tree_util.tree_flatten_with_path(grads)[0]:
-        if axis_name not in spmd.varying_axes(g):
-            raise ValueError(
-                f"sync_replicas: inside shard_map over {axis_name!r}, the gradient at "
-                f"{jax.tree_util.keystr(path) or '<root>'} is the same on every replica. "
-                "JAX returns gradients of replicated params already SUMMED over the "
-                "replicas, but sync_replicas needs each replica's own gradient. Compute "
-                "it with jreplicate.sync_replicas.replica_value_and_grad(loss)(params, "
-                f"batch), or differentiate w.r.t. jax.lax.pcast(params, {axis_name!r}, "
-                "to='varying')."
-            )
-
-
-def _resolve_mask(variables_to_average: Any, params: Any) -> Any:
-    if variables_to_average is None:
-        return jax.tree.map(lambda _: True, params)
-    mask = (
-        variables_to_average(params) if callable(variables_to_average) else (variables_to_average)
-    )
-    try:
-        return jax.tree.map(lambda m, _: bool(m), mask, params)
-    except (ValueError, TypeError) as err:
-        raise ValueError(
-            "variables_to_average must be a pytree of bools with the structure of params "
-            f"(or a function params -> such a pytree): {err}"
-        ) from None
-
-
-def _compilable(args: Any) -> bool:
-    """Whether ``args`` are concrete arrays/numbers only (not traced, nothing static)."""
-    leaves = jax.tree.leaves(args)
-    return all(
-        isinstance(x, (jax.Array, np.ndarray, np.generic, numbers.Number))
-        and not isinstance(x, (jax.core.Tracer, bool))
-        for x in leaves
-    )
-
-
-def _cast_like(g: Any, a: Any) -> Any:
-    return g.astype(a.dtype)
-
-
-def _zero() -> jax.Array:
-    # A new buffer each time: state leaves must not alias, or donating the state fails.
-    return jnp.zeros((), _I32)
-
-
-def _is_none(x: Any) -> bool:
-    return x is None
 
 
 def sync_replicas(
@@ -253,18 +126,18 @@ def sync_replicas(
       >>> float(w), int(state.dropped_backup)
       (-2.0, 1)
     """
-    k = _check_count(
+    k = checks.check_count(
         "replicas_to_aggregate", replicas_to_aggregate, "gradients averaged per update"
     )
     total = None
     if total_num_replicas is not None:
-        total = _check_count(
+        total = checks.check_count(
             "total_num_replicas",
             total_num_replicas,
             "replicas pushing gradients; None means replicas_to_aggregate",
         )
     host_total = k if total is None else total
-    n_tokens = _check_num_tokens(num_tokens, k, host_total)
+    n_tokens = checks.check_num_tokens(num_tokens, k, host_total)
     decay = None
     if variable_averages is not None:
         if isinstance(variable_averages, bool) or not isinstance(variable_averages, numbers.Real):
@@ -297,27 +170,27 @@ def sync_replicas(
             )
         ema = None
         if decay is not None:
-            mask = _resolve_mask(variables_to_average, params)
+            mask = checks.resolve_mask(variables_to_average, params)
             ema = jax.tree.map(lambda p, m: jnp.array(p) if m else None, params, mask)
         return SyncReplicasState(
             accumulators=jax.tree.map(jnp.zeros_like, params),
-            num_accumulated=_zero(),
-            global_step=_zero(),
+            num_accumulated=checks.zero(),
+            global_step=checks.zero(),
             tokens=TokenQueue(
-                head_step=_zero(),
+                head_step=checks.zero(),
                 head_count=jnp.full((), n_tokens, _I32),
                 per_step=jnp.full((), max(host_total, k), _I32),
             ),
             inner_state=inner.init(params),
             ema=ema,
-            late_this_step=_zero(),
-            dropped_stale=_zero(),
-            dropped_backup=_zero(),
+            late_this_step=checks.zero(),
+            dropped_stale=checks.zero(),
+            dropped_backup=checks.zero(),
         )
 
     def host_push(grads: Any, state: SyncReplicasState, local_step: Any) -> _Push:
         gs = state.global_step
-        ls = gs if local_step is None else _as_scalar(local_step, "local_step", _I32, "int")
+        ls = gs if local_step is None else checks.as_scalar(local_step, "local_step", _I32, "int")
         fresh = ls == gs
         gsum = jax.tree.map(
             lambda g, a: jnp.where(fresh, g.astype(a.dtype), jnp.zeros((), a.dtype)),
@@ -342,7 +215,7 @@ def sync_replicas(
         n: int,
         extra_args: dict,
     ) -> tuple[optax.Updates, SyncReplicasState]:
-        _check_own_gradients(grads, axis_name)
+        checks.check_own_gradients(grads, axis_name)
         gs = state.global_step
         me = jax.lax.axis_index(axis_name)
         needed = k - state.num_accumulated
@@ -351,11 +224,15 @@ def sync_replicas(
             n_fresh = jnp.asarray(n, _I32)
             prev_late = other_stale = jnp.zeros((), _I32)
         else:
-            ls = gs if local_step is None else _as_scalar(local_step, "local_step", _I32, "int")
+            ls = (
+                gs
+                if local_step is None
+                else checks.as_scalar(local_step, "local_step", _I32, "int")
+            )
             t = (
                 jnp.zeros((), jnp.float32)
                 if arrival_time is None
-                else _as_scalar(arrival_time, "arrival_time", jnp.float32, "a time")
+                else checks.as_scalar(arrival_time, "arrival_time", jnp.float32, "a time")
             )
             ls_vec, t_vec = spmd.gather_scalars([ls, t], axis_name, n)
             fresh = ls_vec == gs
@@ -414,7 +291,7 @@ def sync_replicas(
 
         def fresh_start(grads, acc):
             if everyone_if_first:  # all n replicas contribute: no masking pass
-                return jax.lax.psum(jax.tree.map(_cast_like, grads, acc), axis_name)
+                return jax.lax.psum(jax.tree.map(checks.cast_like, grads, acc), axis_name)
             return _masked_psum(grads, contrib, acc)
 
         def continued(grads, acc):
@@ -446,7 +323,7 @@ def sync_replicas(
             lambda e, p: None if e is None else e - (1.0 - decay) * (e - p),
             ema,
             new_params,
-            is_leaf=_is_none,
+            is_leaf=checks.is_none,
         )
 
     def update_fn(
@@ -463,7 +340,7 @@ def sync_replicas(
                 "sync_replicas: update() needs the state returned by tx.init(params), got "
                 f"{type(state).__name__}."
             )
-        _check_grads(updates, state, params)
+        checks.check_grads(updates, state, params)
         if decay is not None and params is None:
             raise ValueError(
                 "sync_replicas(variable_averages=...) needs the params: call "
@@ -477,9 +354,9 @@ def sync_replicas(
                     f"axis {axis_name!r}); the host driver takes pushes in call order."
                 )
             if local_step is not None:
-                local_step = _as_scalar(local_step, "local_step", _I32, "int")
+                local_step = checks.as_scalar(local_step, "local_step", _I32, "int")
             args = (updates, state, params, local_step, extra_args)
-            if _compilable(args):  # eager call: run one cached compiled program
+            if checks.compilable(args):  # eager call: run one cached compiled program
                 return host_update_jit(*args)
             return host_update(*args)
         else:
