@@ -61,15 +61,17 @@ class CheckpointManager:
       save_interval_steps: :meth:`save` writes only at steps divisible by this (unless
         ``force=True``).
 
-    Example:
-      >>> mngr = CheckpointManager("/tmp/ckpt", strategy)            # doctest: +SKIP
-      >>> step, (params, opt) = mngr.restore_or_initialize(
-      ...     lambda: (init_params(key), tx.init(init_params(key))))
-      >>> while step < num_steps:
-      ...     params, opt, loss = rep.run(train_step, inputs, params, opt)
-      ...     step += 1
-      ...     mngr.save(step, (params, opt))
-      >>> mngr.close()
+    Example (every process runs this; see ``tests/mp_scripts/train.py``)::
+
+        mngr = CheckpointManager("/tmp/ckpt", rep, save_interval_steps=100)
+        step, (params, opt) = mngr.restore_or_initialize(
+            lambda: (init_params(key), tx.init(init_params(key))))
+        inputs = rep.prepare_input(input_fn_starting_at(step))
+        while step < num_steps:
+            params, opt, loss = rep.run(train_step, inputs, params, opt)
+            step += 1
+            mngr.save(step, (params, opt))
+        mngr.close()
     """
 
     def __init__(self, directory: str | os.PathLike, strategy: Any, *,

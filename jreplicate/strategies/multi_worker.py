@@ -83,12 +83,14 @@ class MultiWorkerStrategy(Strategy):
         numbers of devices.
       ClusterError: the coordinator cannot be reached within ``initialization_timeout``.
 
-    Example:
-      >>> import jreplicate as jr                                    # doctest: +SKIP
-      >>> strategy = jr.MultiWorkerStrategy()  # under python -m jreplicate.launch
-      >>> rep = jr.Replicator(strategy)
-      >>> strategy.num_replicas, strategy.num_workers, strategy.is_chief
-      (8, 2, True)
+    Example (``train.py``, run with
+    ``python -m jreplicate.launch --nproc 2 --devices-per-proc 4 train.py``)::
+
+        import jreplicate as jr
+        strategy = jr.MultiWorkerStrategy(heartbeat_timeout=30)  # first, before JAX work
+        rep = jr.Replicator(strategy)
+        print(strategy.num_replicas, strategy.num_workers, strategy.is_chief)
+        # process 0 prints "8 2 True", process 1 "8 2 False"
     """
 
     def __init__(
