@@ -35,6 +35,15 @@ class InputIterator:
     axis, or in which a pipeline runs out, ends the iteration (StopIteration) and its
     elements are dropped with a warning, so a step never recompiles for a short batch.
     Use a pipeline that pads (and passes a mask) if every example must be seen.
+
+    **Across processes** (:class:`jreplicate.MultiWorkerStrategy`): each step, every
+    process reads its own replicas' elements and the processes agree on the outcome
+    through the coordination service (about a millisecond on loopback; use
+    ``prefetch_on_device=True`` to overlap it with the step), so they all stop at the
+    same step, all raise the same error for elements whose shapes differ between
+    processes or for a failing ``input_fn``, and none waits in a collective for a
+    process that has stopped. In ``SINGLE`` mode worker 0 reads every replica's element
+    and the batch is broadcast to the other processes (on the main thread).
     """
 
     def __init__(self, owner: object, strategy: Strategy,
