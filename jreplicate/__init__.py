@@ -1,22 +1,55 @@
 """jreplicate: replicate a JAX step function across devices, hosts and clusters."""
 
+from jreplicate.checkpoint import CheckpointError, CheckpointManager
 from jreplicate.context import PerReplica, ReplicaContext
 from jreplicate.input import InputContext, InputIterator, InputReplicationMode
 from jreplicate.losses import compute_average_loss
 from jreplicate.replicator import Replicator
-from jreplicate.strategies import REPLICA_AXIS, MirroredStrategy, Strategy
+from jreplicate.strategies import (
+    REPLICA_AXIS,
+    ClusterError,
+    ClusterSpec,
+    MirroredStrategy,
+    MultiWorkerStrategy,
+    Strategy,
+    Timeouts,
+)
+from jreplicate.sync_replicas import (
+    SyncReplicasState,
+    TokenQueue,
+    averaged_params,
+    replica_grad,
+    replica_value_and_grad,
+    sync_replicas,
+    take_token,
+    tokens_available,
+)
 
 __version__ = "0.1.0"
 
 __all__ = [
     "REPLICA_AXIS",
+    "CheckpointError",
+    "CheckpointManager",
+    "ClusterError",
+    "ClusterSpec",
     "InputContext",
     "InputIterator",
     "InputReplicationMode",
     "MirroredStrategy",
+    "MultiWorkerStrategy",
     "PerReplica",
     "ReplicaContext",
     "Replicator",
     "Strategy",
+    "SyncReplicasState",
+    "Timeouts",
+    "TokenQueue",
+    "averaged_params",
     "compute_average_loss",
+    "replica_grad",
+    "replica_value_and_grad",
+    "sync_replicas",
+    "take_token",
+    "tokens_available",
 ]

@@ -6,9 +6,12 @@ import jreplicate
 import jreplicate.input
 import jreplicate.strategies
 
+sync_module = importlib.import_module("jreplicate.sync_replicas")  # shadowed by the function
+
 
 def test_every_public_name_imports():
-    for module in (jreplicate, jreplicate.input, jreplicate.strategies):
+    for module in (jreplicate, jreplicate.input, jreplicate.strategies,
+                   sync_module):
         assert module.__all__, module
         for name in module.__all__:
             obj = getattr(module, name)
@@ -27,5 +30,11 @@ def test_init_defines_nothing_itself():
 
 def test_submodules_import():
     for name in ("replicator", "context", "losses", "demo", "input.sources",
-                 "input.prefetch", "strategies.mirrored"):
+                 "input.prefetch", "strategies.mirrored", "strategies.multi_worker",
+                 "launch", "checkpoint", "sync_replicas"):
         importlib.import_module(f"jreplicate.{name}")
+
+
+def test_sync_replicas_names_are_top_level():
+    for name in sync_module.__all__:
+        assert getattr(jreplicate, name) is getattr(sync_module, name)
