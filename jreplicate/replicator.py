@@ -119,7 +119,7 @@ class Replicator:
             :class:`InputReplicationMode`.
           prefetch_on_device: read and copy the next batch to the devices on a
             background thread while the current step runs. ``None``: on for
-            accelerators, off for CPU devices.
+            accelerators and for several processes, off for one process's CPU devices.
           enforce_ordering: read pipelines strictly in replica-id order (replica 0
             before replica 1). Otherwise per-replica pipelines are read concurrently.
           prefetch_buffer_size: batches kept ready when prefetching (default 1).
@@ -133,7 +133,10 @@ class Replicator:
                 "int >= 1."
             )
         if prefetch_on_device is None:
-            prefetch_on_device = self._strategy.devices[0].platform != "cpu"
+            # Accelerators: overlap the host-to-device copy. Several processes: also
+            # keeps each process's per-step input agreement off the critical path.
+            prefetch_on_device = (self._strategy.devices[0].platform != "cpu"
+                                  or self._strategy.num_workers > 1)
         it = InputIterator(
             self, self._strategy, fn, replication_mode=replication_mode,
             prefetch_buffer_size=prefetch_buffer_size if prefetch_on_device else 0,
