@@ -323,3 +323,59 @@ def test_through_replicator():
 def test_docstring_examples(module):
     result = doctest.testmod(module, optionflags=doctest.ELLIPSIS)
     assert result.attempted > 0 and result.failed == 0
+
+
+def test_replicated_arrival_schedule_matches_per_replica_times_without_a_gather():
+    """A vector of every replica's arrival time, the same on all replicas, selects the
+    same fastest replicas as per-replica scalars, and needs no all-reduce for it."""
+    n, k = 8, 6
+    mesh = _mesh(n)
+    tx = sync_replicas(optax.sgd(1.0), replicas_to_aggregate=k)
+
+    def step(w, s, x, times):
+        g = replica_grad(lambda w: jnp.sum(w * x[0]))(w)
+        u, s = tx.update(g, s, w, arrival_time=times)
+        return optax.apply_updates(w, u), s
+
+    run = jax.jit(jax.shard_map(step, mesh=mesh, in_specs=(P(), P(), P("replica"), P()),
+                                out_specs=(P(), P())))
+    _, per_replica = _linear_step(n, k)
+    rng = np.random.default_rng(3)
+    w_vec = w_sc = jnp.zeros(3)
+    s_vec = s_sc = tx.init(w_vec)
+    for _ in range(3):
+        x = rng.normal(size=(n, 3)).astype(np.float32)
+        t = rng.exponential(size=n).astype(np.float32)
+        w_vec, s_vec = run(w_vec, s_vec, _shard(mesh, x), jnp.asarray(t))
+        w_sc, s_sc = per_replica(w_sc, s_sc, x, t)
+        np.testing.assert_allclose(w_vec, w_sc, rtol=1e-6)
+    assert int(s_vec.dropped_backup) == int(s_sc.dropped_backup) == 3 * (n - k)
+
+    def step_scalar(w, s, x, times):
+        return step(w, s, x, times[0])
+
+    run_scalar = jax.jit(jax.shard_map(step_scalar, mesh=mesh,
+                                       in_specs=(P(), P(), P("replica"), P("replica")),
+                                       out_specs=(P(), P())))
+
+    def all_reduces(fn, times):
+        hlo = fn.lower(w_vec, s_vec, _shard(mesh, x), times).as_text()
+        return hlo.count("all_reduce") + hlo.count("all-reduce")
+
+    assert all_reduces(run, jnp.asarray(t)) < all_reduces(run_scalar, _shard(mesh, t))
+
+
+def test_arrival_vector_errors():
+    n = 4
+    mesh = _mesh(n)
+    tx = sync_replicas(optax.sgd(1.0), replicas_to_aggregate=3)
+
+    def step(w, s, x, times):
+        g = replica_grad(lambda w: jnp.sum(w * x[0]))(w)
+        return tx.update(g, s, w, arrival_time=times)
+
+    run = jax.jit(jax.shard_map(step, mesh=mesh, in_specs=(P(), P(), P("replica"), P()),
+                                out_specs=(P(), P())))
+    w = jnp.zeros(3)
+    with pytest.raises(ValueError, match=r"shape \(3,\).*\(4,\)"):
+        run(w, tx.init(w), _shard(mesh, np.ones((n, 3), np.float32)), jnp.zeros(3))

@@ -145,3 +145,26 @@ def gather_scalars(values: Sequence[jax.Array], axis_name: str, size: int) -> li
     onehot = jnp.arange(size) == jax.lax.axis_index(axis_name)
     rows = [jnp.where(onehot, v, jnp.zeros((), v.dtype)) for v in values]
     return list(jax.lax.psum(rows, axis_name))
+
+
+def replicated_vector(value: Any, axis_name: str, size: int, name: str) -> jax.Array | None:
+    """``value`` as a float32 vector of ``size`` if it is one, identical on all replicas.
+
+    Lets a caller that knows every replica's value (e.g. a simulated arrival schedule
+    passed as replicated data) skip the all-reduce of :func:`gather_scalars`. Returns
+    ``None`` for a per-replica scalar (or ``None``).
+    """
+    if value is None or jnp.ndim(value) != 1:
+        return None
+    x = jnp.asarray(value)
+    if axis_name in varying_axes(x):
+        raise ValueError(
+            f"{name}: a vector must be the same on every replica (all replicas' values, "
+            f"shape ({size},)); pass this replica's own value as a scalar instead."
+        )
+    if x.shape != (size,):
+        raise ValueError(
+            f"{name} has shape {x.shape}; pass a scalar for this replica, or a vector of "
+            f"all {size} replicas' values (shape ({size},)), identical on every replica."
+        )
+    return x.astype(jnp.float32)

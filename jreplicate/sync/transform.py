@@ -54,8 +54,9 @@ def sync_replicas(
       ``jreplicate.Replicator.run``): every replica calls ``update`` together with ITS
       OWN gradient (see :func:`replica_value_and_grad`; plain ``jax.grad`` of replicated
       params is already summed over replicas and is rejected). ``arrival_time`` (a
-      per-replica scalar, default equal for all, ties broken by replica id) orders the
-      replicas: the fastest ``replicas_to_aggregate - state.num_accumulated`` fresh
+      per-replica scalar, default equal for all, ties broken by replica id; or a vector
+      of every replica's time, identical on all replicas, which saves an all-reduce)
+      orders the replicas: the fastest ``replicas_to_aggregate - state.num_accumulated`` fresh
       gradients are aggregated (one ``psum``) and the rest count as dropped backups, so
       stragglers are simulated deterministically in one compiled step. Every replica
       leaves ``update`` with the same state and the same updates; the step itself is
@@ -229,12 +230,17 @@ def sync_replicas(
                 if local_step is None
                 else checks.as_scalar(local_step, "local_step", _I32, "int")
             )
-            t = (
-                jnp.zeros((), jnp.float32)
-                if arrival_time is None
-                else checks.as_scalar(arrival_time, "arrival_time", jnp.float32, "a time")
-            )
-            ls_vec, t_vec = spmd.gather_scalars([ls, t], axis_name, n)
+            t_vec = spmd.replicated_vector(arrival_time, axis_name, n, "arrival_time")
+            if t_vec is not None:  # every replica already knows every arrival time
+                ls_vec = (jnp.full((n,), gs, _I32) if local_step is None
+                          else spmd.gather_scalars([ls], axis_name, n)[0])
+            else:
+                t = (
+                    jnp.zeros((), jnp.float32)
+                    if arrival_time is None
+                    else checks.as_scalar(arrival_time, "arrival_time", jnp.float32, "a time")
+                )
+                ls_vec, t_vec = spmd.gather_scalars([ls, t], axis_name, n)
             fresh = ls_vec == gs
             ids = jnp.arange(n)
             # earlier[j, i]: replica i's gradient arrives before replica j's.

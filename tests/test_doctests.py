@@ -1,0 +1,26 @@
+"""The examples in the public docstrings run and print what they say."""
+
+import doctest
+import importlib
+import pkgutil
+
+import pytest
+
+import jreplicate
+
+MODULES = sorted(
+    m.name for m in pkgutil.walk_packages(jreplicate.__path__, "jreplicate.")
+    if m.name not in ("jreplicate.launch", "jreplicate.demo")  # entry points, no doctests
+)
+
+
+@pytest.mark.parametrize("name", MODULES)
+def test_docstring_examples(name):
+    module = importlib.import_module(name)
+    result = doctest.testmod(module, optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE)
+    assert result.failed == 0, f"{result.failed} doctest example(s) failed in {name}"
+
+
+def test_public_api_has_examples():
+    attempted = sum(doctest.testmod(importlib.import_module(n)).attempted for n in MODULES)
+    assert attempted >= 20, attempted
