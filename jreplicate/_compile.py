@@ -65,13 +65,27 @@ class StepCache:
         self._axis = strategy.axis_name
         self._replicated = NamedSharding(self._mesh, P())
         self._entries: collections.OrderedDict = collections.OrderedDict()
+        self._nodes: dict = {}
 
     @property
     def num_entries(self) -> int:
         return len(self._entries)
 
+    def _node_positions(self, args: tuple) -> tuple[int, ...]:
+        """Which arguments hold Flax NNX graph nodes, cached by structure and leaf types
+        (a graph node that is not a pytree shows up as a leaf of its own type)."""
+        leaves, treedef = jax.tree.flatten(args, is_leaf=_is_per_replica)
+        sig = (treedef, tuple(map(type, leaves)))
+        pos = self._nodes.get(sig)
+        if pos is None:
+            pos = tuple(i for i, a in enumerate(args) if _has_graph_node(a))
+            if len(self._nodes) >= _MAX_ENTRIES:
+                self._nodes.clear()
+            self._nodes[sig] = pos
+        return pos
+
     def call(self, fn: Callable, has_batch: bool, batch: Any, args: tuple) -> Any:
-        node_pos = tuple(i for i, a in enumerate(args) if _has_graph_node(a))
+        node_pos = self._node_positions(args)
         graphdef, state = None, None
         if node_pos:
             from flax import nnx
