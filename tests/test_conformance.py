@@ -143,3 +143,22 @@ def test_scope_places_state_replicated(strategy):
     assert rep.initialize() == [] and rep.finalize() == []
     with rep.logical_device_for_variables(0):
         pass
+
+
+def test_scope_places_nnx_modules_and_run_places_stray_arguments(strategy):
+    from flax import nnx
+
+    rep = jr.Replicator(strategy)
+    with rep.scope():
+        model = nnx.Linear(3, 2, rngs=nnx.Rngs(0))
+    assert model.kernel[...].sharding.is_fully_replicated
+    assert model.kernel[...].sharding.device_set == set(strategy.devices)
+
+    # Arguments created outside the scope (numpy, or committed to one device) are placed
+    # replicated by run itself.
+    host = np.arange(4.0, dtype=np.float32)
+    on_one = jax.device_put(jnp.ones(4), jax.local_devices()[7])
+    out = rep.run(lambda ctx, a, b: a + b + ctx.all_sum(0.0), None, host, on_one)
+    np.testing.assert_array_equal(out, host + 1)
+    assert out.sharding.device_set == set(strategy.devices)
+    assert out.sharding.is_fully_replicated
