@@ -92,7 +92,7 @@ class StepCache:
             graphdef, state = nnx.split(tuple(args[i] for i in node_pos))
         plain = tuple(a for i, a in enumerate(args) if i not in node_pos)
         leaves, treedef = jax.tree.flatten((batch, plain, state), is_leaf=_is_per_replica)
-        arrays, kinds = self._place(leaves, treedef)
+        arrays, kinds = self._place(leaves, treedef, node_pos)
         key = (fn, has_batch, treedef, graphdef, node_pos, kinds,
                tuple((a.shape, a.dtype) for a in arrays))
         entry = self._entries.get(key)
@@ -113,7 +113,7 @@ class StepCache:
             nnx.update(tuple(args[i] for i in node_pos), new_state)
         return result
 
-    def _place(self, leaves: list, treedef: Any) -> tuple[list, tuple]:
+    def _place(self, leaves: list, treedef: Any, node_pos: tuple) -> tuple[list, tuple]:
         arrays, kinds = [], []
         paths = None
         for i, x in enumerate(leaves):
@@ -128,7 +128,7 @@ class StepCache:
                 kinds.append("r")
                 continue
             if not is_array_like(x):
-                paths = paths or _leaf_paths(treedef)
+                paths = paths or _leaf_paths(treedef, node_pos)
                 raise TypeError(
                     f"Replicator.run: {paths[i]} is a {type(x).__name__}, not an array. "
                     "Arguments must be pytrees of arrays; close over other values in fn "
@@ -216,11 +216,18 @@ def _state_leaves(new_state: Any, structure: Any, axis: str) -> list:
     return [x for _, x in pairs]
 
 
-def _leaf_paths(treedef: Any) -> list[str]:
+def _leaf_paths(treedef: Any, node_pos: tuple) -> list[str]:
+    """Names each leaf of ``(batch, plain args, NNX state)`` as the user passed it: a plain
+    argument's index counts the NNX arguments taken out before it."""
     dummy = jax.tree.unflatten(treedef, list(range(treedef.num_leaves)))
     names = {"0": "the input batch", "1": "argument", "2": "an NNX module's state"}
     out = []
     for path, _ in jax.tree_util.tree_flatten_with_path(dummy, is_leaf=_is_per_replica)[0]:
         head = names.get(str(path[0].idx), "input") if path else "input"
-        out.append(f"{head} {path_str(path[1:])}".strip())
+        if head == "argument" and len(path) > 1:
+            k = path[1].idx  # index among the plain arguments
+            i = [j for j in range(k + len(node_pos) + 1) if j not in node_pos][k]
+            out.append(f"argument [{i}]{path_str(path[2:])}")
+        else:
+            out.append(f"{head} {path_str(path[1:])}".strip())
     return out

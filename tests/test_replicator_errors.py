@@ -84,3 +84,13 @@ def test_nnx_state_that_differs_per_replica_is_rejected():
 
     with pytest.raises(ValueError, match="different on each replica.*all_sum"):
         rep.run(f, None, model)
+
+
+def test_non_array_argument_named_by_its_position_after_nnx_modules():
+    rep = jr.Replicator(jr.MirroredStrategy(devices=jax.local_devices()[:2]))
+    with rep.scope():
+        model = nnx.Linear(2, 2, rngs=nnx.Rngs(0))
+    with pytest.raises(TypeError, match=r"argument \[1\]\['name'\] is a str"):
+        rep.run(lambda ctx, m, cfg: m.bias[...], None, model, {"name": "x"})
+    with pytest.raises(TypeError, match=r"argument \[2\]\[0\] is a str"):
+        rep.run(lambda ctx, m, w, cfg: w, None, model, jnp.ones(2), ["x"])
