@@ -63,6 +63,7 @@ class StepCache:
         self._strategy = strategy
         self._mesh = strategy.mesh
         self._axis = strategy.axis_name
+        self._num_replicas = strategy.num_replicas
         self._replicated = NamedSharding(self._mesh, P())
         self._entries: collections.OrderedDict = collections.OrderedDict()
         self._nodes: dict = {}
@@ -123,6 +124,18 @@ class StepCache:
                         "Replicator.run got a PerReplica value from another Replicator "
                         "(a different mesh). Pass values produced by this Replicator's "
                         "prepare_input or run."
+                    )
+                shape = getattr(x.array, "shape", ())
+                if not shape or shape[0] != self._num_replicas:
+                    # shard_map would split a longer leading axis into blocks and each
+                    # replica would silently take its block's first row.
+                    paths = paths or _leaf_paths(treedef, node_pos)
+                    raise ValueError(
+                        f"Replicator.run: {paths[i]} is a PerReplica whose array has shape "
+                        f"{tuple(shape)}, but it needs a leading axis of one value per "
+                        f"replica ({self._num_replicas}). Build it as PerReplica(array of "
+                        f"shape [{self._num_replicas}, ...]), or pass a plain array to give "
+                        "every replica the same value."
                     )
                 arrays.append(x.array)
                 kinds.append("r")

@@ -94,3 +94,14 @@ def test_non_array_argument_named_by_its_position_after_nnx_modules():
         rep.run(lambda ctx, m, cfg: m.bias[...], None, model, {"name": "x"})
     with pytest.raises(TypeError, match=r"argument \[2\]\[0\] is a str"):
         rep.run(lambda ctx, m, w, cfg: w, None, model, jnp.ones(2), ["x"])
+
+
+def test_per_replica_without_one_row_per_replica_is_rejected():
+    rep = jr.Replicator(jr.MirroredStrategy(devices=jax.local_devices()[:4]))
+    # 8 rows for 4 replicas: shard_map alone would give replica r row 2r, silently.
+    with pytest.raises(ValueError, match=r"argument \[0\] is a PerReplica.*\(8, 1\).*\(4\)"):
+        rep.run(lambda ctx, x: x, None, jr.PerReplica(np.arange(8.0).reshape(8, 1)))
+    with pytest.raises(ValueError, match=r"input batch \['x'\] is a PerReplica.*\(\)"):
+        rep.run(lambda ctx, b: b, {"x": jr.PerReplica(np.float32(1))})
+    ok = rep.run(lambda ctx, x: x * 2, None, jr.PerReplica(np.arange(4.0)))
+    assert [float(v) for v in ok] == [0.0, 2.0, 4.0, 6.0]
