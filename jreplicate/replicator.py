@@ -169,6 +169,7 @@ class Replicator:
         """
         if not callable(fn):
             raise TypeError(f"Replicator.run(fn) must be callable, got {type(fn).__name__}.")
+        has_batch = inputs is not None  # before get_next: an element may itself be None
         if isinstance(inputs, InputIterator):
             if inputs._owner is not self:
                 raise ValueError(
@@ -178,7 +179,7 @@ class Replicator:
             inputs = inputs.get_next()
         # No jax.set_mesh here: fn runs inside shard_map over this mesh, which is the
         # scope, and run stays usable under an outer jax.jit (set_mesh is not).
-        return self._cache.call(fn, inputs is not None, inputs, args)
+        return self._cache.call(fn, has_batch, inputs, args)
 
     # -- results -------------------------------------------------------------------
     def reduce(self, reduce_op: str, value: Any) -> Any:

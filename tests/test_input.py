@@ -297,3 +297,11 @@ def test_bad_elements():
     it = rep.prepare_input(lambda ctx: lambda: next(structs), M.SINGLE)
     with pytest.raises(ValueError, match="structure"):
         it.get_next()
+
+
+def test_elements_without_arrays_still_take_the_batch_slot():
+    rep = _rep(2)
+    for element in (None, {}, ()):
+        it = rep.prepare_input(lambda ctx, e=element: lambda: e, M.SINGLE)
+        out = rep.run(lambda ctx, batch, w: (batch, w * 2), it, np.float32(3.0))
+        assert out[0] == element and float(out[1]) == 6.0
