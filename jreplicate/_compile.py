@@ -98,6 +98,8 @@ class StepCache:
                tuple((a.shape, a.dtype) for a in arrays))
         entry = self._entries.get(key)
         if entry is None:
+            if node_pos:
+                _check_writable(tuple(args[i] for i in node_pos), state, node_pos)
             entry = self._build(fn, has_batch, treedef, graphdef, node_pos, kinds)
             self._entries[key] = entry
             if len(self._entries) > _MAX_ENTRIES:
@@ -210,6 +212,22 @@ def _out_leaves(out: Any, entry: _Entry) -> list:
         flat.append(jnp.asarray(x))
     entry.out_tree, entry.num_out = out_tree, len(flat)
     return flat
+
+
+def _check_writable(nodes: tuple, state: Any, node_pos: tuple) -> None:
+    """Fails before the step, not halfway through writing its results back, when an
+    argument holds NNX modules and plain arrays in a container that can't be updated in
+    place (a tuple). Writing the current state back changes nothing."""
+    from flax import nnx
+    try:
+        nnx.update(nodes, state)
+    except ValueError as e:
+        raise ValueError(
+            f"Replicator.run: argument(s) {list(node_pos)} hold Flax NNX modules together "
+            f"with plain values in a container that can't be updated in place ({e}). Pass "
+            "the modules and the arrays as separate arguments, or keep the arrays in an "
+            "nnx.Module or a list."
+        ) from e
 
 
 def _state_leaves(new_state: Any, structure: Any, axis: str) -> list:

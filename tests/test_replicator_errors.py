@@ -105,3 +105,20 @@ def test_per_replica_without_one_row_per_replica_is_rejected():
         rep.run(lambda ctx, b: b, {"x": jr.PerReplica(np.float32(1))})
     ok = rep.run(lambda ctx, x: x * 2, None, jr.PerReplica(np.arange(4.0)))
     assert [float(v) for v in ok] == [0.0, 2.0, 4.0, 6.0]
+
+
+def test_module_and_array_in_a_tuple_fail_before_any_update():
+    rep = jr.Replicator(jr.MirroredStrategy(devices=jax.local_devices()[:2]))
+    with rep.scope():
+        model = nnx.Linear(2, 2, rngs=nnx.Rngs(0))
+
+    def f(ctx, pair):
+        pair[0].bias[...] = pair[0].bias[...] + 1
+        return pair[0](pair[1])
+
+    with pytest.raises(ValueError, match=r"argument\(s\) \[0\].*tuple.*separate arguments"):
+        rep.run(f, None, (model, jnp.ones((1, 2))))
+    np.testing.assert_array_equal(model.bias[...], [0.0, 0.0])  # not half-applied
+    pair = [model, np.ones((1, 2), np.float32)]  # a list can be updated in place
+    rep.run(f, None, pair)
+    np.testing.assert_array_equal(model.bias[...], [1.0, 1.0])
