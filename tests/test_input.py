@@ -305,3 +305,32 @@ def test_elements_without_arrays_still_take_the_batch_slot():
         it = rep.prepare_input(lambda ctx, e=element: lambda: e, M.SINGLE)
         out = rep.run(lambda ctx, batch, w: (batch, w * 2), it, np.float32(3.0))
         assert out[0] == element and float(out[1]) == 6.0
+
+
+def test_prefetched_iterator_after_close_raises_instead_of_hanging():
+    rep = _rep(2)
+
+    def input_fn(ctx):
+        def slow():
+            time.sleep(0.2)  # the prefetch thread is mid-read when close() comes
+            return np.int32(1)
+        return slow
+
+    it = rep.prepare_input(input_fn, M.SINGLE, prefetch_on_device=True)
+    it.get_next()
+    rep.finalize()
+    result = []
+
+    def read():
+        try:
+            it.get_next()
+        except RuntimeError as e:
+            result.append(str(e))
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    reader.join(5)
+    assert result and "closed" in result[0] and "reinitialize()" in result[0]
+    it.reinitialize()
+    assert _values(it.get_next()) == [1, 1]
+    it.close()

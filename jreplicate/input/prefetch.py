@@ -51,6 +51,12 @@ class Prefetcher:
 
     def get(self) -> Any:
         """The next result; raises StopIteration at the end."""
+        if self._stop.is_set():  # closed: no thread will ever fill the queue again
+            raise RuntimeError(
+                "this input iterator was closed (Replicator.finalize() or "
+                "InputIterator.close()); call its reinitialize() to read from the start "
+                "again, or prepare_input for a new one."
+            )
         if self._done:
             raise StopIteration
         item, err = self._queue.get()
