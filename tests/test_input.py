@@ -334,3 +334,20 @@ def test_prefetched_iterator_after_close_raises_instead_of_hanging():
     it.reinitialize()
     assert _values(it.get_next()) == [1, 1]
     it.close()
+
+
+def test_reinitialize_opens_a_reiterable_source_once():
+    rep = _rep(2)
+
+    class Source:
+        passes = 0
+
+        def __iter__(self):
+            Source.passes += 1
+            return iter([np.int32(i) for i in range(4)])
+
+    it = rep.prepare_input(lambda ctx: Source(), M.SINGLE)
+    assert _values(it.get_next()) == [0, 1]
+    it.reinitialize()
+    assert _values(it.get_next()) == [0, 1]
+    assert Source.passes == 2

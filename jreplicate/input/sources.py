@@ -51,7 +51,10 @@ class Pipeline:
         """Restarts the pipeline from its first element (no-op for callables)."""
         if self.kind == "callable":
             return
-        if self.kind == "iterable" and iter(self._source) is self._source:
+        # A one-shot iterator is its own iterator; testing that with iter(source) would
+        # open (and throw away) a fresh pass over a re-iterable source, e.g. start a
+        # Grain DataLoader's workers.
+        if self.kind == "iterable" and self._it is self._source:
             self._open(self._fn(self.ctx))  # a one-shot iterator: ask input_fn again
         else:
             self._open(self._source)
