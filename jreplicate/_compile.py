@@ -65,6 +65,7 @@ class StepCache:
         self._axis = strategy.axis_name
         self._num_replicas = strategy.num_replicas
         self._replicated = NamedSharding(self._mesh, P())
+        self._stacked = P(self._axis)  # the out spec of a per-replica leaf
         self._entries: collections.OrderedDict = collections.OrderedDict()
         self._nodes: dict = {}
 
@@ -107,7 +108,7 @@ class StepCache:
         else:
             self._entries.move_to_end(key)
         flat = entry.jitted(*arrays)
-        outs = [PerReplica(x, self._mesh, self._axis) if s == P(self._axis) else x
+        outs = [PerReplica(x, self._mesh, self._axis) if s == self._stacked else x
                 for x, s in zip(flat, entry.specs)]
         result = jax.tree.unflatten(entry.out_tree, outs[:entry.num_out])
         if node_pos:
