@@ -221,8 +221,8 @@ class PerReplica:
         if not -n <= int(i) < n:
             raise IndexError(f"replica id {i} is out of range for {n} replicas.")
         i = int(i) % n
-        if not isinstance(self.array, jax.Array):
-            return self.array[i]
+        if not isinstance(self.array, jax.Array) or isinstance(self.array, jax.core.Tracer):
+            return self.array[i]  # numpy, or traced under an outer jit: no shards to pick
         for shard in self.array.addressable_shards:
             start = shard.index[0].start or 0 if shard.index else 0
             stop = shard.index[0].stop if shard.index and shard.index[0].stop is not None else n

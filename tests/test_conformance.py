@@ -162,3 +162,17 @@ def test_scope_places_nnx_modules_and_run_places_stray_arguments(strategy):
     np.testing.assert_array_equal(out, host + 1)
     assert out.sharding.device_set == set(strategy.devices)
     assert out.sharding.is_fully_replicated
+
+
+def test_per_replica_outputs_indexable_under_an_outer_jit(strategy):
+    rep = jr.Replicator(strategy)
+    n = rep.num_replicas
+
+    @jax.jit
+    def f(w):
+        ids = rep.run(lambda ctx, w: w * ctx.replica_id, None, w)
+        return [ids[r] for r in range(len(ids))], ids[-1]
+
+    values, last = f(jnp.float32(2.0))
+    assert [float(v) for v in values] == [2.0 * r for r in range(n)]
+    assert float(last) == 2.0 * (n - 1)
