@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -45,6 +46,8 @@ class Replicator:
             )
         self._strategy = strategy
         self._cache = _compile.StepCache(strategy)
+        # Iterators finalize() closes; held weakly so a dropped one can be collected.
+        self._iterators: weakref.WeakSet[InputIterator] = weakref.WeakSet()
 
     # -- facts ---------------------------------------------------------------------
     @property
@@ -76,10 +79,6 @@ class Replicator:
         for it in list(self._iterators):
             it.close()
         return []
-
-    @property
-    def _iterators(self) -> list[InputIterator]:
-        return self.__dict__.setdefault("_its", [])
 
     @contextlib.contextmanager
     def scope(self) -> Iterator[Replicator]:
@@ -141,7 +140,7 @@ class Replicator:
             self, self._strategy, fn, replication_mode=replication_mode,
             prefetch_buffer_size=prefetch_buffer_size if prefetch_on_device else 0,
             enforce_ordering=bool(enforce_ordering))
-        self._iterators.append(it)
+        self._iterators.add(it)
         return it
 
     # -- running -------------------------------------------------------------------

@@ -351,3 +351,26 @@ def test_reinitialize_opens_a_reiterable_source_once():
     it.reinitialize()
     assert _values(it.get_next()) == [0, 1]
     assert Source.passes == 2
+
+
+def test_dropped_prefetching_iterators_release_their_threads():
+    import gc
+
+    rep = _rep(2)
+
+    def prefetch_threads():
+        return [t for t in threading.enumerate() if t.name == "jreplicate-prefetch"]
+
+    before = len(prefetch_threads())
+    its = [rep.prepare_input(lambda ctx: lambda: np.zeros(2, np.float32), M.SINGLE,
+                             prefetch_on_device=True, prefetch_buffer_size=2)
+           for _ in range(5)]
+    for it in its:
+        it.get_next()
+    assert len(prefetch_threads()) == before + 5
+    del its, it
+    gc.collect()
+    deadline = time.monotonic() + 10
+    while len(prefetch_threads()) > before and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert len(prefetch_threads()) == before

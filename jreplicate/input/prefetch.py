@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import inspect
 import queue
 import threading
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -16,10 +18,14 @@ class Prefetcher:
     ``produce`` raising StopIteration ends the stream; any other exception is re-raised
     in the consumer by :meth:`get`. Used to overlap reading and the host-to-device copy
     of the next batch with the current step.
+
+    A bound method is held weakly: when its object (the input iterator) is dropped, the
+    thread ends instead of keeping it, and a device batch, alive.
     """
 
     def __init__(self, produce: Callable[[], Any], buffer_size: int):
-        self._produce = produce
+        ref = weakref.WeakMethod(produce) if inspect.ismethod(produce) else None
+        self._produce_ref: Callable[[], Callable[[], Any] | None] = ref or (lambda: produce)
         self._queue: queue.Queue = queue.Queue(maxsize=buffer_size)
         self._stop = threading.Event()
         self._done = False
@@ -27,8 +33,11 @@ class Prefetcher:
                                         daemon=True)
         self._thread.start()
 
+    def _alive(self) -> bool:
+        return not self._stop.is_set() and self._produce_ref() is not None
+
     def _put(self, item: Any) -> bool:
-        while not self._stop.is_set():
+        while self._alive():
             try:
                 self._queue.put(item, timeout=0.1)
                 return True
@@ -38,14 +47,19 @@ class Prefetcher:
 
     def _run(self) -> None:
         while not self._stop.is_set():
+            produce = self._produce_ref()
+            if produce is None:  # the consumer is gone
+                return
             try:
-                item = self._produce()
+                item = produce()
             except StopIteration:
                 self._put((_END, None))
                 return
             except BaseException as e:  # re-raised in the consumer
                 self._put((_END, e))
                 return
+            finally:
+                del produce
             if not self._put((item, None)):
                 return
 
