@@ -96,7 +96,7 @@ class StepCache:
         leaves, treedef = jax.tree.flatten((batch, plain, state), is_leaf=_is_per_replica)
         arrays, kinds = self._place(leaves, treedef, node_pos)
         key = (fn, has_batch, treedef, graphdef, node_pos, kinds,
-               tuple((a.shape, a.dtype) for a in arrays))
+               tuple((a.shape, a.dtype, getattr(a, "weak_type", False)) for a in arrays))
         entry = self._entries.get(key)
         if entry is None:
             if node_pos:

@@ -91,6 +91,11 @@ def test_compiled_once_and_retraced_only_on_new_signature(strategy):
         rep.run(f, None, jnp.ones(4))
         rep.run(f, None, {"a": jnp.ones(3)})
     assert len(traces) == 4
+    # A Python float is weakly typed, a numpy float32 is not: two signatures, each once.
+    for _ in range(2):
+        rep.run(f, None, 2.0)
+        rep.run(f, None, np.float32(2.0))
+    assert len(traces) == 6
 
 
 def test_training_matches_single_device(strategy):
