@@ -69,10 +69,6 @@ class StepCache:
         self._entries: collections.OrderedDict = collections.OrderedDict()
         self._nodes: dict = {}
 
-    @property
-    def num_entries(self) -> int:
-        return len(self._entries)
-
     def _node_positions(self, args: tuple) -> tuple[int, ...]:
         """Which arguments hold Flax NNX graph nodes, cached by structure and leaf types
         (a graph node that is not a pytree shows up as a leaf of its own type)."""

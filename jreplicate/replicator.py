@@ -9,7 +9,6 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -226,10 +225,11 @@ def _reduce_fn(op: str) -> Callable:
 
 
 def _local_copy(x: Any, device: jax.Device) -> Any:
+    """``device``'s full copy of a replicated array (other values as they are)."""
     if isinstance(x, jax.Array):
         for shard in x.addressable_shards:
             if shard.device == device and all(
                     (s.start in (None, 0) and s.stop in (None, d))
                     for s, d in zip(shard.index, x.shape)):
                 return shard.data
-    return np.asarray(x) if isinstance(x, np.ndarray) else x
+    return x
