@@ -374,3 +374,26 @@ def test_dropped_prefetching_iterators_release_their_threads():
     while len(prefetch_threads()) > before and time.monotonic() < deadline:
         time.sleep(0.05)
     assert len(prefetch_threads()) == before
+
+
+def test_reinitialize_waits_for_a_slow_read_in_progress():
+    rep = _rep(2)
+    state = {"epoch": 0}
+
+    def input_fn(ctx):
+        epoch = state["epoch"]
+
+        def gen():
+            for i in range(100):
+                if epoch == 0 and i == 2:
+                    time.sleep(0.5)  # a slow read in flight when reinitialize is called
+                yield np.int32(100 * epoch + i)
+        return gen()
+
+    it = rep.prepare_input(input_fn, M.SINGLE, prefetch_on_device=True)
+    assert _values(it.get_next()) == [0, 1]
+    time.sleep(0.1)  # the prefetch thread is now inside the slow read
+    state["epoch"] = 1
+    it.reinitialize()
+    assert [_values(it.get_next()) for _ in range(3)] == [[100, 101], [102, 103], [104, 105]]
+    it.close()

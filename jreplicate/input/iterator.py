@@ -98,7 +98,7 @@ class InputIterator:
         Pipelines built from parameter-less callables are unaffected.
         """
         if self._prefetcher is not None:
-            self._prefetcher.close()
+            self._prefetcher.close(wait=True)  # no read may race the restarted sources
         for p in self._pipelines:
             p.reinitialize()
         self._exhausted = False

@@ -81,12 +81,17 @@ class Prefetcher:
             raise StopIteration
         return item
 
-    def close(self) -> None:
-        """Stops the background thread and drops buffered results."""
+    def close(self, *, wait: bool = False) -> None:
+        """Stops the background thread and drops buffered results.
+
+        Args:
+          wait: wait for a read in progress to finish, however long it takes (needed
+            before the source is restarted); otherwise give it 10 seconds.
+        """
         self._stop.set()
         while True:
             try:
                 self._queue.get_nowait()
             except queue.Empty:
                 break
-        self._thread.join(timeout=10)
+        self._thread.join(timeout=None if wait else 10)
