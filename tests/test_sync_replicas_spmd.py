@@ -209,6 +209,26 @@ def test_stale_local_steps_in_spmd():
     assert (int(s.dropped_backup), int(s.dropped_stale)) == (1, 1)
 
 
+def test_late_gradients_after_the_update_are_stale_as_in_the_host_driver():
+    n, k = 4, 2
+    tx, call = _linear_step(n, k, total=n, with_local_step=True)  # 2 backups a step
+    x = np.arange(12, dtype=np.float32).reshape(4, 3)
+    ls = np.array([0, 0, -1, -1], np.int32)
+    t = np.array([2.0, 0.0, 3.0, 1.0], np.float32)  # arrival order: 1, 3, 0, 2
+    w, s = call(jnp.zeros(3), tx.init(jnp.zeros(3)), x, t, ls)
+    # Replica 3 (late for the step before) arrives before replica 0 completes the step:
+    # a backup. Replica 2 arrives after the update, two steps late: stale.
+    np.testing.assert_allclose(w, -(x[0] + x[1]) / 2)
+    assert (int(s.global_step), int(s.dropped_backup), int(s.dropped_stale)) == (1, 1, 1)
+    # The host driver, fed the same pushes in arrival order, counts the same.
+    wh, sh = jnp.zeros(3), tx.init(jnp.zeros(3))
+    for r in np.argsort(t):
+        u, sh = tx.update(jnp.asarray(x[r]), sh, wh, local_step=int(ls[r]))
+        wh = optax.apply_updates(wh, u)
+    np.testing.assert_allclose(wh, w)
+    assert (int(sh.dropped_backup), int(sh.dropped_stale)) == (1, 1)
+
+
 def test_summed_gradients_are_rejected():
     mesh = _mesh(4)
     tx = sync_replicas(optax.sgd(1.0), 4)

@@ -250,7 +250,11 @@ def sync_replicas(
             rank = jnp.sum(earlier & fresh[None, :], axis=1)
             contrib = (fresh & (rank < needed))[me]
             n_fresh = jnp.sum(fresh).astype(_I32)
-            prev_late = jnp.sum(~fresh & (ls_vec == gs - 1)).astype(_I32)
+            # A gradient for the step before arriving after the one that completes this
+            # step is two steps late by then: stale, as in the host driver.
+            completer = fresh & (rank == needed - 1)
+            after_update = jnp.any(earlier & completer[None, :], axis=1)
+            prev_late = jnp.sum(~fresh & (ls_vec == gs - 1) & ~after_update).astype(_I32)
             other_stale = jnp.sum(~fresh).astype(_I32) - prev_late
         if local_step is None and n >= k:
             # Every call completes a step (n fresh gradients >= the needed ones).
