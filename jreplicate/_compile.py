@@ -144,7 +144,8 @@ class StepCache:
                 raise TypeError(
                     f"Replicator.run: {paths[i]} is a {type(x).__name__}, not an array. "
                     "Arguments must be pytrees of arrays; close over other values in fn "
-                    "(e.g. with functools.partial) instead."
+                    "(e.g. functools.partial(step, name=...)), built once outside the "
+                    "training loop: a new function object each step compiles each step."
                 )
             if isinstance(x, jax.core.Tracer):
                 pass  # under an outer jit: shard_map's in_specs place it
