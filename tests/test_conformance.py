@@ -181,3 +181,16 @@ def test_per_replica_outputs_indexable_under_an_outer_jit(strategy):
     values, last = f(jnp.float32(2.0))
     assert [float(v) for v in values] == [2.0 * r for r in range(n)]
     assert float(last) == 2.0 * (n - 1)
+
+
+def test_randomness_same_unless_replica_id_folded_in(strategy):
+    rep = jr.Replicator(strategy)
+    key = jax.random.key(0)
+    same = rep.run(lambda ctx, k: jax.random.normal(k, (2,)), None, key)
+    assert not isinstance(same, jr.PerReplica)  # identical on every replica
+    np.testing.assert_array_equal(same, jax.random.normal(key, (2,)))
+    per = rep.run(lambda ctx, k: jax.random.normal(jax.random.fold_in(k, ctx.replica_id), (2,)),
+                  None, key)
+    assert isinstance(per, jr.PerReplica)
+    for r, v in enumerate(per):
+        np.testing.assert_array_equal(v, jax.random.normal(jax.random.fold_in(key, r), (2,)))
