@@ -231,6 +231,9 @@ class CheckpointManager:
             self._set_aside_incomplete()
             options = ocp.CheckpointManagerOptions(
                 max_to_keep=self._max_to_keep, create=False, enable_async_checkpointing=False,
+                # Debris of an interrupted save ("<step>.orbax-checkpoint-tmp-*") would
+                # later be deleted in place of step <step>, which then outlives max_to_keep.
+                cleanup_tmp_directories=True,
                 multiprocessing_options=ocp.options.MultiprocessingOptions(
                     primary_host=jax.process_index(), active_processes={jax.process_index()}))
             self._orbax = ocp.CheckpointManager(self._dir, options=options)

@@ -205,6 +205,16 @@ def test_half_written_checkpoints_are_never_restored(tmp_path):
     assert (tmp_path / "6" / COMMIT_MARKER).is_file()
 
 
+def test_interrupted_save_debris_does_not_defeat_max_to_keep(tmp_path):
+    rep = Replicator(MirroredStrategy())
+    (tmp_path / "2.orbax-checkpoint-tmp-1700000000" / "default").mkdir(parents=True)
+    with CheckpointManager(tmp_path, rep, max_to_keep=2) as mngr:
+        _, state = mngr.restore_or_initialize(_init)
+        for s in (2, 3, 4):  # the chief restarted before step 2 and saves it again
+            mngr.save(s, state)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["3", "4"]
+
+
 def test_save_interval_and_errors(tmp_path):
     rep = Replicator(MirroredStrategy())
     mngr = CheckpointManager(tmp_path, rep, save_interval_steps=5)
