@@ -120,6 +120,19 @@ def test_timeouts_from_arguments_environment_defaults(monkeypatch):
         Timeouts.resolve()
 
 
+def test_initialize_gets_what_is_left_of_the_initialization_timeout(monkeypatch):
+    """Waiting for the coordinator uses up part of initialization_timeout, not a second one."""
+    seen = {}
+    monkeypatch.setattr(jax.distributed, "is_initialized", lambda: False)
+    monkeypatch.setattr(jax.distributed, "initialize", lambda *a, **kw: seen.update(kw))
+    monkeypatch.setattr(jax.config, "update", lambda *a: None)
+    monkeypatch.setenv("XLA_FLAGS", os.environ.get("XLA_FLAGS", ""))
+    monkeypatch.setattr(cluster, "_backend_ready", lambda: False)
+    monkeypatch.setattr(cluster, "_reachable", lambda address, deadline: time.sleep(2) is None)
+    cluster.connect(ClusterSpec("127.0.0.1:1", 2, 1), Timeouts(initialization_timeout=5))
+    assert seen["initialization_timeout"] == 3
+
+
 # -- the strategy in one process --------------------------------------------------------
 def test_single_process_strategy():
     s = MultiWorkerStrategy()  # no cluster anywhere: one process

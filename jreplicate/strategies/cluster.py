@@ -332,8 +332,9 @@ def _reachable(address: str, deadline: float) -> bool:
             time.sleep(0.2)
 
 
-def _init_watchdog(spec: ClusterSpec, timeouts: Timeouts) -> threading.Event:
-    """Exits with a clear message if start-up outlives ``initialization_timeout``.
+def _init_watchdog(spec: ClusterSpec, timeouts: Timeouts, deadline: float) -> threading.Event:
+    """Exits with a clear message if start-up outlives ``initialization_timeout``
+    (``deadline``, on the ``time.monotonic`` clock).
 
     ``jax.distributed.initialize`` blocks in C++ and aborts on its own deadline with a
     message about RPC deadlines; this says what went wrong, on time.
@@ -341,7 +342,7 @@ def _init_watchdog(spec: ClusterSpec, timeouts: Timeouts) -> threading.Event:
     done = threading.Event()
 
     def watch():
-        if done.wait(timeouts.initialization_timeout + 1.0):
+        if done.wait(max(0.0, deadline - time.monotonic()) + 1.0):
             return
         me = "the coordinator" if spec.process_id == 0 else f"process {spec.process_id}"
         sys.stderr.write(
@@ -429,7 +430,9 @@ def connect(spec: ClusterSpec, timeouts: Timeouts,
             "host and port of coordinator_address, and that no firewall blocks the port; "
             "raise initialization_timeout if process 0 starts slowly."
         )
-    done = _init_watchdog(spec, timeouts)
+    # What is left of initialization_timeout after waiting for the coordinator.
+    kwargs["initialization_timeout"] = max(1, math.ceil(deadline - time.monotonic()))
+    done = _init_watchdog(spec, timeouts, deadline)
     try:
         jax.distributed.initialize(
             spec.coordinator_address, spec.num_processes, spec.process_id,
