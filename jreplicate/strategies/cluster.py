@@ -19,7 +19,7 @@ in this order:
 :func:`connect` then starts the runtime with bounded waits (see :class:`Timeouts`) and
 gloo collectives on CPU. The key-value store of the coordination service carries the
 small agreements processes need so that they all take the same decision
-(:func:`all_gather_bytes`).
+(:class:`Agreement`).
 """
 
 from __future__ import annotations
@@ -504,9 +504,3 @@ class Agreement:
             except Exception:  # noqa: BLE001 - best-effort cleanup
                 pass
         return out
-
-
-def all_gather_bytes(prefix: str, value: bytes, timeout: float, what: str) -> list[bytes]:
-    """One-shot :class:`Agreement` under a unique ``prefix``."""
-    return Agreement(prefix, jax.process_count(), jax.process_index(),
-                     timeout).all_gather(value, what)
