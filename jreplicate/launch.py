@@ -261,13 +261,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = _parser()
     argv = list(sys.argv[1:] if argv is None else argv)
     i = _program_start(argv)
+    ours = argv[:i - 1] if i and argv[i - 1] == "--" else argv[:i]  # `-- script.py`
     if i < len(argv) and argv[i] == "-m":  # `-m module args...`
         if i + 1 >= len(argv):
             parser.error("-m needs a module name, e.g. -m mypackage.train")
-        ns = parser.parse_args(argv[:i] + ["--", "-m"])
+        ns = parser.parse_args(ours + ["--", "-m"])
         cmd = [sys.executable, "-u", "-m", argv[i + 1], *argv[i + 2:]]
     else:
-        ns = parser.parse_args(argv[:i] + ["--"] + argv[i:])
+        ns = parser.parse_args(ours + ["--"] + argv[i:])
         if not os.path.exists(ns.script):
             parser.error(f"script {ns.script!r} does not exist; give the path of a Python "
                          "file, or -m module")

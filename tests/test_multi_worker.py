@@ -315,6 +315,12 @@ def test_launch_timeout_and_module(monkeypatch, capsys):
     assert "[p0] hello rank=0 n=1" in out and "args=['a']" in out
 
 
+def test_launch_double_dash_ends_the_launcher_options(monkeypatch, capsys):
+    code, out, err, _ = _launch(monkeypatch, capsys, "--nproc", "1", "--", PLAIN, "ok", "z")
+    assert code == 0, err
+    assert "[p0] hello rank=0 n=1" in out and "args=['z']" in out
+
+
 @pytest.mark.parametrize("argv, match", [
     (["--nproc", "0", PLAIN], "--nproc 0"),
     (["--nproc", "2", "--devices-per-proc", "0", PLAIN], "--devices-per-proc 0"),
