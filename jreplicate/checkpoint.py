@@ -269,6 +269,13 @@ class CheckpointManager:
             return None, (f"checkpoint {step} in {self._dir} holds {len(leaves)} arrays but "
                           f"init_fn()'s state has {treedef.num_leaves}; start from a new "
                           "directory if the state's structure changed.")
+        paths = [path_str(p) or "the root" for p, _ in jax.tree_util.tree_leaves_with_path(
+            template)]
+        for path, got, want in zip(paths, leaves, jax.tree.leaves(template), strict=True):
+            if np.shape(got) != np.shape(want):  # the other processes expect init_fn's shape
+                return None, (f"checkpoint {step} in {self._dir} holds {path} with shape "
+                              f"{np.shape(got)} but init_fn() gives shape {np.shape(want)}; "
+                              "start from a new directory if the state's shapes changed.")
         # Orbax restores containers as plain tuples/dicts: rebuild the template's types.
         return jax.tree.unflatten(treedef, [np.asarray(x) for x in leaves]), None
 

@@ -228,6 +228,18 @@ def test_interrupted_save_debris_does_not_defeat_max_to_keep(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["3", "4"]
 
 
+def test_checkpoint_of_other_shapes_is_an_error_not_restored(tmp_path):
+    # Other processes would wait for init_fn()'s shapes in the broadcast: all must raise.
+    rep = Replicator(MirroredStrategy())
+    CheckpointManager(tmp_path, rep).save(1, {"w": jnp.arange(3.0)})
+    with pytest.raises(CheckpointError, match=r"checkpoint 1 .* holds \['w'\] with shape "
+                                              r"\(3,\) but init_fn\(\) gives shape \(4,\)"):
+        CheckpointManager(tmp_path, rep).restore_or_initialize(lambda: {"w": jnp.zeros(4)})
+    step, state = CheckpointManager(tmp_path, rep).restore_or_initialize(
+        lambda: {"w": jnp.zeros(3)})
+    assert step == 1 and state["w"].tolist() == [0.0, 1.0, 2.0]
+
+
 def test_save_interval_and_errors(tmp_path):
     rep = Replicator(MirroredStrategy())
     mngr = CheckpointManager(tmp_path, rep, save_interval_steps=5)
