@@ -319,7 +319,19 @@ def _abstract(init_fn: Callable[[], Any]) -> Any:
 
 
 def _zeros_like(tree: Any) -> Any:
-    return jax.tree.map(lambda x: np.zeros(np.shape(x), x.dtype), tree)
+    def leaf(path, x):
+        _check_not_key(x, path, "restore_or_initialize: init_fn() returned")
+        return np.zeros(np.shape(x), x.dtype)
+    return jax.tree_util.tree_map_with_path(leaf, tree)
+
+
+def _check_not_key(x: Any, path: Any, what: str) -> None:
+    if jax.dtypes.issubdtype(getattr(x, "dtype", None), jax.dtypes.prng_key):
+        raise TypeError(
+            f"{what}: {path_str(path) or 'the root'} is a PRNG key array ({x.dtype}); "
+            "checkpoints hold plain arrays. Keep jax.random.key_data(key) in the state "
+            "and rebuild the key with jax.random.wrap_key_data(...) after restoring."
+        )
 
 
 def _to_host(tree: Any, what: str) -> Any:
@@ -331,6 +343,7 @@ def _to_host(tree: Any, what: str) -> Any:
                 "each replica); checkpoints hold replicated state. Reduce it first "
                 "(Replicator.reduce or ctx.all_sum in the step), or leave it out."
             )
+        _check_not_key(x, path, what)
         if isinstance(x, jax.Array):
             if x.is_fully_addressable:
                 return np.asarray(x)

@@ -240,6 +240,17 @@ def test_checkpoint_of_other_shapes_is_an_error_not_restored(tmp_path):
     assert step == 1 and state["w"].tolist() == [0.0, 1.0, 2.0]
 
 
+def test_prng_key_arrays_get_an_error_that_names_the_fix(tmp_path):
+    rep = Replicator(MirroredStrategy())
+    mngr = CheckpointManager(tmp_path, rep)
+    with_key = {"w": jnp.zeros(2), "key": jax.random.key(0)}
+    with pytest.raises(TypeError, match=r"\['key'\] is a PRNG key array .*key_data"):
+        mngr.save(1, with_key)
+    mngr.save(1, {"w": jnp.zeros(2), "key": jax.random.key_data(jax.random.key(0))})
+    with pytest.raises(TypeError, match=r"init_fn\(\) returned: \['key'\] is a PRNG key"):
+        mngr.restore_or_initialize(lambda: with_key)
+
+
 def test_save_interval_and_errors(tmp_path):
     rep = Replicator(MirroredStrategy())
     mngr = CheckpointManager(tmp_path, rep, save_interval_steps=5)
