@@ -18,8 +18,8 @@ plot of test accuracy against virtual time.
 
     python examples/stragglers.py [--seeds 5] [--out stragglers.png]
 
-The numbers it printed on a 2-core CPU host are in the project report; with the
-defaults it runs in about 30-60 s on a 2-core machine.
+The README's table is this script's output with the defaults, which run in about
+30-60 s on a 2-core CPU machine.
 """
 
 from __future__ import annotations
