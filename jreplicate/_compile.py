@@ -19,7 +19,7 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jreplicate._tree import is_array_like, path_str
+from jreplicate._tree import flatten_arrays, is_array_like, path_str
 from jreplicate.context import PerReplica, ReplicaContext
 from jreplicate.strategies.base import Strategy
 
@@ -198,16 +198,11 @@ def _interleave(plain: tuple, nodes: tuple, node_pos: tuple) -> list:
 
 
 def _out_leaves(out: Any, entry: _Entry) -> list:
-    pairs, out_tree = jax.tree_util.tree_flatten_with_path(out)
-    flat = []
-    for path, x in pairs:
-        if not is_array_like(x):
-            raise TypeError(
-                f"the step function returned a {type(x).__name__} at output "
-                f"{path_str(path) or 'root'}; outputs must be pytrees of arrays. Return "
-                "arrays only, and keep other values outside the step."
-            )
-        flat.append(jnp.asarray(x))
+    pairs, out_tree = flatten_arrays(out, lambda path, x: (
+        f"the step function returned a {type(x).__name__} at output "
+        f"{path_str(path) or 'root'}; outputs must be pytrees of arrays. Return "
+        "arrays only, and keep other values outside the step."))
+    flat = [jnp.asarray(x) for _, x in pairs]
     entry.out_tree, entry.num_out = out_tree, len(flat)
     return flat
 

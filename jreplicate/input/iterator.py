@@ -13,7 +13,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jreplicate._tree import is_array_like, path_str
+from jreplicate._tree import flatten_arrays, path_str
 from jreplicate.context import PerReplica
 from jreplicate.input.context import InputContext, InputReplicationMode
 from jreplicate.input.prefetch import Prefetcher
@@ -311,18 +311,11 @@ def _warn_dropped(read: int, n: int) -> None:
 
 
 def _flatten(element: Any, replica_id: int) -> tuple[list[np.ndarray], Any, list]:
-    pairs, treedef = jax.tree_util.tree_flatten_with_path(element)
-    leaves, paths = [], []
-    for path, x in pairs:
-        if not is_array_like(x):
-            raise TypeError(
-                f"input element of replica {replica_id} has a {type(x).__name__} at "
-                f"{path_str(path) or 'the root'}; elements must be pytrees of arrays "
-                "(numpy arrays or Python numbers). Convert it, or drop it in input_fn."
-            )
-        leaves.append(np.asarray(x))
-        paths.append(path)
-    return leaves, treedef, paths
+    pairs, treedef = flatten_arrays(element, lambda path, x: (
+        f"input element of replica {replica_id} has a {type(x).__name__} at "
+        f"{path_str(path) or 'the root'}; elements must be pytrees of arrays "
+        "(numpy arrays or Python numbers). Convert it, or drop it in input_fn."))
+    return [np.asarray(x) for _, x in pairs], treedef, [path for path, _ in pairs]
 
 
 def _make_pipelines(strategy: Strategy, input_fn: Callable, mode: InputReplicationMode):
