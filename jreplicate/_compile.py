@@ -179,6 +179,10 @@ class StepCache:
             return [x[None] if s == P(axis) else x for x, s in zip(flat, specs)]
 
         def outer(*arrays):
+            # `entry.specs` is filled by `body` itself: shard_map matches out_specs to the
+            # outputs only after calling body (jax 0.12, pinned <0.13), so one tracing
+            # pass both runs fn and chooses P() or P("replica") per output leaf.
+            # test_compiled_once_and_retraced_only_on_new_signature guards this.
             return jax.shard_map(body, mesh=self._mesh, in_specs=in_specs,
                                  out_specs=entry.specs)(*arrays)
 
