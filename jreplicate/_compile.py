@@ -88,6 +88,13 @@ class StepCache:
         if node_pos:
             from flax import nnx
             graphdef, state = nnx.split(tuple(args[i] for i in node_pos))
+            if any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(state)):
+                raise TypeError(
+                    f"Replicator.run: argument {node_pos[0]} is a Flax NNX module traced "
+                    "by an outer jax.jit, and its state can't be written back from inside "
+                    "it. Call run outside jax.jit (it compiles the step itself), or pass "
+                    "the module's state as a pytree: nnx.split(module)."
+                )
         plain = tuple(a for i, a in enumerate(args) if i not in node_pos)
         leaves, treedef = jax.tree.flatten((batch, plain, state), is_leaf=_is_per_replica)
         arrays, kinds = self._place(leaves, treedef, node_pos)

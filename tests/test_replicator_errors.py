@@ -122,3 +122,16 @@ def test_module_and_array_in_a_tuple_fail_before_any_update():
     pair = [model, np.ones((1, 2), np.float32)]  # a list can be updated in place
     rep.run(f, None, pair)
     np.testing.assert_array_equal(model.bias[...], [1.0, 1.0])
+
+
+def test_nnx_module_under_outer_jit_gets_a_hint():
+    rep = jr.Replicator(jr.MirroredStrategy(devices=jax.local_devices()[:2]))
+    with rep.scope():
+        model = nnx.Linear(2, 2, rngs=nnx.Rngs(0))
+
+    @nnx.jit
+    def outer(model):
+        return rep.run(lambda ctx, m: m.kernel[...].sum(), None, model)
+
+    with pytest.raises(TypeError, match="outer jax.jit.*Call run outside"):
+        outer(model)
