@@ -159,8 +159,7 @@ class InputIterator:
             return self._assemble(elements)
         except _PartialBatch as e:
             self._exhausted = True
-            warnings.warn(f"jreplicate: dropped a final partial batch ({e}); the input "
-                          "iterator is exhausted.", stacklevel=3)
+            _warn_partial(str(e), stacklevel=4)  # past _produce, get_next
             raise StopIteration from None
 
     def _assemble(self, elements: list[Any]) -> Any:
@@ -177,9 +176,8 @@ class InputIterator:
                     f"structure {td}, but replica {ids[0]}'s "
                     f"has {treedef}. Every pipeline must yield elements of one structure."
                 )
-        spec = [(x.shape, x.dtype) for x in flat[0][0]]
-        if self._spec is None:
-            self._spec = spec
+        if self._spec is None:  # the first step's element spec, kept for every step
+            self._spec = [(x.shape, x.dtype) for x in flat[0][0]]
         self._check_shapes(flat, ids)
         return flat, treedef
 
@@ -303,11 +301,15 @@ def _spec_str(spec: tuple) -> str:
     return f"{shapes} in {treedef}" if treedef.num_nodes > 1 else shapes
 
 
+def _warn_partial(reason: str, stacklevel: int) -> None:
+    warnings.warn(f"jreplicate: dropped a final partial batch ({reason}); the input "
+                  "iterator is exhausted.", stacklevel=stacklevel)
+
+
 def _warn_dropped(read: int, n: int) -> None:
     if read:
-        warnings.warn(f"jreplicate: dropped a final partial batch (an input pipeline ran "
-                      f"out after {read} of {n} replicas got an element); the input iterator "
-                      "is exhausted.", stacklevel=5)
+        _warn_partial(f"an input pipeline ran out after {read} of {n} replicas got an "
+                      "element", stacklevel=6)  # past _read, _produce, get_next
 
 
 def _flatten(element: Any, replica_id: int) -> tuple[list[np.ndarray], Any, list]:
