@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -193,7 +194,7 @@ class Replicator:
 
         def red(x):
             if isinstance(x, PerReplica):
-                return _reduce_fn(reduce_op)(x.array)
+                return _REDUCERS[reduce_op](x.array)
             x = jnp.asarray(x)
             return x * n if reduce_op == "sum" else x
 
@@ -215,13 +216,11 @@ class Replicator:
         return jax.tree.map(lambda x: jax.device_put(x, sharding), value)
 
 
-_REDUCERS: dict[str, Callable] = {}
-
-
-def _reduce_fn(op: str) -> Callable:
-    if op not in _REDUCERS:
-        _REDUCERS[op] = jax.jit(lambda a: jnp.sum(a, 0) if op == "sum" else jnp.mean(a, 0))
-    return _REDUCERS[op]
+# Reductions over the leading replica axis of a PerReplica's global array.
+_REDUCERS: dict[str, Callable] = {
+    "sum": jax.jit(functools.partial(jnp.sum, axis=0)),
+    "mean": jax.jit(functools.partial(jnp.mean, axis=0)),
+}
 
 
 def _local_copy(x: Any, device: jax.Device) -> Any:
