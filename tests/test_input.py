@@ -359,21 +359,23 @@ def test_dropped_prefetching_iterators_release_their_threads():
     rep = _rep(2)
 
     def prefetch_threads():
-        return [t for t in threading.enumerate() if t.name == "jreplicate-prefetch"]
+        return {t for t in threading.enumerate() if t.name == "jreplicate-prefetch"}
 
-    before = len(prefetch_threads())
+    # Track this test's threads only: other tests' dropped iterators may end meanwhile.
+    before = prefetch_threads()
     its = [rep.prepare_input(lambda ctx: lambda: np.zeros(2, np.float32), M.SINGLE,
                              prefetch_on_device=True, prefetch_buffer_size=2)
            for _ in range(5)]
     for it in its:
         it.get_next()
-    assert len(prefetch_threads()) == before + 5
+    ours = prefetch_threads() - before
+    assert len(ours) == 5
     del its, it
     gc.collect()
     deadline = time.monotonic() + 10
-    while len(prefetch_threads()) > before and time.monotonic() < deadline:
+    while any(t.is_alive() for t in ours) and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert len(prefetch_threads()) == before
+    assert not any(t.is_alive() for t in ours)
 
 
 def test_reinitialize_waits_for_a_slow_read_in_progress():
