@@ -7,12 +7,25 @@ import nbformat
 import pytest
 from nbclient import NotebookClient
 
-NOTEBOOKS = sorted((pathlib.Path(__file__).parent.parent / "colab").glob("*.ipynb"))
+COLAB = pathlib.Path(__file__).parent.parent / "colab"
+NOTEBOOKS = sorted(COLAB.glob("*.ipynb"))
+QUICKSTART = COLAB / "quickstart.ipynb"
+# Every notebook on 8 simulated CPU devices; the quickstart, which must run unchanged on
+# any device count, also on 1 (its first cell reads JREPLICATE_NOTEBOOK_DEVICES).
+CASES = [(path, 8) for path in NOTEBOOKS] + [(QUICKSTART, 1)]
 
 
-@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
-def test_notebook_runs(path, monkeypatch):
+def _outputs(nb) -> list[str]:
+    return ["".join(o.get("text", "")) for c in nb.cells if c.cell_type == "code"
+            for o in c.get("outputs", [])]
+
+
+@pytest.mark.parametrize("path, devices", CASES, ids=lambda v: getattr(v, "name", f"{v}dev"))
+def test_notebook_runs(path, devices, monkeypatch):
+    # XLA_FLAGS asks for 8 devices, as conftest does: the quickstart's first cell must
+    # replace that count with JREPLICATE_NOTEBOOK_DEVICES.
     monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+    monkeypatch.setenv("JREPLICATE_NOTEBOOK_DEVICES", str(devices))
     monkeypatch.setenv("JAX_PLATFORMS", "cpu")
     nb = nbformat.read(path, as_version=4)
     NotebookClient(nb, timeout=300, kernel_name="python3",
@@ -21,3 +34,22 @@ def test_notebook_runs(path, monkeypatch):
               if o.get("output_type") == "error"]
     assert not errors, errors
     assert os.environ["XLA_FLAGS"]
+    if path == QUICKSTART:
+        text = "\n".join(_outputs(nb))
+        assert f"{devices} replicas on cpu" in text, text
+        assert f"{devices} replicas == 1 device: losses and parameters match" in text, text
+
+
+def test_quickstart_is_stored_executed_and_installs_from_the_repository():
+    nb = nbformat.read(QUICKSTART, as_version=4)
+    code = [c for c in nb.cells if c.cell_type == "code"]
+    assert all(c.outputs for c in code), "save the notebook with its outputs"
+    assert not any(o.get("output_type") == "error" for c in code for o in c.outputs)
+    text = "\n".join(c.source for c in nb.cells)
+    assert "pip install jreplicate" not in text  # not released: install from a clone
+    assert "pip install -e ." in text
+    # The first cell sets the simulated device count; jax is imported only after it.
+    assert "JREPLICATE_NOTEBOOK_DEVICES" in code[0].source
+    assert "import jax" not in code[0].source and "import jax" in code[1].source
+    assert "JAX_PLATFORMS" not in text  # no CPU-only assumption on GPU/TPU runtimes
+    assert "replicas == 1 device" in "".join(_outputs(nb))
