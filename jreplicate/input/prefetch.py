@@ -1,15 +1,69 @@
-"""Background prefetch of device batches."""
+"""Background threads of the input pipeline: prefetch of device batches, parallel readers.
+
+Every thread here is a daemon thread that ends promptly once it is told to stop, and
+an exit hook stops them all (bounded) before the interpreter and JAX are torn down: a
+thread still inside a JAX call when the process exits aborts it ("terminate called
+after throwing an instance of ..."), and a non-daemon thread stalled in a slow reader
+would hold up the exit (e.g. after Ctrl-C) for as long as the read takes.
+"""
 
 from __future__ import annotations
 
 import inspect
 import queue
 import threading
+import time
 import weakref
 from collections.abc import Callable
 from typing import Any
 
 _END = object()
+# Seconds the exit hook waits, in all, for prefetch threads to leave a call in progress.
+EXIT_JOIN_TIMEOUT = 5.0
+_POLL = 0.05  # seconds between checks for a stop request while waiting
+
+_live: weakref.WeakSet[Prefetcher] = weakref.WeakSet()
+_exiting = threading.Event()
+
+
+class InputClosedError(RuntimeError):
+    """A read was abandoned because its input iterator was closed or the process exits."""
+
+
+def exiting() -> bool:
+    """True once the interpreter has started to exit (the exit hook has run)."""
+    return _exiting.is_set()
+
+
+def stop_all(timeout: float = EXIT_JOIN_TIMEOUT) -> list[threading.Thread]:
+    """Stops every live :class:`Prefetcher` and joins its thread, ``timeout`` s in all.
+
+    Runs at interpreter exit, before the ``atexit`` handlers (JAX's among them) and before
+    the runtime is torn down. Returns the threads still alive after ``timeout``.
+    """
+    _exiting.set()
+    prefetchers = list(_live)
+    for p in prefetchers:
+        p._stop.set()
+    deadline = time.monotonic() + timeout
+    for p in prefetchers:
+        p._thread.join(timeout=max(0.0, deadline - time.monotonic()))
+    return [p._thread for p in prefetchers if p._thread.is_alive()]
+
+
+def _register_exit_hook() -> None:
+    # threading's exit hooks run first at interpreter exit, before atexit handlers.
+    register = getattr(threading, "_register_atexit", None)
+    try:
+        if register is None:
+            raise AttributeError
+        register(stop_all)
+    except (AttributeError, RuntimeError):
+        import atexit
+        atexit.register(stop_all)
+
+
+_register_exit_hook()
 
 
 class Prefetcher:
@@ -20,7 +74,8 @@ class Prefetcher:
     of the next batch with the current step.
 
     A bound method is held weakly: when its object (the input iterator) is dropped, the
-    thread ends instead of keeping it, and a device batch, alive.
+    thread ends instead of keeping it, and a device batch, alive. At interpreter exit
+    every live prefetcher is stopped and its thread joined (see :func:`stop_all`).
     """
 
     def __init__(self, produce: Callable[[], Any], buffer_size: int):
@@ -31,6 +86,7 @@ class Prefetcher:
         self._done = False
         self._thread = threading.Thread(target=self._run, name="jreplicate-prefetch",
                                         daemon=True)
+        _live.add(self)
         self._thread.start()
 
     def _alive(self) -> bool:
@@ -95,3 +151,72 @@ class Prefetcher:
             except queue.Empty:
                 break
         self._thread.join(timeout=None if wait else 10)
+        _live.discard(self)
+
+
+class ReaderPool:
+    """Daemon threads that read several pipelines at once (one element each per call).
+
+    Unlike a ``concurrent.futures.ThreadPoolExecutor``, whose threads the interpreter
+    joins at exit, a reader stalled in a slow source never holds up the exit, and a
+    wait for results gives up as soon as the pool is closed or the process exits.
+
+    Args:
+      num_threads: the number of reader threads.
+    """
+
+    def __init__(self, num_threads: int):
+        self._tasks: queue.SimpleQueue = queue.SimpleQueue()
+        self._closed = threading.Event()
+        for i in range(num_threads):
+            threading.Thread(target=_reader, args=(self._tasks,), daemon=True,
+                             name=f"jreplicate-input-{i}").start()
+        # The threads hold the task queue only: a dropped pool (its iterator dropped
+        # without close()) still ends them.
+        self._end_threads = weakref.finalize(self, _end_readers, self._tasks, num_threads)
+
+    def map(self, fn: Callable[[int], Any], n: int) -> list[tuple[Any, BaseException | None]]:
+        """``[(fn(k), None) or (None, exception) for k in range(n)]``, read concurrently.
+
+        Raises:
+          InputClosedError: the pool was closed, or the process started to exit, before
+            every result arrived (the reads still running are abandoned).
+        """
+        results: list[Any] = [None] * n
+        done = threading.Semaphore(0)
+        for k in range(n):
+            self._tasks.put((fn, k, results, done))
+        for _ in range(n):
+            while not done.acquire(timeout=_POLL):
+                if self._closed.is_set() or _exiting.is_set():
+                    raise InputClosedError(
+                        "this input iterator was closed (Replicator.finalize(), "
+                        "InputIterator.close() or the process exiting) while reading; "
+                        "call its reinitialize() to read from the start again."
+                    )
+        return results
+
+    def close(self) -> None:
+        """Ends the threads once their reads in progress return; abandons waits now."""
+        self._closed.set()
+        self._end_threads()
+
+
+def _end_readers(tasks: queue.SimpleQueue, num_threads: int) -> None:
+    for _ in range(num_threads):
+        tasks.put(None)
+
+
+def _reader(tasks: queue.SimpleQueue) -> None:
+    while True:
+        task = tasks.get()
+        if task is None:
+            return
+        fn, k, results, done = task
+        del task  # hold nothing of the iterator while idle
+        try:
+            results[k] = (fn(k), None)
+        except BaseException as e:  # handed to the waiting reader
+            results[k] = (None, e)
+        del fn, results
+        done.release()
