@@ -6,9 +6,11 @@ from jreplicate.input import InputContext, InputIterator, InputReplicationMode
 from jreplicate.losses import compute_average_loss
 from jreplicate.replicator import Replicator
 from jreplicate.strategies import (
+    MODEL_AXIS,
     REPLICA_AXIS,
     ClusterError,
     ClusterSpec,
+    Layout,
     MirroredStrategy,
     MultiWorkerStrategy,
     Strategy,
@@ -28,6 +30,7 @@ from jreplicate.sync_replicas import (
 __version__ = "0.1.0"
 
 __all__ = [
+    "MODEL_AXIS",
     "REPLICA_AXIS",
     "CheckpointError",
     "CheckpointManager",
@@ -36,6 +39,7 @@ __all__ = [
     "InputContext",
     "InputIterator",
     "InputReplicationMode",
+    "Layout",
     "MirroredStrategy",
     "MultiWorkerStrategy",
     "PerReplica",

@@ -11,13 +11,10 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
+from jreplicate._jax_compat import varying_axes as _varying
 from jreplicate._tree import check_array_leaves
 
 T = TypeVar("T")
-
-
-def _varying(x: jax.Array) -> frozenset:
-    return frozenset(jax.typeof(x).manual_axis_type.varying)
 
 
 class ReplicaContext:
@@ -39,10 +36,12 @@ class ReplicaContext:
       3
     """
 
-    def __init__(self, *, axis_name: str, num_replicas: int, num_replicas_in_sync: int):
+    def __init__(self, *, axis_name: str, num_replicas: int, num_replicas_in_sync: int,
+                 logical_devices_per_replica: int = 1):
         self._axis = axis_name
         self._num_replicas = num_replicas
         self._num_in_sync = num_replicas_in_sync
+        self._num_logical = logical_devices_per_replica
 
     @property
     def axis_name(self) -> str:
@@ -64,16 +63,25 @@ class ReplicaContext:
         """The number of replicas whose gradients are aggregated synchronously."""
         return self._num_in_sync
 
-    def logical_device(self, logical_device_id: int) -> contextlib.AbstractContextManager:
-        """Context placing ops on a logical device of this replica.
+    @property
+    def logical_devices_per_replica(self) -> int:
+        """The number of logical devices (the model axis's size) this replica spans."""
+        return self._num_logical
 
-        Every strategy here gives each replica one logical device (id 0); shard a
-        replica's computation further with sharding annotations on a larger mesh.
+    def logical_device(self, logical_device_id: int) -> contextlib.AbstractContextManager:
+        """Context placing the computation inside it on a logical device of this replica.
+
+        Logical device ``i`` is index ``i`` of the ``"model"`` mesh axis. Values computed
+        inside the context are constrained to live on that logical device of every
+        replica (see :meth:`jreplicate.Replicator.logical_device_for_variables` for the
+        mapping and its limits); inputs live on logical device 0.
 
         Raises:
-          ValueError: if ``logical_device_id`` is not 0.
+          ValueError: if ``logical_device_id`` is not in ``[0,
+            logical_devices_per_replica)``.
         """
-        _check_logical_device(logical_device_id, "ReplicaContext.logical_device")
+        check_logical_device(logical_device_id, self._num_logical,
+                             "ReplicaContext.logical_device")
         return contextlib.nullcontext()
 
     def _prepare(self, value: T, name: str) -> T:
@@ -172,13 +180,16 @@ def _check_source(source_replica_id: Any, n: int) -> int:
     return src
 
 
-def _check_logical_device(i: Any, where: str) -> None:
-    if isinstance(i, bool) or not isinstance(i, (int, np.integer)) or int(i) != 0:
-        raise ValueError(
-            f"{where}({i!r}): each replica has exactly one logical device, id 0. To split "
-            "one replica's model over several devices, give the strategy a larger mesh and "
-            "annotate shardings instead."
-        )
+def check_logical_device(i: Any, num_logical: int, where: str) -> int:
+    """Validates a logical device id against the number of logical devices per replica."""
+    if isinstance(i, bool) or not isinstance(i, (int, np.integer)) \
+            or not 0 <= int(i) < num_logical:
+        hint = ("each replica has one logical device, id 0; create the strategy with "
+                "logical_devices_per_replica=M to give each replica M of them"
+                if num_logical == 1 else
+                f"each replica has {num_logical} logical devices, ids 0..{num_logical - 1}")
+        raise ValueError(f"{where}({i!r}) is out of range: {hint}.")
+    return int(i)
 
 
 @jax.tree_util.register_pytree_node_class
@@ -223,7 +234,13 @@ class PerReplica:
         i = int(i) % n
         if not isinstance(self.array, jax.Array) or isinstance(self.array, jax.core.Tracer):
             return self.array[i]  # numpy, or traced under an outer jit: no shards to pick
-        for shard in self.array.addressable_shards:
+        # Replica i's logical device 0 first (inputs live there), then any holder of row i.
+        first = None
+        grid = getattr(self.mesh, "devices", None)
+        if grid is not None and grid.ndim == 2 and grid.shape[0] == n:
+            first = grid[i, 0]
+        shards = sorted(self.array.addressable_shards, key=lambda s: s.device != first)
+        for shard in shards:
             start = shard.index[0].start or 0 if shard.index else 0
             stop = shard.index[0].stop if shard.index and shard.index[0].stop is not None else n
             if start <= i < stop:

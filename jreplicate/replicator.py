@@ -3,18 +3,14 @@
 from __future__ import annotations
 
 import contextlib
-import functools
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import jax
-import jax.numpy as jnp
-from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
+import numpy as np
 
-from jreplicate import _compile
-from jreplicate.context import PerReplica, _check_logical_device
+from jreplicate.context import check_logical_device
 from jreplicate.input.context import InputContext, InputReplicationMode
 from jreplicate.input.iterator import InputIterator
 from jreplicate.strategies.base import Strategy
@@ -45,7 +41,8 @@ class Replicator:
                 f"jr.MirroredStrategy(), got {type(strategy).__name__}."
             )
         self._strategy = strategy
-        self._cache = _compile.StepCache(strategy)
+        self._layout = strategy.layout
+        self._executor = strategy.make_executor()
         # Iterators finalize() closes; held weakly so a dropped one can be collected.
         self._iterators: weakref.WeakSet[InputIterator] = weakref.WeakSet()
 
@@ -56,18 +53,19 @@ class Replicator:
 
     @property
     def mesh(self) -> jax.sharding.Mesh:
-        """The strategy's mesh; its ``"replica"`` axis enumerates the replicas."""
-        return self._strategy.mesh
+        """The strategy's ``("replica", "model")`` mesh: its ``"replica"`` axis enumerates
+        the replicas, its ``"model"`` axis the logical devices of each replica."""
+        return self._layout.mesh
 
     @property
     def num_replicas(self) -> int:
         """The total number of replicas."""
-        return self._strategy.num_replicas
+        return self._layout.num_replicas
 
     @property
     def num_replicas_in_sync(self) -> int:
         """The number of replicas training in sync."""
-        return self._strategy.num_replicas_in_sync
+        return self._layout.num_replicas_in_sync
 
     # -- lifecycle -----------------------------------------------------------------
     def initialize(self) -> list:
@@ -75,10 +73,19 @@ class Replicator:
         return []
 
     def finalize(self) -> list:
-        """Runs shutdown work now (stops input prefetch threads) and returns ``[]``."""
+        """Waits for scheduled steps, stops input prefetch threads, and returns ``[]``."""
+        self._executor.join()
         for it in list(self._iterators):
             it.close()
         return []
+
+    def join(self) -> None:
+        """Waits for every step scheduled so far and re-raises the first error.
+
+        SPMD strategies run each step when :meth:`run` is called, so there is nothing to
+        wait for; a strategy that schedules steps asynchronously waits here.
+        """
+        self._executor.join()
 
     @contextlib.contextmanager
     def scope(self) -> Iterator[Replicator]:
@@ -88,14 +95,24 @@ class Replicator:
         inside it are replicated over the strategy's mesh. Re-entrant; :meth:`run`
         applies it too, and places any argument not yet replicated.
         """
-        with jax.set_mesh(self.mesh):
+        with self._executor.scope():
             yield self
 
     def logical_device_for_variables(self, logical_device_id: int
                                      ) -> contextlib.AbstractContextManager:
-        """Context placing variables on a logical device of each replica (only 0 here)."""
-        _check_logical_device(logical_device_id, "Replicator.logical_device_for_variables")
-        return contextlib.nullcontext()
+        """Context placing variables created in it on a logical device of every replica.
+
+        Logical device ``i`` is index ``i`` of the ``"model"`` mesh axis; the strategy's
+        ``logical_devices_per_replica`` sets how many there are. Use it inside
+        :meth:`scope`. See the README ("Model parallelism") for the mapping and its
+        limits.
+
+        Raises:
+          ValueError: ``logical_device_id`` is not in ``[0, logical_devices_per_replica)``.
+        """
+        i = check_logical_device(logical_device_id, self._layout.logical_devices_per_replica,
+                                 "Replicator.logical_device_for_variables")
+        return self._executor.logical_device_scope(i)
 
     # -- input ---------------------------------------------------------------------
     def prepare_input(
@@ -134,17 +151,18 @@ class Replicator:
         if prefetch_on_device is None:
             # Accelerators: overlap the host-to-device copy. Several processes: also
             # keeps each process's per-step input agreement off the critical path.
-            prefetch_on_device = (self._strategy.devices[0].platform != "cpu"
-                                  or self._strategy.num_workers > 1)
+            prefetch_on_device = (self._layout.devices[0].platform != "cpu"
+                                  or self._layout.num_workers > 1)
         it = InputIterator(
-            self, self._strategy, fn, replication_mode=replication_mode,
+            self, self._strategy, self._executor, fn, replication_mode=replication_mode,
             prefetch_buffer_size=prefetch_buffer_size if prefetch_on_device else 0,
             enforce_ordering=bool(enforce_ordering))
         self._iterators.add(it)
         return it
 
     # -- running -------------------------------------------------------------------
-    def run(self, fn: Callable[..., Any], inputs: Any = None, *args: Any) -> Any:
+    def run(self, fn: Callable[..., Any], inputs: Any = None, *args: Any,
+            steps: int | None = None, donate_argnums: int | Sequence[int] = ()) -> Any:
         """Runs ``fn`` on every replica, compiled once with ``jax.jit`` over ``shard_map``.
 
         ``run(fn)`` calls ``fn(ctx)``; ``run(fn, inputs, *args)`` calls
@@ -158,6 +176,25 @@ class Replicator:
         automatically (the transpose of replication); scale each replica's loss with
         :func:`jreplicate.compute_average_loss` to get the global-batch mean.
 
+        Args:
+          fn: the step function.
+          inputs: an :class:`InputIterator`, a pytree of :class:`PerReplica`, or None.
+          *args: the step's other arguments.
+          steps: run K steps in one compiled device loop (``lax.scan``): K batches are
+            taken from ``inputs`` (an :class:`InputIterator`, or None) and placed with
+            one transfer. The step must return the new values of its plain arguments
+            first, in order (``return params, opt_state, loss``); they are carried from
+            step to step, Flax NNX modules are carried in place, and the other outputs
+            come back stacked ``[K, ...]``. The result equals K separate calls. A final
+            stretch of fewer than K batches runs as a shorter loop (compiled once for
+            that length); the iterator then raises StopIteration.
+          donate_argnums: positions in ``args`` whose buffers the step may reuse for
+            its outputs (as ``jax.jit``'s ``donate_argnums``): the arrays passed there
+            are deleted, so pass state you replace with the step's result
+            (``params, opt = rep.run(step, inputs, params, opt, donate_argnums=(0, 1))``),
+            never state you read again (an evaluation step's ``params``). The state of
+            Flax NNX arguments, which ``run`` replaces in place, is always donated.
+
         Returns:
           ``fn``'s outputs: each leaf identical on all replicas comes back as one
           replicated ``jax.Array``; each leaf that differs comes back as a
@@ -168,17 +205,28 @@ class Replicator:
         """
         if not callable(fn):
             raise TypeError(f"Replicator.run(fn) must be callable, got {type(fn).__name__}.")
+        donate = _check_donate(donate_argnums, len(args))
         has_batch = inputs is not None  # before get_next: an element may itself be None
+        if steps is not None:
+            steps = _check_steps(steps)
         if isinstance(inputs, InputIterator):
             if inputs._owner is not self:
                 raise ValueError(
                     "Replicator.run(fn, inputs): `inputs` was prepared by another "
                     "Replicator. Call prepare_input on the Replicator that runs the step."
                 )
-            inputs = inputs.get_next()
+            inputs, steps = (inputs.get_next(), None) if steps is None \
+                else inputs._get_steps(steps)
+        elif steps is not None and inputs is not None:
+            raise TypeError(
+                "Replicator.run(fn, inputs, ..., steps=K) takes its K batches from an "
+                f"InputIterator (rep.prepare_input(input_fn)), not a {type(inputs).__name__}."
+                " Pass the iterator, or inputs=None for a loop without input."
+            )
         # No jax.set_mesh here: fn runs inside shard_map over this mesh, which is the
         # scope, and run stays usable under an outer jax.jit (set_mesh is not).
-        return self._cache.call(fn, has_batch, inputs, args)
+        return self._executor.run(fn, has_batch, inputs, args, steps=steps,
+                                  donate_argnums=donate)
 
     # -- results -------------------------------------------------------------------
     def reduce(self, reduce_op: str, value: Any) -> Any:
@@ -190,45 +238,46 @@ class Replicator:
         """
         if reduce_op not in ("sum", "mean"):
             raise ValueError(f"reduce(reduce_op={reduce_op!r}) must be 'sum' or 'mean'.")
-        n = self.num_replicas
-
-        def red(x):
-            if isinstance(x, PerReplica):
-                return _REDUCERS[reduce_op](x.array)
-            x = jnp.asarray(x)
-            return x * n if reduce_op == "sum" else x
-
-        return jax.tree.map(red, value, is_leaf=lambda x: isinstance(x, PerReplica))
+        return self._executor.reduce(reduce_op, value)
 
     def local_results(self, value: Any) -> list[Any]:
-        """This process's replicas' values, one pytree per local replica (replica order)."""
-        out = []
-        for r in self._strategy.local_replica_ids:
-            dev = self._strategy.devices[r]
-            out.append(jax.tree.map(
-                lambda x: x[r] if isinstance(x, PerReplica) else _local_copy(x, dev),  # noqa: B023
-                value, is_leaf=lambda x: isinstance(x, PerReplica)))
-        return out
+        """This process's replicas' values, one pytree per local replica (replica order).
+
+        A :class:`PerReplica` leaf gives the replica's own value; a replicated leaf the
+        replica's copy (on its devices, still split over its logical devices when the
+        state is model-sharded).
+        """
+        return self._executor.local_results(value)
 
     def replicate(self, value: Any) -> Any:
         """Places a pytree of arrays replicated on every replica's device."""
-        sharding = NamedSharding(self.mesh, P())
-        return jax.tree.map(lambda x: jax.device_put(x, sharding), value)
+        return self._executor.place(value)
 
 
-# Reductions over the leading replica axis of a PerReplica's global array.
-_REDUCERS: dict[str, Callable] = {
-    "sum": jax.jit(functools.partial(jnp.sum, axis=0)),
-    "mean": jax.jit(functools.partial(jnp.mean, axis=0)),
-}
+def _check_steps(steps: Any) -> int:
+    if isinstance(steps, bool) or not isinstance(steps, (int, np.integer)) or steps < 1:
+        raise ValueError(
+            f"Replicator.run(..., steps={steps!r}): steps must be an int >= 1, the number "
+            "of steps one call runs in a device loop (or None for one step)."
+        )
+    return int(steps)
 
 
-def _local_copy(x: Any, device: jax.Device) -> Any:
-    """``device``'s full copy of a replicated array (other values as they are)."""
-    if isinstance(x, jax.Array):
-        for shard in x.addressable_shards:
-            if shard.device == device and all(
-                    (s.start in (None, 0) and s.stop in (None, d))
-                    for s, d in zip(shard.index, x.shape)):
-                return shard.data
-    return x
+def _check_donate(donate_argnums: Any, num_args: int) -> tuple[int, ...]:
+    if isinstance(donate_argnums, (int, np.integer)) and not isinstance(donate_argnums, bool):
+        donate_argnums = (int(donate_argnums),)
+    if not donate_argnums:
+        return ()
+    try:
+        out = tuple(sorted({int(i) for i in donate_argnums}))
+        ok = all(not isinstance(i, bool) and isinstance(i, (int, np.integer))
+                 for i in donate_argnums)
+    except TypeError:
+        ok = False
+    if not ok or any(not 0 <= i < num_args for i in out):
+        raise ValueError(
+            f"Replicator.run(..., donate_argnums={donate_argnums!r}): positions must be ints "
+            f"indexing the step's {num_args} argument(s) after `inputs` (0 is the first), "
+            "e.g. donate_argnums=(0, 1) for run(step, inputs, params, opt_state)."
+        )
+    return out

@@ -127,7 +127,7 @@ def test_initialize_gets_what_is_left_of_the_initialization_timeout(monkeypatch)
     monkeypatch.setattr(jax.distributed, "initialize", lambda *a, **kw: seen.update(kw))
     monkeypatch.setattr(jax.config, "update", lambda *a: None)
     monkeypatch.setenv("XLA_FLAGS", os.environ.get("XLA_FLAGS", ""))
-    monkeypatch.setattr(cluster, "_backend_ready", lambda: False)
+    monkeypatch.setattr(cluster._jax_compat, "backends_are_initialized", lambda: False)
     monkeypatch.setattr(cluster, "_reachable", lambda address, deadline: time.sleep(2) is None)
     cluster.connect(ClusterSpec("127.0.0.1:1", 2, 1), Timeouts(initialization_timeout=5))
     assert seen["initialization_timeout"] == 3

@@ -3,6 +3,7 @@
 import importlib
 
 import jreplicate
+import jreplicate.execution
 import jreplicate.input
 import jreplicate.strategies
 
@@ -10,7 +11,7 @@ sync_module = importlib.import_module("jreplicate.sync_replicas")  # shadowed by
 
 
 def test_every_public_name_imports():
-    for module in (jreplicate, jreplicate.input, jreplicate.strategies,
+    for module in (jreplicate, jreplicate.execution, jreplicate.input, jreplicate.strategies,
                    sync_module):
         assert module.__all__, module
         for name in module.__all__:
@@ -20,7 +21,7 @@ def test_every_public_name_imports():
 
 
 def test_init_defines_nothing_itself():
-    for module in (jreplicate, jreplicate.input, jreplicate.strategies):
+    for module in (jreplicate, jreplicate.execution, jreplicate.input, jreplicate.strategies):
         for name in module.__all__:
             obj = getattr(module, name)
             owner = getattr(obj, "__module__", None)
@@ -30,7 +31,8 @@ def test_init_defines_nothing_itself():
 
 def test_submodules_import():
     for name in ("replicator", "context", "losses", "demo", "input.sources",
-                 "input.prefetch", "strategies.mirrored", "strategies.multi_worker",
+                 "input.prefetch", "strategies.mirrored", "strategies.layout", "execution.program",
+                 "execution.nnx_args", "_jax_compat", "strategies.multi_worker",
                  "launch", "checkpoint", "sync_replicas"):
         importlib.import_module(f"jreplicate.{name}")
 

@@ -1,14 +1,17 @@
 """Strategies: how replicas are laid out over devices and processes."""
 
-from jreplicate.strategies.base import REPLICA_AXIS, Strategy
+from jreplicate.strategies.base import MODEL_AXIS, REPLICA_AXIS, Strategy
 from jreplicate.strategies.cluster import ClusterError, ClusterSpec, Timeouts
+from jreplicate.strategies.layout import Layout
 from jreplicate.strategies.mirrored import MirroredStrategy
 from jreplicate.strategies.multi_worker import MultiWorkerStrategy
 
 __all__ = [
+    "MODEL_AXIS",
     "REPLICA_AXIS",
     "ClusterError",
     "ClusterSpec",
+    "Layout",
     "MirroredStrategy",
     "MultiWorkerStrategy",
     "Strategy",

@@ -3,64 +3,96 @@
 from __future__ import annotations
 
 import abc
+from typing import TYPE_CHECKING
 
 import jax
 from jax.sharding import Mesh
 
-REPLICA_AXIS = "replica"
+from jreplicate.strategies.layout import MODEL_AXIS, REPLICA_AXIS, Layout
+
+if TYPE_CHECKING:
+    from jreplicate.execution.base import Executor
+    from jreplicate.strategies.cluster import Agreement
+
+__all__ = ["MODEL_AXIS", "REPLICA_AXIS", "Strategy"]
 
 
 class Strategy(abc.ABC):
-    """How replicas map onto devices and processes.
+    """How replicas map onto devices and processes, and how their steps execute.
 
-    A strategy owns a :class:`jax.sharding.Mesh` whose ``axis_name`` axis enumerates the
-    replicas: replica ``i`` runs on ``mesh.devices.flat[i]``. Everything else
-    (compilation, collectives, input distribution) is done by
-    :class:`jreplicate.Replicator` from these few facts, so a strategy is a small,
-    final, immutable description.
+    A strategy provides two things, both fixed when it is created:
+
+    * a :class:`~jreplicate.strategies.layout.Layout`: the mesh, its replica and model
+      axes, the devices of each replica, this process's replicas and the workers;
+    * an executor (:meth:`make_executor`): places state, turns input elements into what
+      a step consumes, compiles and runs steps, and returns results.
+
+    :class:`jreplicate.Replicator`, the input layer and checkpoints only use this
+    protocol, so a strategy that is not SPMD plugs in with an executor of its own.
     """
 
     @property
     @abc.abstractmethod
+    def layout(self) -> Layout:
+        """Where the replicas live (computed once)."""
+
+    @abc.abstractmethod
+    def make_executor(self) -> Executor:
+        """A new executor running steps for one :class:`jreplicate.Replicator`."""
+
+    def agreement(self, name: str) -> Agreement | None:
+        """A channel on which the processes agree on small facts each step (input
+        outcomes, checkpoint errors), or ``None`` when there is one process. Every
+        process must open its channels in the same order."""
+        return None
+
+    # -- facts, from the layout ------------------------------------------------------
+    @property
     def mesh(self) -> Mesh:
-        """The device mesh; its ``axis_name`` axis enumerates the replicas."""
+        """The ``("replica", "model")`` device mesh."""
+        return self.layout.mesh
 
     @property
     def axis_name(self) -> str:
         """The mesh axis over which replicas are laid out (``"replica"``)."""
-        return REPLICA_AXIS
+        return self.layout.replica_axis
 
     @property
     def num_replicas(self) -> int:
         """The total number of replicas, over all processes."""
-        return int(self.mesh.shape[self.axis_name])
+        return self.layout.num_replicas
 
     @property
     def num_replicas_in_sync(self) -> int:
         """The number of replicas whose gradients are aggregated synchronously."""
-        return self.num_replicas
+        return self.layout.num_replicas_in_sync
+
+    @property
+    def logical_devices_per_replica(self) -> int:
+        """The number of devices one replica spans (the size of the model axis)."""
+        return self.layout.logical_devices_per_replica
 
     @property
     def devices(self) -> tuple[jax.Device, ...]:
-        """The device of each replica, indexed by replica id."""
-        return tuple(self.mesh.devices.flat)
+        """Logical device 0 of each replica, indexed by replica id."""
+        return self.layout.devices
 
     @property
     def num_workers(self) -> int:
         """The number of processes (workers) taking part."""
-        return len({d.process_index for d in self.devices})
+        return self.layout.num_workers
 
     @property
     def worker_index(self) -> int:
         """This process's index among the workers, in process-index order."""
-        procs = sorted({d.process_index for d in self.devices})
-        return procs.index(jax.process_index()) if jax.process_index() in procs else 0
+        return self.layout.worker_index
 
     @property
     def local_replica_ids(self) -> tuple[int, ...]:
         """The replica ids whose devices this process can address."""
-        me = jax.process_index()
-        return tuple(i for i, d in enumerate(self.devices) if d.process_index == me)
+        return self.layout.local_replica_ids
 
     def __repr__(self) -> str:
-        return f"{type(self).__name__}(num_replicas={self.num_replicas})"
+        m = self.logical_devices_per_replica
+        extra = f", logical_devices_per_replica={m}" if m > 1 else ""
+        return f"{type(self).__name__}(num_replicas={self.num_replicas}{extra})"

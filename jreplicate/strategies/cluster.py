@@ -38,6 +38,8 @@ from typing import Any
 
 import jax
 
+from jreplicate import _jax_compat
+
 logger = logging.getLogger("jreplicate")
 
 ENV_COORDINATOR = "JREPLICATE_COORDINATOR"
@@ -297,21 +299,6 @@ def resolve_cluster(coordinator_address: str | None = None, num_processes: int |
 
 
 # -- the runtime ---------------------------------------------------------------------
-def _backend_ready() -> bool:
-    from jax._src import xla_bridge
-    return xla_bridge.backends_are_initialized()
-
-
-def _cluster_env_present() -> bool:
-    """Whether JAX's auto-detection would find a cluster (SLURM, Open MPI, Cloud TPU...)."""
-    try:
-        from jax._src import clusters
-        kinds = clusters.ClusterEnv._cluster_types
-    except (ImportError, AttributeError):  # unknown JAX internals: let JAX decide
-        return True
-    return any(not k.opt_in_only_method and k.is_env_present() for k in kinds)
-
-
 def _set_collective_timeout(seconds: float) -> None:
     """Bounds CPU (gloo) collectives: an XLA flag read when the backend starts."""
     flag = "--xla_cpu_collective_timeout_seconds"
@@ -389,10 +376,10 @@ def connect(spec: ClusterSpec, timeouts: Timeouts,
     if spec.num_processes == 1:
         return dataclasses.replace(spec, process_id=0)
     if (spec.source == "auto-detect" and cluster_detection_method is None
-            and not _cluster_env_present()):
+            and not _jax_compat.cluster_env_present()):
         logger.info("jreplicate: no cluster found; running as one process.")
         return ClusterSpec(None, 1, 0, spec.local_device_ids, "single process")
-    if _backend_ready():
+    if _jax_compat.backends_are_initialized():
         raise RuntimeError(
             "MultiWorkerStrategy must be created before anything starts the JAX backend "
             "(jax.devices(), jnp arrays, jit calls) so that it can join the cluster first. "
@@ -444,14 +431,6 @@ def connect(spec: ClusterSpec, timeouts: Timeouts,
 
 
 # -- agreement through the coordination service's key-value store ----------------------
-def _client():
-    from jax._src import distributed
-    client = distributed.global_state.client
-    if client is None:
-        raise RuntimeError("the JAX distributed runtime is not running.")
-    return client
-
-
 class Agreement:
     """All-gathers small byte strings between the processes, through the coordinator.
 
@@ -481,7 +460,7 @@ class Agreement:
         if self._n == 1:
             return [value]
         n, self._count = self._count, self._count + 1
-        client = _client()
+        client = _jax_compat.distributed_client()
         key = f"{self._prefix}/{n}"
         client.key_value_set_bytes(f"{key}/{self._pid}", value)
         out = []

@@ -7,9 +7,15 @@ from typing import final
 
 import jax
 import numpy as np
-from jax.sharding import AxisType, Mesh
 
-from jreplicate.strategies.base import REPLICA_AXIS, Strategy
+from jreplicate.execution.spmd import SPMDExecutor
+from jreplicate.strategies.base import Strategy
+from jreplicate.strategies.layout import (
+    Layout,
+    check_logical_devices_per_replica,
+    mesh_layout,
+    replica_mesh,
+)
 
 
 def _resolve_devices(devices: Sequence[jax.Device | int] | None) -> list[jax.Device]:
@@ -66,25 +72,37 @@ class MirroredStrategy(Strategy):
     """Synchronous replication over some or all of this process's devices.
 
     Every replica holds a full copy of the replicated state; one compiled program
-    (``jax.jit`` over ``jax.shard_map``) runs on a 1-D ``"replica"`` mesh and gradients
-    of replicated state are all-reduced.
+    (``jax.jit`` over ``jax.shard_map``, manual over the ``"replica"`` mesh axis) runs
+    on a ``("replica", "model")`` mesh and gradients of replicated state are
+    all-reduced. With ``logical_devices_per_replica=M`` each replica spans M devices
+    (the ``"model"`` axis, automatic inside the step): state created in
+    :meth:`jreplicate.Replicator.scope` with a ``PartitionSpec`` on ``"model"`` is
+    split over them (tensor parallelism).
 
     Args:
       devices: the devices to use, in replica order: ``jax.Device`` objects or local
-        device ids. ``None`` (the default) uses all of ``jax.local_devices()``.
+        device ids. ``None`` (the default) uses all of ``jax.local_devices()``. Replica
+        ``r`` spans ``devices[r * M:(r + 1) * M]``.
+      logical_devices_per_replica: M, the devices of one replica (default 1).
 
     Example:
       >>> import jax, jreplicate as jr
       >>> strategy = jr.MirroredStrategy(devices=jax.local_devices()[:2])
       >>> strategy.num_replicas
       2
+      >>> jr.MirroredStrategy(logical_devices_per_replica=2).mesh.shape
+      OrderedDict({'replica': 4, 'model': 2})
     """
 
-    def __init__(self, devices: Sequence[jax.Device | int] | None = None):
+    def __init__(self, devices: Sequence[jax.Device | int] | None = None, *,
+                 logical_devices_per_replica: int = 1):
+        m = check_logical_devices_per_replica(logical_devices_per_replica, "MirroredStrategy")
         devs = _resolve_devices(devices)
-        self._mesh = Mesh(np.array(devs, dtype=object), (REPLICA_AXIS,),
-                          axis_types=(AxisType.Auto,))
+        self._layout = mesh_layout(replica_mesh(devs, m, "MirroredStrategy"))
 
     @property
-    def mesh(self) -> Mesh:
-        return self._mesh
+    def layout(self) -> Layout:
+        return self._layout
+
+    def make_executor(self) -> SPMDExecutor:
+        return SPMDExecutor(self._layout)

@@ -8,12 +8,18 @@ from collections.abc import Sequence
 from typing import final
 
 import jax
-import numpy as np
-from jax.sharding import AxisType, Mesh
+from jax.sharding import Mesh
 
+from jreplicate.execution.spmd import SPMDExecutor
 from jreplicate.strategies import cluster as _cluster
-from jreplicate.strategies.base import REPLICA_AXIS, Strategy
+from jreplicate.strategies.base import Strategy
 from jreplicate.strategies.cluster import ClusterSpec, Timeouts
+from jreplicate.strategies.layout import (
+    Layout,
+    check_logical_devices_per_replica,
+    mesh_layout,
+    replica_mesh,
+)
 
 _instances = itertools.count()
 
@@ -77,6 +83,9 @@ class MultiWorkerStrategy(Strategy):
         CPU (gloo) collectives and to jreplicate's own agreements.
       cluster_detection_method: passed to ``jax.distributed.initialize`` when the
         cluster is auto-detected (e.g. ``"mpi4py"``).
+      logical_devices_per_replica: M, the devices one replica spans (default 1); must
+        divide the number of devices of each process. See
+        :class:`jreplicate.MirroredStrategy`.
 
     Raises:
       ValueError: inconsistent arguments or environment, or processes with different
@@ -105,14 +114,17 @@ class MultiWorkerStrategy(Strategy):
         shutdown_timeout: float | None = None,
         collective_timeout: float | None = None,
         cluster_detection_method: str | None = None,
+        logical_devices_per_replica: int = 1,
     ):
+        m = check_logical_devices_per_replica(logical_devices_per_replica,
+                                              "MultiWorkerStrategy")
         self._timeouts = Timeouts.resolve(
             initialization_timeout=initialization_timeout, heartbeat_timeout=heartbeat_timeout,
             shutdown_timeout=shutdown_timeout, collective_timeout=collective_timeout)
         spec = _cluster.resolve_cluster(coordinator_address, num_processes, process_id,
                                         local_device_ids)
         self._cluster = _cluster.connect(spec, self._timeouts, cluster_detection_method)
-        self._mesh = _global_mesh(self._cluster)
+        self._layout = mesh_layout(_global_mesh(m))
         self._uid = next(_instances)
         self._agreements = itertools.count()
         if self.num_workers > 1:
@@ -120,8 +132,11 @@ class MultiWorkerStrategy(Strategy):
 
     # -- facts ---------------------------------------------------------------------
     @property
-    def mesh(self) -> Mesh:
-        return self._mesh
+    def layout(self) -> Layout:
+        return self._layout
+
+    def make_executor(self) -> SPMDExecutor:
+        return SPMDExecutor(self._layout)
 
     @property
     def cluster(self) -> ClusterSpec:
@@ -148,8 +163,11 @@ class MultiWorkerStrategy(Strategy):
                 f"num_workers={self.num_workers}, worker_index={self.worker_index})")
 
     # -- agreement (used by the input iterator and the checkpoint manager) -------------
-    def _agreement(self, name: str) -> _cluster.Agreement:
-        """A new all-gather channel; every process must create its channels in one order."""
+    def agreement(self, name: str) -> _cluster.Agreement | None:
+        """A new all-gather channel (``None`` for one process); every process must create
+        its channels in one order."""
+        if self.num_workers == 1:
+            return None
         prefix = f"jreplicate/{self._uid}/{name}/{next(self._agreements)}"
         return _cluster.Agreement(prefix, self.num_workers, self.worker_index,
                                   self._timeouts.collective_timeout)
@@ -190,7 +208,7 @@ def _explain_peer_failures(strategy: MultiWorkerStrategy) -> None:
     sys.excepthook = hook
 
 
-def _global_mesh(spec: ClusterSpec) -> Mesh:
+def _global_mesh(logical_devices_per_replica: int) -> Mesh:
     devices = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
     per_process: dict[int, int] = {}
     for d in devices:
@@ -204,4 +222,4 @@ def _global_mesh(spec: ClusterSpec) -> Mesh:
             "--devices-per-proc K with jreplicate.launch / "
             "XLA_FLAGS=--xla_force_host_platform_device_count=K on CPU)."
         )
-    return Mesh(np.array(devices, dtype=object), (REPLICA_AXIS,), axis_types=(AxisType.Auto,))
+    return replica_mesh(devices, logical_devices_per_replica, "MultiWorkerStrategy")

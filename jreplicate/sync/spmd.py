@@ -9,6 +9,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from jreplicate._jax_compat import varying_axes
+
 
 def bound_axis_size(axis_name: str) -> int | None:
     """Size of mesh axis ``axis_name`` if it is bound in the current trace, else ``None``.
@@ -21,13 +23,6 @@ def bound_axis_size(axis_name: str) -> int | None:
         return int(jax.lax.axis_size(axis_name))
     except NameError:
         return None
-
-
-def varying_axes(x: Any) -> frozenset:
-    """The mesh axes over which ``x`` varies (empty outside ``shard_map``)."""
-    aval = x if isinstance(x, jax.ShapeDtypeStruct) else jax.typeof(x)
-    mat = getattr(aval, "manual_axis_type", None)
-    return frozenset(getattr(mat, "varying", ()))
 
 
 def tracks_varying(axis_name: str) -> bool:

@@ -1,0 +1,129 @@
+"""Every use of private or version-specific JAX behaviour, in one place (private).
+
+Moving jreplicate to a new JAX release should be a change to this file alone:
+
+* :func:`varying_axes` reads which mesh axes a traced value varies over
+  (``jax.typeof(x).manual_axis_type.varying`` in jax 0.12);
+* :func:`shard_map_per_leaf_out_specs` builds a ``shard_map`` whose out_specs are
+  chosen per output leaf from that fact. On jax 0.12 one tracing pass does it, because
+  ``shard_map`` reads ``out_specs`` only after calling the body; where a JAX release
+  reads them earlier (detected once by :func:`single_pass_out_specs`), an
+  ``eval_shape`` pass chooses them first and the step is traced twice per signature;
+* :func:`backends_are_initialized`, :func:`cluster_env_present` and
+  :func:`distributed_client` reach into ``jax._src`` for the distributed runtime.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
+
+# Tests set this to True to exercise the eval_shape fallback on any JAX.
+FORCE_TWO_PASS_OUT_SPECS = False
+
+
+def varying_axes(x: Any) -> frozenset:
+    """The manual mesh axes over which ``x`` varies (empty outside ``shard_map``)."""
+    aval = x if isinstance(x, jax.ShapeDtypeStruct) else jax.typeof(x)
+    mat = getattr(aval, "manual_axis_type", None)
+    if mat is not None:
+        return frozenset(getattr(mat, "varying", ()))
+    return frozenset(getattr(aval, "vma", ()))  # the attribute's name before jax 0.8
+
+
+@functools.cache
+def single_pass_out_specs() -> bool:
+    """Whether ``shard_map`` reads ``out_specs`` only after tracing its body, so that the
+    body itself can fill them in (probed once, on one device, without compiling)."""
+    mesh = Mesh(jax.devices()[:1], ("_probe",))
+    specs: list = []
+
+    def body(x):
+        specs[:] = [P()]
+        return [x]
+
+    try:
+        jax.eval_shape(jax.shard_map(body, mesh=mesh, in_specs=P(), out_specs=specs),
+                       jax.ShapeDtypeStruct((), "float32"))
+    except Exception:  # noqa: BLE001 - any failure means: choose the specs beforehand
+        return False
+    return True
+
+
+def shard_map_per_leaf_out_specs(
+    body: Callable[..., Sequence[jax.Array]], *, mesh: Mesh, in_specs: tuple,
+    axis: str, manual_axes: frozenset, specs: list,
+) -> Callable[..., list]:
+    """A function of the flat inputs running ``body`` in ``shard_map``, manual over
+    ``manual_axes``, whose out spec per leaf is ``P(axis)`` (the leaf gets a leading
+    axis stacking the replicas) if the leaf varies over ``axis``, else ``P()``.
+
+    ``body`` returns a flat list of per-replica values. ``specs`` (a list owned by the
+    caller) receives the chosen specs when the returned function is traced, so the
+    caller can tell which outputs are per-replica.
+    """
+    stacked = P(axis)
+
+    def choose(flat: Sequence[jax.Array]) -> list:
+        return [stacked if axis in varying_axes(x) else P() for x in flat]
+
+    def stack(flat: Sequence[jax.Array], chosen: list) -> list:
+        return [x[None] if s == stacked else x for x, s in zip(flat, chosen)]
+
+    def smap(out_specs, fn):
+        return jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs,
+                             axis_names=manual_axes)
+
+    if single_pass_out_specs() and not FORCE_TWO_PASS_OUT_SPECS:
+        def one_pass(*blocks):
+            flat = body(*blocks)
+            specs[:] = choose(flat)
+            return stack(flat, specs)
+
+        return lambda *arrays: smap(specs, one_pass)(*arrays)
+
+    def two_pass(*arrays):
+        probe: list = []
+
+        def probing(*blocks):
+            flat = body(*blocks)
+            probe[:] = choose(flat)
+            return [x[None] for x in flat]  # stacking is valid for every leaf
+
+        # One spec is a valid out_specs prefix for any number of outputs.
+        jax.eval_shape(lambda *a: smap(stacked, probing)(*a), *arrays)
+        specs[:] = probe
+        return smap(list(specs), lambda *blocks: stack(body(*blocks), specs))(*arrays)
+
+    return two_pass
+
+
+# -- the distributed runtime -------------------------------------------------------
+def backends_are_initialized() -> bool:
+    """Whether the JAX backend has started (after which jax.distributed can't start)."""
+    from jax._src import xla_bridge
+    return xla_bridge.backends_are_initialized()
+
+
+def cluster_env_present() -> bool:
+    """Whether JAX's auto-detection would find a cluster (SLURM, Open MPI, Cloud TPU...)."""
+    try:
+        from jax._src import clusters
+        kinds = clusters.ClusterEnv._cluster_types
+    except (ImportError, AttributeError):  # unknown JAX internals: let JAX decide
+        return True
+    return any(not k.opt_in_only_method and k.is_env_present() for k in kinds)
+
+
+def distributed_client() -> Any:
+    """The coordination-service client of ``jax.distributed`` (key-value store)."""
+    from jax._src import distributed
+    client = distributed.global_state.client
+    if client is None:
+        raise RuntimeError("the JAX distributed runtime is not running.")
+    return client

@@ -1,0 +1,61 @@
+"""The executor protocol: how a strategy places state and runs steps."""
+
+from __future__ import annotations
+
+import abc
+import contextlib
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+from jreplicate.strategies.layout import Layout
+
+
+class Executor(abc.ABC):
+    """Runs the steps of one :class:`jreplicate.Replicator` for its strategy.
+
+    SPMD strategies (Mirrored, MultiWorker, TPU) share
+    :class:`jreplicate.execution.spmd.SPMDExecutor`; a strategy that is not SPMD (e.g.
+    a parameter server scheduling steps on workers) implements the same methods.
+    """
+
+    def __init__(self, layout: Layout):
+        self.layout = layout
+
+    @abc.abstractmethod
+    def scope(self) -> contextlib.AbstractContextManager:
+        """Context in which new state is created placed for the replicas."""
+
+    def logical_device_scope(self, logical_device_id: int) -> contextlib.AbstractContextManager:
+        """Context in which new state is placed on one logical device of every replica."""
+        return contextlib.nullcontext()
+
+    @abc.abstractmethod
+    def place(self, tree: Any) -> Any:
+        """``tree`` placed replicated for the replicas."""
+
+    @abc.abstractmethod
+    def assemble(self, elements: Sequence[Sequence[np.ndarray]], treedef: Any) -> Any:
+        """One step's input: ``elements[k]`` are the flat leaves of local replica ``k``'s
+        element (``k`` indexes ``layout.local_replica_ids``), leaf arrays of one shape per
+        leaf position. Returns the pytree ``run`` receives as ``inputs``. A leaf may
+        carry a leading axis of K steps (see :meth:`run`'s ``steps``)."""
+
+    @abc.abstractmethod
+    def run(self, fn: Callable, has_batch: bool, batch: Any, args: tuple, *,
+            steps: int | None, donate_argnums: tuple[int, ...]) -> Any:
+        """Runs ``fn`` on every replica, once (``steps=None``) or as a loop of ``steps``
+        steps over a batch whose per-replica leaves have a leading axis of that length."""
+
+    @abc.abstractmethod
+    def reduce(self, reduce_op: str, value: Any) -> Any:
+        """Combines per-replica values over replicas (``"sum"`` or ``"mean"``)."""
+
+    @abc.abstractmethod
+    def local_results(self, value: Any) -> list[Any]:
+        """This process's replicas' values, one pytree per local replica."""
+
+    def join(self) -> None:
+        """Waits for every step scheduled so far (synchronous executors: nothing)."""
+        return None

@@ -1,0 +1,131 @@
+"""Flax NNX modules among ``run``'s arguments: found, split, merged, written back (private).
+
+Flax is imported only once the program has imported ``flax.nnx`` itself: before that,
+no argument can be an NNX module, and a step on plain pytrees never pays for the import.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+import jax
+
+from jreplicate._jax_compat import varying_axes
+from jreplicate._tree import path_str
+from jreplicate.context import PerReplica
+
+_MAX_ENTRIES = 64
+
+
+def _is_per_replica(x: Any) -> bool:
+    return isinstance(x, PerReplica)
+
+
+def _has_graph_node(x: Any) -> bool:
+    from flax import nnx
+    is_graph_node = nnx.graph.is_graph_node
+
+    def is_node(y: Any) -> bool:
+        # Concrete arrays are never graph nodes; skip flax's slower test (~10 us each).
+        if isinstance(y, jax.Array) and not isinstance(y, jax.core.Tracer):
+            return False
+        return is_graph_node(y)
+
+    return any(is_node(leaf) for leaf in jax.tree.leaves(x, is_leaf=is_node))
+
+
+class NodePositions:
+    """Which arguments hold Flax NNX graph nodes, cached by structure and leaf types
+    (a graph node that is not a pytree shows up as a leaf of its own type)."""
+
+    def __init__(self):
+        self._cache: dict = {}
+
+    def __call__(self, args: tuple) -> tuple[int, ...]:
+        if "flax.nnx" not in sys.modules:
+            return ()
+        leaves, treedef = jax.tree.flatten(args, is_leaf=_is_per_replica)
+        sig = (treedef, tuple(map(type, leaves)))
+        pos = self._cache.get(sig)
+        if pos is None:
+            pos = tuple(i for i, a in enumerate(args) if _has_graph_node(a))
+            if len(self._cache) >= _MAX_ENTRIES:
+                self._cache.clear()
+            self._cache[sig] = pos
+        return pos
+
+
+def split(args: tuple, node_pos: tuple[int, ...]) -> tuple[Any, Any, tuple]:
+    """``(graphdef, state, plain args)`` for the NNX arguments at ``node_pos``."""
+    from flax import nnx
+    graphdef, state = nnx.split(tuple(args[i] for i in node_pos))
+    if any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(state)):
+        raise TypeError(
+            f"Replicator.run: argument {node_pos[0]} is a Flax NNX module traced "
+            "by an outer jax.jit, and its state can't be written back from inside "
+            "it. Call run outside jax.jit (it compiles the step itself), or pass "
+            "the module's state as a pytree: nnx.split(module)."
+        )
+    plain = tuple(a for i, a in enumerate(args) if i not in node_pos)
+    return graphdef, state, plain
+
+
+def merge(graphdef: Any, state: Any) -> tuple:
+    from flax import nnx
+    return nnx.merge(graphdef, state)
+
+
+def state_of(nodes: tuple) -> Any:
+    from flax import nnx
+    return nnx.split(nodes)[1]
+
+
+def write_back(args: tuple, node_pos: tuple[int, ...], new_state: Any) -> None:
+    from flax import nnx
+    nnx.update(tuple(args[i] for i in node_pos), new_state)
+
+
+def interleave(plain: tuple, nodes: tuple, node_pos: tuple) -> list:
+    """The arguments in the user's order: NNX nodes back at ``node_pos``."""
+    if not node_pos:
+        return list(plain)
+    args, it_plain, it_nodes = [], iter(plain), iter(nodes)
+    for i in range(len(plain) + len(nodes)):
+        args.append(next(it_nodes) if i in node_pos else next(it_plain))
+    return args
+
+
+def check_writable(args: tuple, node_pos: tuple, state: Any) -> None:
+    """Fails before the step, not halfway through writing its results back, when an
+    argument holds NNX modules and plain arrays in a container that can't be updated in
+    place (a tuple). Writing the current state back changes nothing."""
+    from flax import nnx
+    try:
+        nnx.update(tuple(args[i] for i in node_pos), state)
+    except ValueError as e:
+        raise ValueError(
+            f"Replicator.run: argument(s) {list(node_pos)} hold Flax NNX modules together "
+            f"with plain values in a container that can't be updated in place ({e}). Pass "
+            "the modules and the arrays as separate arguments, or keep the arrays in an "
+            "nnx.Module or a list."
+        ) from e
+
+
+def state_leaves(new_state: Any, structure: Any, axis: str) -> list:
+    """The leaves of a module's new state, checked to be writable back: same structure,
+    identical on every replica."""
+    if jax.tree.structure(new_state) != structure:
+        raise ValueError(
+            "the step function changed the structure of a Flax NNX module's state (it "
+            "added or removed variables). Create all variables before Replicator.run."
+        )
+    pairs = jax.tree_util.tree_flatten_with_path(new_state)[0]
+    for path, x in pairs:
+        if axis in varying_axes(x):
+            raise ValueError(
+                f"the step function left NNX state {path_str(path)} different on each "
+                "replica, so it can't be written back to the replicated module. Aggregate "
+                "it first, e.g. `ctx.all_sum(x) / ctx.num_replicas`."
+            )
+    return [x for _, x in pairs]

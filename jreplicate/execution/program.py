@@ -1,0 +1,190 @@
+"""The compiled program of one step signature: ``jax.jit`` over ``jax.shard_map`` (private).
+
+The step's inputs arrive as flat leaves of two kinds: replicated (in spec ``P()``;
+model-sharded state keeps its sharding, since the step is manual over the replica axis
+only) and per-replica (a :class:`PerReplica`, stacked on a leading replica axis, in
+spec ``P("replica")``). Flax NNX graph nodes among the arguments arrive as a state
+pytree and are merged inside the step. Output specs are chosen per leaf from whether
+the value varies across replicas (see :mod:`jreplicate._jax_compat`).
+
+With ``steps=K`` the program is a device loop: ``lax.scan`` over the leading step axis
+of the batch, carrying the step's arguments (which the step returns first, in order)
+and NNX state; its other outputs are stacked ``[K, ...]``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+from jreplicate import _jax_compat
+from jreplicate._jax_compat import varying_axes
+from jreplicate._tree import flatten_arrays, path_str
+from jreplicate.context import ReplicaContext
+from jreplicate.execution import nnx_args
+from jreplicate.strategies.layout import Layout
+
+
+@dataclasses.dataclass(frozen=True)
+class Signature:
+    """What a compiled program depends on besides the function itself."""
+
+    has_batch: bool
+    treedef: Any            # of (batch, plain args, NNX state)
+    graphdef: Any           # of the NNX arguments, or None
+    node_pos: tuple[int, ...]
+    kinds: tuple[str, ...]  # per flat leaf: "r" per-replica, "c" replicated
+    steps: int | None
+    donate: tuple[int, ...]  # flat leaf indices donated to the program
+
+
+class Program:
+    """One compiled step and what its (single) trace learned about the outputs."""
+
+    def __init__(self, fn: Callable, sig: Signature, layout: Layout):
+        self.specs: list = []
+        self.out_tree: Any = None
+        self.num_out = 0
+        self.per_replica: tuple[bool, ...] | None = None  # per flat output, after a call
+        axis = layout.replica_axis
+        in_specs = tuple(P(axis) if k == "r" else P() for k in sig.kinds)
+        body = _body(fn, sig, layout, self)
+        call = _jax_compat.shard_map_per_leaf_out_specs(
+            body, mesh=layout.mesh, in_specs=in_specs, axis=axis,
+            manual_axes=frozenset({axis}), specs=self.specs)
+        self.jitted = jax.jit(call, donate_argnums=sig.donate)
+
+    def outputs_per_replica(self) -> tuple[bool, ...]:
+        if self.per_replica is None:
+            self.per_replica = tuple(s != P() for s in self.specs)
+        return self.per_replica
+
+
+def _body(fn: Callable, sig: Signature, layout: Layout, program: Program) -> Callable:
+    axis = layout.replica_axis
+    graphdef = sig.graphdef
+    m = layout.logical_devices_per_replica
+
+    def body(*blocks):
+        vals = [b[0] if k == "r" else b for b, k in zip(blocks, sig.kinds)]
+        batch, plain, state = jax.tree.unflatten(sig.treedef, vals)
+        ctx = ReplicaContext(axis_name=axis, num_replicas=layout.num_replicas,
+                             num_replicas_in_sync=layout.num_replicas_in_sync,
+                             logical_devices_per_replica=m)
+        if sig.steps is None:
+            out, new_state = _call(fn, ctx, sig, batch, plain, state)
+        else:
+            out, new_state = _loop(fn, ctx, sig, batch, plain, state, axis)
+        flat = _out_leaves(out, program)
+        if graphdef is not None:
+            flat += nnx_args.state_leaves(new_state, jax.tree.structure(state), axis)
+        return flat
+
+    return body
+
+
+def _call(fn: Callable, ctx: ReplicaContext, sig: Signature, batch: Any, plain: tuple,
+          state: Any) -> tuple[Any, Any]:
+    nodes = nnx_args.merge(sig.graphdef, state) if sig.graphdef is not None else ()
+    args = nnx_args.interleave(plain, nodes, sig.node_pos)
+    out = fn(ctx, batch, *args) if sig.has_batch else fn(ctx, *args)
+    return out, (nnx_args.state_of(nodes) if sig.graphdef is not None else None)
+
+
+def _loop(fn: Callable, ctx: ReplicaContext, sig: Signature, batch: Any, plain: tuple,
+          state: Any, axis: str) -> tuple[Any, Any]:
+    """``sig.steps`` steps in one ``lax.scan``; returns ``(outputs, final NNX state)``."""
+    whole = []  # set while tracing: the step returned its only argument, not a tuple
+
+    def one(carry, batch_t):
+        plain_c, state_c = carry
+        out, new_state = _call(fn, ctx, sig, batch_t, plain_c, state_c)
+        new_plain, extra, is_whole = _split_carry(out, plain_c, sig.node_pos)
+        whole[:] = [is_whole]
+        new_plain = _match_carry(new_plain, plain_c, axis)
+        if sig.graphdef is not None:
+            nnx_args.state_leaves(new_state, jax.tree.structure(state_c), axis)
+            new_state = jax.tree.map(lambda new, old: new.astype(old.dtype), new_state, state_c)
+        return (new_plain, new_state), extra
+
+    carry0 = (_strong(plain), _strong(state))
+    (plain_f, state_f), ys = jax.lax.scan(one, carry0, batch if sig.has_batch else None,
+                                          length=sig.steps)
+    if whole[0]:
+        return plain_f[0], state_f
+    if plain:
+        return (*plain_f, *ys), state_f
+    return ys, state_f
+
+
+def _strong(tree: Any) -> Any:
+    """The leaves with weak types made strong (a scan carry must keep one type)."""
+    return jax.tree.map(lambda x: jax.lax.convert_element_type(x, jnp.asarray(x).dtype), tree)
+
+
+def _split_carry(out: Any, plain: tuple, node_pos: tuple) -> tuple[tuple, Any, bool]:
+    """Splits a loop step's output into the new arguments (its first ``len(plain)``
+    elements) and the per-step outputs."""
+    n = len(plain)
+    if n == 0:
+        return (), out, False
+    structs = [jax.tree.structure(p) for p in plain]
+    if isinstance(out, (tuple, list)) and len(out) >= n and all(
+            jax.tree.structure(o) == s for o, s in zip(out[:n], structs)):
+        return tuple(out[:n]), tuple(out[n:]), False
+    if n == 1 and jax.tree.structure(out) == structs[0]:
+        return (out,), (), True
+    got = (f"a tuple of {len(out)} elements" if isinstance(out, (tuple, list))
+           else f"a {type(out).__name__}")
+    names = ", ".join(f"argument [{i}]" for i in range(n + len(node_pos)) if i not in node_pos)
+    raise ValueError(
+        f"Replicator.run(..., steps=K) carries the step's arguments from one step to the "
+        f"next, so the step must return their new values first, in order ({names}; Flax "
+        f"NNX modules are carried without being returned), then any per-step outputs: "
+        f"`return params, opt_state, loss`. It returned {got} whose first {n} element(s) "
+        "do not have the arguments' structures. An evaluation step returns its "
+        "arguments unchanged: `return params, metrics`."
+    )
+
+
+def _match_carry(new: tuple, old: tuple, axis: str) -> tuple:
+    """The new arguments with the old ones' dtypes and replication, or an error."""
+    def leaf(path, x, o):
+        x = jnp.asarray(x)
+        where = f"argument {path_str(path)}"
+        if x.shape != o.shape or x.dtype != o.dtype:
+            raise ValueError(
+                f"Replicator.run(..., steps=K): the step returned {where} with shape "
+                f"{x.shape} and dtype {x.dtype}, but it came in with shape {o.shape} and "
+                f"dtype {o.dtype}. A device loop carries each argument with one shape and "
+                "dtype: return the new value in the argument's dtype (e.g. .astype(...))."
+            )
+        x = jax.lax.convert_element_type(x, o.dtype)
+        vx, vo = axis in varying_axes(x), axis in varying_axes(o)
+        if vx and not vo:
+            raise ValueError(
+                f"Replicator.run(..., steps=K): the step returned {where} different on "
+                "each replica, but it is replicated state carried to the next step. "
+                "Aggregate it first (ctx.all_sum(...) / ctx.num_replicas), or pass a "
+                "PerReplica value if each replica keeps its own."
+            )
+        if vo and not vx:
+            x = jax.lax.pcast(x, axis, to="varying")
+        return x
+
+    return tuple(jax.tree_util.tree_map_with_path(leaf, new, old))
+
+
+def _out_leaves(out: Any, program: Program) -> list:
+    pairs, out_tree = flatten_arrays(out, lambda path, x: (
+        f"the step function returned a {type(x).__name__} at output "
+        f"{path_str(path) or 'root'}; outputs must be pytrees of arrays. Return "
+        "arrays only, and keep other values outside the step."))
+    flat = [jnp.asarray(x) for _, x in pairs]
+    program.out_tree, program.num_out = out_tree, len(flat)
+    return flat

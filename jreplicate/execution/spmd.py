@@ -1,0 +1,257 @@
+"""SPMDExecutor: one ``jax.jit(jax.shard_map)`` program per step signature, shared by the
+strategies whose replicas form one mesh (Mirrored, MultiWorker, TPU)."""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import functools
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+
+from jreplicate._tree import is_array_like, path_str
+from jreplicate.context import PerReplica
+from jreplicate.execution import nnx_args
+from jreplicate.execution.base import Executor
+from jreplicate.execution.program import Program, Signature
+from jreplicate.strategies.layout import Layout
+
+_MAX_ENTRIES = 64
+
+
+def _is_per_replica(x: Any) -> bool:
+    return isinstance(x, PerReplica)
+
+
+class SPMDExecutor(Executor):
+    """Compiles and runs steps on an SPMD mesh; see :mod:`jreplicate.execution.program`."""
+
+    def __init__(self, layout: Layout):
+        super().__init__(layout)
+        self._mesh = layout.mesh
+        self._axis = layout.replica_axis
+        self._num_replicas = layout.num_replicas
+        self._replicated = layout.replicated
+        self._per_replica = layout.per_replica
+        self._programs: collections.OrderedDict = collections.OrderedDict()
+        self._node_positions = nnx_args.NodePositions()
+
+    # -- state -----------------------------------------------------------------------
+    @contextlib.contextmanager
+    def scope(self) -> Iterator[None]:
+        with jax.set_mesh(self._mesh):
+            yield
+
+    def place(self, tree: Any) -> Any:
+        return jax.tree.map(lambda x: jax.device_put(x, self._replicated), tree)
+
+    # -- input -----------------------------------------------------------------------
+    def assemble(self, elements: Sequence[Sequence[np.ndarray]], treedef: Any) -> Any:
+        out = []
+        for j in range(len(elements[0])):
+            local = np.stack([e[j] for e in elements])
+            shape = (self._num_replicas,) + local.shape[1:]
+            arr = jax.make_array_from_process_local_data(self._per_replica, local, shape)
+            out.append(PerReplica(arr, self._mesh, self._axis))
+        return jax.tree.unflatten(treedef, out)
+
+    # -- running ---------------------------------------------------------------------
+    def run(self, fn: Callable, has_batch: bool, batch: Any, args: tuple, *,
+            steps: int | None = None, donate_argnums: tuple[int, ...] = ()) -> Any:
+        node_pos = self._node_positions(args)
+        graphdef = state = None
+        plain = args
+        if node_pos:
+            graphdef, state, plain = nnx_args.split(args, node_pos)
+        leaves, treedef = jax.tree.flatten((batch, plain, state), is_leaf=_is_per_replica)
+        arrays, kinds = self._place(leaves, treedef, node_pos)
+        key = (fn, has_batch, treedef, graphdef, node_pos, kinds, steps, donate_argnums,
+               tuple((a.shape, a.dtype, getattr(a, "weak_type", False)) for a in arrays))
+        program = self._programs.get(key)
+        if program is None:
+            if node_pos:
+                nnx_args.check_writable(args, node_pos, state)
+            donate = _donated_leaves(treedef, node_pos, donate_argnums, len(args))
+            sig = Signature(has_batch, treedef, graphdef, node_pos, kinds, steps, donate)
+            program = Program(fn, sig, self.layout)
+            self._programs[key] = program
+            if len(self._programs) > _MAX_ENTRIES:
+                self._programs.popitem(last=False)
+        else:
+            self._programs.move_to_end(key)
+        flat = program.jitted(*arrays)
+        mesh, axis = self._mesh, self._axis
+        outs = [PerReplica(x, mesh, axis) if r else x
+                for x, r in zip(flat, program.outputs_per_replica())]
+        result = jax.tree.unflatten(program.out_tree, outs[:program.num_out])
+        if node_pos:
+            new_state = jax.tree.unflatten(jax.tree.structure(state), outs[program.num_out:])
+            nnx_args.write_back(args, node_pos, new_state)
+        return result
+
+    def _place(self, leaves: list, treedef: Any, node_pos: tuple) -> tuple[list, tuple]:
+        arrays, kinds = [], []
+        replicated, mesh = self._replicated, self._mesh
+        for i, x in enumerate(leaves):
+            if isinstance(x, PerReplica):
+                arrays.append(self._check_per_replica(x, i, treedef, node_pos))
+                kinds.append("r")
+                continue
+            if isinstance(x, jax.Array):
+                if isinstance(x, jax.core.Tracer):
+                    pass  # under an outer jit: shard_map's in_specs place it
+                elif x.is_deleted():
+                    raise _deleted_error(_leaf_paths(treedef, node_pos)[i])
+                else:
+                    s = x.sharding
+                    # Replicated, or model-sharded on this mesh: keep it (never gather).
+                    if s is not replicated and not (isinstance(s, NamedSharding)
+                                                    and s.mesh == mesh):
+                        x = jax.device_put(x, replicated)
+            elif is_array_like(x):
+                x = jax.device_put(x, replicated)
+            else:
+                raise TypeError(
+                    f"Replicator.run: {_leaf_paths(treedef, node_pos)[i]} is a "
+                    f"{type(x).__name__}, not an array. Arguments must be pytrees of arrays; "
+                    "close over other values in fn (e.g. functools.partial(step, name=...)), "
+                    "built once outside the training loop: a new function object each step "
+                    "compiles each step."
+                )
+            arrays.append(x)
+            kinds.append("c")
+        return arrays, tuple(kinds)
+
+    def _check_per_replica(self, x: PerReplica, i: int, treedef: Any, node_pos: tuple) -> Any:
+        if x.mesh is not None and x.mesh is not self._mesh and x.mesh != self._mesh:
+            raise ValueError(
+                "Replicator.run got a PerReplica value from another Replicator "
+                "(a different mesh). Pass values produced by this Replicator's "
+                "prepare_input or run."
+            )
+        shape = getattr(x.array, "shape", ())
+        if not shape or shape[0] != self._num_replicas:
+            # shard_map would split a longer leading axis into blocks and each
+            # replica would silently take its block's first row.
+            raise ValueError(
+                f"Replicator.run: {_leaf_paths(treedef, node_pos)[i]} is a PerReplica whose "
+                f"array has shape {tuple(shape)}, but it needs a leading axis of one value "
+                f"per replica ({self._num_replicas}). Build it as PerReplica(array of "
+                f"shape [{self._num_replicas}, ...]), or pass a plain array to give "
+                "every replica the same value."
+            )
+        if isinstance(x.array, jax.Array) and not isinstance(x.array, jax.core.Tracer) \
+                and x.array.is_deleted():
+            raise _deleted_error(_leaf_paths(treedef, node_pos)[i])
+        return x.array
+
+    # -- results ---------------------------------------------------------------------
+    def reduce(self, reduce_op: str, value: Any) -> Any:
+        n = self._num_replicas
+
+        def red(x):
+            if isinstance(x, PerReplica):
+                return _REDUCERS[reduce_op](x.array)
+            x = jnp.asarray(x)
+            return x * n if reduce_op == "sum" else x
+
+        return jax.tree.map(red, value, is_leaf=_is_per_replica)
+
+    def local_results(self, value: Any) -> list[Any]:
+        out = []
+        for r in self.layout.local_replica_ids:
+            out.append(jax.tree.map(
+                lambda x: x[r] if isinstance(x, PerReplica) else self._replica_view(x, r),  # noqa: B023
+                value, is_leaf=_is_per_replica))
+        return out
+
+    def _replica_view(self, x: Any, r: int) -> Any:
+        """Replica ``r``'s copy of a replicated (possibly model-sharded) array, built from
+        the shards already on its devices (no copy); other values as they are."""
+        if not isinstance(x, jax.Array) or isinstance(x, jax.core.Tracer):
+            return x
+        devices = self.layout.replica_devices[r]
+        on = {s.device: s for s in x.addressable_shards if s.device in devices}
+        if len(devices) == 1:
+            shard = on.get(devices[0])
+            full = shard is not None and all(
+                s.start in (None, 0) and s.stop in (None, d) for s, d in zip(shard.index, x.shape))
+            return shard.data if full else x
+        if len(on) != len(devices) or not isinstance(x.sharding, NamedSharding) \
+                or self._axis in _spec_axes(x.sharding.spec):
+            return x  # not held whole by this replica's devices
+        sub = _submesh(self._mesh, r)
+        return jax.make_array_from_single_device_arrays(
+            x.shape, NamedSharding(sub, x.sharding.spec),
+            [on[d].data for d in sub.devices.flat])
+
+
+# Reductions over the leading replica axis of a PerReplica's global array.
+_REDUCERS: dict[str, Callable] = {
+    "sum": jax.jit(functools.partial(jnp.sum, axis=0)),
+    "mean": jax.jit(functools.partial(jnp.mean, axis=0)),
+}
+
+
+@functools.lru_cache(maxsize=256)
+def _submesh(mesh: Mesh, r: int) -> Mesh:
+    return Mesh(mesh.devices[r:r + 1], mesh.axis_names, axis_types=mesh.axis_types)
+
+
+def _spec_axes(spec: Any) -> set:
+    axes = set()
+    for part in spec:
+        if isinstance(part, tuple):
+            axes.update(part)
+        elif part is not None:
+            axes.add(part)
+    return axes
+
+
+def _donated_leaves(treedef: Any, node_pos: tuple, donate_argnums: tuple[int, ...],
+                    num_args: int) -> tuple[int, ...]:
+    """Flat leaf indices of the donated plain arguments and of all NNX state (which
+    ``run`` replaces in place, so its old buffers are never read again)."""
+    batch_t, plain_t, state_t = treedef.children()
+    sizes = [c.num_leaves for c in plain_t.children()]
+    plain_ids = [i for i in range(num_args) if i not in node_pos]
+    start = batch_t.num_leaves
+    donated = []
+    for k, i in enumerate(plain_ids):
+        if i in donate_argnums:
+            donated.extend(range(start, start + sizes[k]))
+        start += sizes[k]
+    donated.extend(range(start, start + state_t.num_leaves))
+    return tuple(donated)
+
+
+def _deleted_error(where: str) -> ValueError:
+    return ValueError(
+        f"Replicator.run: {where} is an array that was donated to an earlier step "
+        "(run(..., donate_argnums=...), or an NNX module's old state) and no longer exists. "
+        "Pass the value that run returned instead (params, opt_state = rep.run(step, ..., "
+        "params, opt_state, donate_argnums=(0, 1))), or do not donate an argument you read "
+        "again."
+    )
+
+
+def _leaf_paths(treedef: Any, node_pos: tuple) -> list[str]:
+    """Names each leaf of ``(batch, plain args, NNX state)`` as the user passed it: a plain
+    argument's index counts the NNX arguments taken out before it."""
+    dummy = jax.tree.unflatten(treedef, list(range(treedef.num_leaves)))
+    names = {"0": "the input batch", "1": "argument", "2": "an NNX module's state"}
+    out = []
+    for path, _ in jax.tree_util.tree_flatten_with_path(dummy, is_leaf=_is_per_replica)[0]:
+        head = names.get(str(path[0].idx), "input") if path else "input"
+        if head == "argument" and len(path) > 1:
+            k = path[1].idx  # index among the plain arguments
+            i = [j for j in range(k + len(node_pos) + 1) if j not in node_pos][k]
+            out.append(f"argument [{i}]{path_str(path[2:])}")
+        else:
+            out.append(f"{head} {path_str(path[1:])}".strip())
+    return out

@@ -1,0 +1,124 @@
+"""Layout: where a strategy's replicas live, computed once and frozen."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Sequence
+
+import jax
+import numpy as np
+from jax.sharding import AxisType, Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+#: The mesh axis enumerating replicas; collectives of :class:`ReplicaContext` run over it.
+REPLICA_AXIS = "replica"
+#: The mesh axis enumerating the logical devices of one replica (size 1 by default).
+MODEL_AXIS = "model"
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Layout:
+    """The facts of a strategy's placement, computed once when the strategy is built.
+
+    Attributes:
+      mesh: the ``(REPLICA_AXIS, MODEL_AXIS)`` device mesh (its model axis has size 1
+        unless a replica spans several logical devices). ``None`` for a strategy whose
+        replicas do not form one SPMD mesh.
+      replica_axis: the mesh axis enumerating replicas (the step is manual over it).
+      model_axes: the mesh axes inside a replica (automatic in the step).
+      replica_devices: the devices of each replica, by replica id, in logical device
+        order (logical device ``i`` of replica ``r`` is ``replica_devices[r][i]``).
+      num_replicas_in_sync: replicas whose gradients are aggregated synchronously.
+      local_replica_ids: the replicas whose devices this process addresses.
+      num_workers: processes (workers) taking part.
+      worker_index: this process's index among them, in process-index order.
+    """
+
+    mesh: Mesh | None
+    replica_axis: str
+    model_axes: tuple[str, ...]
+    replica_devices: tuple[tuple[jax.Device, ...], ...]
+    num_replicas_in_sync: int
+    local_replica_ids: tuple[int, ...]
+    num_workers: int
+    worker_index: int
+
+    @property
+    def num_replicas(self) -> int:
+        return len(self.replica_devices)
+
+    @property
+    def logical_devices_per_replica(self) -> int:
+        return len(self.replica_devices[0])
+
+    @property
+    def devices(self) -> tuple[jax.Device, ...]:
+        """Logical device 0 of each replica, by replica id."""
+        return tuple(d[0] for d in self.replica_devices)
+
+    @functools.cached_property
+    def replicated(self) -> NamedSharding:
+        """The sharding of a value held whole by every device of the mesh."""
+        return NamedSharding(self.mesh, P())
+
+    @functools.cached_property
+    def per_replica(self) -> NamedSharding:
+        """The sharding of a value stacked over replicas on its leading axis."""
+        return NamedSharding(self.mesh, P(self.replica_axis))
+
+
+def mesh_layout(mesh: Mesh, *, num_replicas_in_sync: int | None = None) -> Layout:
+    """The layout of an SPMD mesh of shape ``(replicas, logical devices per replica)``."""
+    grid = np.asarray(mesh.devices)
+    replica_devices = tuple(tuple(row) for row in grid.reshape(grid.shape[0], -1))
+    me = jax.process_index()
+    procs = sorted({d.process_index for row in replica_devices for d in row})
+    local = tuple(r for r, row in enumerate(replica_devices) if row[0].process_index == me)
+    return Layout(
+        mesh=mesh, replica_axis=mesh.axis_names[0], model_axes=tuple(mesh.axis_names[1:]),
+        replica_devices=replica_devices,
+        num_replicas_in_sync=num_replicas_in_sync or len(replica_devices),
+        local_replica_ids=local, num_workers=len(procs),
+        worker_index=procs.index(me) if me in procs else 0)
+
+
+def check_logical_devices_per_replica(value: object, where: str) -> int:
+    """Validates ``logical_devices_per_replica=`` (an int >= 1)."""
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+        raise ValueError(
+            f"{where}(logical_devices_per_replica={value!r}) must be an int >= 1: the number "
+            "of devices one replica spans (1 for pure data parallelism)."
+        )
+    return int(value)
+
+
+def replica_mesh(devices: Sequence[jax.Device], logical_devices_per_replica: int,
+                 where: str) -> Mesh:
+    """A ``(REPLICA_AXIS, MODEL_AXIS)`` mesh over ``devices`` in replica order: replica
+    ``r`` spans ``devices[r * m:(r + 1) * m]``.
+
+    Raises:
+      ValueError: the devices do not factor into replicas x logical devices, or a
+        replica would span several processes.
+    """
+    m = logical_devices_per_replica
+    n = len(devices)
+    if n % m:
+        fits = [k for k in range(1, n + 1) if n % k == 0]
+        raise ValueError(
+            f"{where}: {n} devices do not factor into replicas of "
+            f"logical_devices_per_replica={m} devices each. Use a divisor of {n} "
+            f"({', '.join(map(str, fits))}), or pass devices=... with a multiple of {m} "
+            "devices."
+        )
+    grid = np.array(list(devices), dtype=object).reshape(n // m, m)
+    for r, row in enumerate(grid):
+        procs = {d.process_index for d in row}
+        if len(procs) > 1:
+            raise ValueError(
+                f"{where}: replica {r} would span devices of processes {sorted(procs)}; a "
+                "replica's logical devices must belong to one process. Choose "
+                "logical_devices_per_replica dividing the number of devices per process."
+            )
+    return Mesh(grid, (REPLICA_AXIS, MODEL_AXIS), axis_types=(AxisType.Auto, AxisType.Auto))
