@@ -103,9 +103,7 @@ class CheckpointManager:
         self._max_to_keep = max_to_keep
         self._interval = save_interval_steps
         self._sharding = NamedSharding(strategy.mesh, P())
-        self._agreement = (strategy._agreement("checkpoint")
-                           if strategy.num_workers > 1 and hasattr(strategy, "_agreement")
-                           else None)
+        self._agreement = strategy.agreement("checkpoint")
         self._orbax = None
         if self.is_chief:
             os.makedirs(self._dir, exist_ok=True)

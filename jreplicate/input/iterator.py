@@ -5,12 +5,10 @@ from __future__ import annotations
 import pickle
 import warnings
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 import numpy as np
-from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
 
 from jreplicate._tree import flatten_arrays, path_str
 from jreplicate.context import PerReplica
@@ -18,6 +16,9 @@ from jreplicate.input.context import InputContext, InputReplicationMode
 from jreplicate.input.prefetch import Prefetcher, ReaderPool
 from jreplicate.input.sources import Pipeline
 from jreplicate.strategies.base import Strategy
+
+if TYPE_CHECKING:
+    from jreplicate.execution.base import Executor
 
 
 class InputIterator:
@@ -45,12 +46,13 @@ class InputIterator:
     and the batch is broadcast to the other processes (on the main thread).
     """
 
-    def __init__(self, owner: object, strategy: Strategy,
+    def __init__(self, owner: object, strategy: Strategy, executor: Executor,
                  input_fn: Callable[[InputContext], Any], *,
                  replication_mode: InputReplicationMode, prefetch_buffer_size: int,
                  enforce_ordering: bool):
         self._owner = owner
         self._strategy = strategy
+        self._executor = executor
         self._mode = replication_mode
         self._enforce_ordering = enforce_ordering
         self._pipelines, self._feeds = _make_pipelines(strategy, input_fn, replication_mode)
@@ -59,9 +61,7 @@ class InputIterator:
         self._buffer = prefetch_buffer_size
         self._pool: ReaderPool | None = None
         # Across processes, every step's outcome is agreed first (see _produce_shared).
-        self._agreement = (strategy._agreement("input")
-                           if strategy.num_workers > 1 and hasattr(strategy, "_agreement")
-                           else None)
+        self._agreement = strategy.agreement("input") if strategy.num_workers > 1 else None
         if self._agreement is not None and replication_mode is InputReplicationMode.SINGLE:
             self._buffer = 0  # its broadcast is a collective: keep it on the main thread
         self._prefetcher = Prefetcher(self._produce, self._buffer) if self._buffer else None
@@ -145,25 +145,29 @@ class InputIterator:
         return [value for value, _ in results]
 
     def _produce(self) -> Any:
+        leaves, treedef = self._produce_host()
+        return self._executor.assemble(leaves, treedef)
+
+    def _produce_host(self) -> tuple[list[list[np.ndarray]], Any]:
+        """One step's checked host elements: the flat leaves of each local replica's
+        element, and their tree structure."""
         if self._exhausted:
             raise StopIteration
         if self._agreement is not None:
-            return self._produce_shared()
+            flat, treedef = self._produce_shared()
+            return [leaves for leaves, _, _ in flat], treedef
         try:
             elements = self._read()
         except StopIteration:
             self._exhausted = True
             raise
         try:
-            return self._assemble(elements)
+            flat, treedef = self._check(elements, self._strategy.local_replica_ids)
         except _PartialBatch as e:
             self._exhausted = True
-            _warn_partial(str(e), stacklevel=4)  # past _produce, get_next
+            _warn_partial(str(e), stacklevel=5)  # past _produce_host, _produce, get_next
             raise StopIteration from None
-
-    def _assemble(self, elements: list[Any]) -> Any:
-        flat, treedef = self._check(elements, self._strategy.local_replica_ids)
-        return self._to_global(flat, treedef)
+        return [leaves for leaves, _, _ in flat], treedef
 
     def _check(self, elements: list[Any], ids: tuple[int, ...]) -> tuple[list, Any]:
         flat = [_flatten(e, ids[k]) for k, e in enumerate(elements)]
@@ -226,7 +230,7 @@ class InputIterator:
                     + "; ".join(f"process {p} " + (f"had a partial batch ({reports[p][1]})"
                                                    if reports[p][0] == "partial"
                                                    else "ran out of input") for p in ended)
-                    + "; the input iterator is exhausted.", stacklevel=4)
+                    + "; the input iterator is exhausted.", stacklevel=5)
             raise StopIteration
         specs = [(p, sp) for p, (_, _, sp) in enumerate(reports) if sp is not None]
         if any(sp != specs[0][1] for _, sp in specs):
@@ -242,7 +246,7 @@ class InputIterator:
         if single:
             flat = self._broadcast_single(flat, specs[0][1], ids)
             treedef = specs[0][1][0]
-        return self._to_global(flat, treedef)
+        return flat, treedef
 
     def _broadcast_single(self, flat: list | None, spec: tuple, ids: tuple) -> list:
         """Worker 0's elements of every replica, on every process (SINGLE mode)."""
@@ -274,24 +278,49 @@ class InputIterator:
                     "a smaller final batch is allowed, and it is dropped)."
                 )
 
-    def _to_global(self, flat: list, treedef: Any) -> Any:
-        strategy = self._strategy
-        devices = [strategy.devices[r] for r in strategy.local_replica_ids]
-        sharding = NamedSharding(strategy.mesh, P(strategy.axis_name))
-        n_leaves = len(flat[0][0])
-        host = [flat[k][0][j][None] for j in range(n_leaves) for k in range(len(devices))]
-        placed = jax.device_put(host, devices * n_leaves)
-        out = []
-        for j in range(n_leaves):
-            shards = placed[j * len(devices):(j + 1) * len(devices)]
-            shape = (strategy.num_replicas,) + tuple(flat[0][0][j].shape)
-            arr = jax.make_array_from_single_device_arrays(shape, sharding, shards)
-            out.append(PerReplica(arr, strategy.mesh, strategy.axis_name))
-        return jax.tree.unflatten(treedef, out)
+    # -- device loops ----------------------------------------------------------------
+    def _get_steps(self, k: int) -> tuple[Any, int]:
+        """The next ``k`` steps' inputs as one batch whose per-replica leaves have a
+        leading step axis, and the number of steps it holds (fewer than ``k`` at the
+        end of the input). Raises StopIteration when no step is left."""
+        if self._prefetcher is not None:
+            batches = []
+            for _ in range(k):
+                try:
+                    batches.append(self._prefetcher.get())
+                except StopIteration:
+                    break
+            if not batches:
+                raise StopIteration
+            return _stack_steps(batches), len(batches)
+        hosts = []
+        for _ in range(k):
+            try:
+                hosts.append(self._produce_host())
+            except StopIteration:
+                break
+        if not hosts:
+            raise StopIteration
+        treedef = hosts[0][1]
+        stacked = [[np.stack([h[0][r][j] for h in hosts]) for j in range(len(hosts[0][0][r]))]
+                   for r in range(len(hosts[0][0]))]
+        return self._executor.assemble(stacked, treedef), len(hosts)
 
 
 class _PartialBatch(Exception):
     pass
+
+
+@jax.jit
+def _stack_leaves(arrays: list) -> jax.Array:
+    return jax.numpy.stack(arrays, axis=1)  # [replicas, steps, ...], sharding kept
+
+
+def _stack_steps(batches: list) -> Any:
+    """Prefetched per-step batches (pytrees of PerReplica) stacked on a step axis."""
+    def stack(*xs):
+        return PerReplica(_stack_leaves([x.array for x in xs]), xs[0].mesh, xs[0].axis_name)
+    return jax.tree.map(stack, *batches, is_leaf=lambda x: isinstance(x, PerReplica))
 
 
 def _spec_str(spec: tuple) -> str:
@@ -308,7 +337,7 @@ def _warn_partial(reason: str, stacklevel: int) -> None:
 def _warn_dropped(read: int, n: int) -> None:
     if read:
         _warn_partial(f"an input pipeline ran out after {read} of {n} replicas got an "
-                      "element", stacklevel=6)  # past _read, _produce, get_next
+                      "element", stacklevel=7)  # past _read, _produce_host, _produce, get_next
 
 
 def _flatten(element: Any, replica_id: int) -> tuple[list[np.ndarray], Any, list]:
@@ -336,7 +365,7 @@ def _make_pipelines(strategy: Strategy, input_fn: Callable, mode: InputReplicati
     elif mode is InputReplicationMode.SINGLE:
         ctx = InputContext(input_pipeline_id=0, num_input_pipelines=1, **common)
         if strategy.num_workers > 1:
-            if not hasattr(strategy, "_agreement"):
+            if strategy.agreement("input-single") is None:
                 raise ValueError(
                     "InputReplicationMode.SINGLE across several processes needs a strategy "
                     "that distributes worker 0's batches (MultiWorkerStrategy)."
