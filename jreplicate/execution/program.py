@@ -51,6 +51,7 @@ class Program:
         self.out_tree: Any = None
         self.num_out = 0
         self.per_replica: tuple[bool, ...] | None = None  # per flat output, after a call
+        self.returns_args = False  # the outputs begin with the plain arguments' new values
         axis = layout.replica_axis
         in_specs = tuple(P(axis) if k == "r" else P() for k in sig.kinds)
         body = _body(fn, sig, layout, self)
@@ -78,8 +79,10 @@ def _body(fn: Callable, sig: Signature, layout: Layout, program: Program) -> Cal
                              logical_devices_per_replica=m)
         if sig.steps is None:
             out, new_state = _call(fn, ctx, sig, batch, plain, state)
+            program.returns_args = _returns_args(out, plain)
         else:
             out, new_state = _loop(fn, ctx, sig, batch, plain, state, axis)
+            program.returns_args = True
         flat = _out_leaves(out, program)
         if graphdef is not None:
             flat += nnx_args.state_leaves(new_state, jax.tree.structure(state), axis)
@@ -120,6 +123,19 @@ def _loop(fn: Callable, ctx: ReplicaContext, sig: Signature, batch: Any, plain: 
     if plain:
         return (*plain_f, *ys), state_f
     return ys, state_f
+
+
+def _returns_args(out: Any, plain: tuple) -> bool:
+    """Whether ``out`` begins with values shaped like the plain arguments, in order (or,
+    for one argument, is its new value)."""
+    n = len(plain)
+    if n == 0:
+        return False
+    structs = [jax.tree.structure(p) for p in plain]
+    if isinstance(out, (tuple, list)) and len(out) >= n and all(
+            jax.tree.structure(o) == s for o, s in zip(out[:n], structs)):
+        return True
+    return n == 1 and jax.tree.structure(out) == structs[0]
 
 
 def _strong(tree: Any) -> Any:

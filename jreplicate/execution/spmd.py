@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from jreplicate._tree import is_array_like, path_str
 from jreplicate.context import PerReplica
@@ -40,11 +41,20 @@ class SPMDExecutor(Executor):
         self._per_replica = layout.per_replica
         self._programs: collections.OrderedDict = collections.OrderedDict()
         self._node_positions = nnx_args.NodePositions()
+        # The (replica, 1) sub-mesh of each logical device, and back.
+        self._logical = [_logical_submesh(self._mesh, i)
+                         for i in range(layout.logical_devices_per_replica)]
+        self._logical_index = {m: i for i, m in enumerate(self._logical)}
 
     # -- state -----------------------------------------------------------------------
     @contextlib.contextmanager
     def scope(self) -> Iterator[None]:
         with jax.set_mesh(self._mesh):
+            yield
+
+    @contextlib.contextmanager
+    def logical_device_scope(self, logical_device_id: int) -> Iterator[None]:
+        with jax.set_mesh(self._logical[logical_device_id]):
             yield
 
     def place(self, tree: Any) -> Any:
@@ -69,7 +79,8 @@ class SPMDExecutor(Executor):
         if node_pos:
             graphdef, state, plain = nnx_args.split(args, node_pos)
         leaves, treedef = jax.tree.flatten((batch, plain, state), is_leaf=_is_per_replica)
-        arrays, kinds = self._place(leaves, treedef, node_pos)
+        homes: list = []
+        arrays, kinds = self._place(leaves, treedef, node_pos, homes)
         key = (fn, has_batch, treedef, graphdef, node_pos, kinds, steps, donate_argnums,
                tuple((a.shape, a.dtype, getattr(a, "weak_type", False)) for a in arrays))
         program = self._programs.get(key)
@@ -88,13 +99,16 @@ class SPMDExecutor(Executor):
         mesh, axis = self._mesh, self._axis
         outs = [PerReplica(x, mesh, axis) if r else x
                 for x, r in zip(flat, program.outputs_per_replica())]
+        if homes:
+            self._send_home(outs, homes, treedef, program)
         result = jax.tree.unflatten(program.out_tree, outs[:program.num_out])
         if node_pos:
             new_state = jax.tree.unflatten(jax.tree.structure(state), outs[program.num_out:])
             nnx_args.write_back(args, node_pos, new_state)
         return result
 
-    def _place(self, leaves: list, treedef: Any, node_pos: tuple) -> tuple[list, tuple]:
+    def _place(self, leaves: list, treedef: Any, node_pos: tuple,
+               homes: list) -> tuple[list, tuple]:
         arrays, kinds = [], []
         replicated, mesh = self._replicated, self._mesh
         for i, x in enumerate(leaves):
@@ -112,6 +126,10 @@ class SPMDExecutor(Executor):
                     # Replicated, or model-sharded on this mesh: keep it (never gather).
                     if s is not replicated and not (isinstance(s, NamedSharding)
                                                     and s.mesh == mesh):
+                        if isinstance(s, NamedSharding) and s.mesh in self._logical_index:
+                            # Lives on one logical device: a copy to the others for the
+                            # step; its new value goes back there afterwards.
+                            homes.append((i, self._logical_index[s.mesh]))
                         x = jax.device_put(x, replicated)
             elif is_array_like(x):
                 x = jax.device_put(x, replicated)
@@ -150,6 +168,29 @@ class SPMDExecutor(Executor):
             raise _deleted_error(_leaf_paths(treedef, node_pos)[i])
         return x.array
 
+    def _send_home(self, outs: list, homes: list, treedef: Any, program: Program) -> None:
+        """Puts the new values of arguments that live on one logical device back there:
+        the NNX state leaves, and the leaves of plain arguments the step returned first
+        (as in ``return params, opt_state, loss``)."""
+        batch_t, plain_t, _ = treedef.children()
+        nb, np_ = batch_t.num_leaves, plain_t.num_leaves
+        for i, ld in homes:
+            if nb <= i < nb + np_:
+                if not program.returns_args:
+                    continue
+                k = i - nb
+            elif i >= nb + np_:
+                k = program.num_out + i - nb - np_
+            else:
+                continue
+            x = outs[k]
+            if isinstance(x, jax.Array) and x.sharding.is_fully_replicated:
+                sub = self._logical[ld]
+                shards = {s.device: s.data for s in x.addressable_shards}
+                outs[k] = jax.make_array_from_single_device_arrays(
+                    x.shape, NamedSharding(sub, P()),
+                    [shards[d] for d in sub.devices.flat if d in shards])
+
     # -- results ---------------------------------------------------------------------
     def reduce(self, reduce_op: str, value: Any) -> Any:
         n = self._num_replicas
@@ -177,14 +218,15 @@ class SPMDExecutor(Executor):
             return x
         devices = self.layout.replica_devices[r]
         on = {s.device: s for s in x.addressable_shards if s.device in devices}
-        if len(devices) == 1:
-            shard = on.get(devices[0])
-            full = shard is not None and all(
-                s.start in (None, 0) and s.stop in (None, d) for s, d in zip(shard.index, x.shape))
-            return shard.data if full else x
-        if len(on) != len(devices) or not isinstance(x.sharding, NamedSharding) \
+        if len(on) < len(devices):  # on one device of the replica (one logical device)
+            whole = [s for s in on.values() if all(
+                i.start in (None, 0) and i.stop in (None, d) for i, d in zip(s.index, x.shape))]
+            return whole[0].data if whole else x
+        if not isinstance(x.sharding, NamedSharding) \
                 or self._axis in _spec_axes(x.sharding.spec):
             return x  # not held whole by this replica's devices
+        if len(devices) == 1:
+            return on[devices[0]].data
         sub = _submesh(self._mesh, r)
         return jax.make_array_from_single_device_arrays(
             x.shape, NamedSharding(sub, x.sharding.spec),
@@ -200,7 +242,13 @@ _REDUCERS: dict[str, Callable] = {
 
 @functools.lru_cache(maxsize=256)
 def _submesh(mesh: Mesh, r: int) -> Mesh:
+    """Replica ``r``'s devices, as a ``(1, logical devices)`` mesh."""
     return Mesh(mesh.devices[r:r + 1], mesh.axis_names, axis_types=mesh.axis_types)
+
+
+def _logical_submesh(mesh: Mesh, i: int) -> Mesh:
+    """Logical device ``i`` of every replica, as a ``(replicas, 1)`` mesh."""
+    return Mesh(mesh.devices[:, i:i + 1], mesh.axis_names, axis_types=mesh.axis_types)
 
 
 def _spec_axes(spec: Any) -> set:
