@@ -103,6 +103,7 @@ class CheckpointManager:
         self._max_to_keep = max_to_keep
         self._interval = save_interval_steps
         self._sharding = NamedSharding(strategy.mesh, P())
+        self._devices = set(strategy.mesh.devices.flat)
         self._agreement = strategy.agreement("checkpoint")
         self._orbax = None
         if self.is_chief:
@@ -144,7 +145,9 @@ class CheckpointManager:
         optimizer state): for the structure when restoring (traced with
         ``jax.eval_shape`` when possible), for the values when initialising. The chief
         restores or initialises, and its values are broadcast, so every process returns
-        the chief's state, placed replicated on the strategy's mesh.
+        the chief's state, placed as ``init_fn`` places it when that is on the
+        strategy's devices (state sharded over the ``"model"`` axis stays sharded, a
+        logical device's state stays there), else replicated on the strategy's mesh.
 
         Raises:
           CheckpointError: the chief could not read the checkpoint (on every process).
@@ -171,10 +174,21 @@ class CheckpointManager:
             if err:
                 raise CheckpointError(err)
         state = self._broadcast(restored if self.is_chief else host)
-        placed = jax.tree.map(lambda x: jax.device_put(x, self._sharding), state)
+        placed = jax.tree.map(lambda x, t: jax.device_put(x, self._placement(t)),
+                              state, template)
         logger.info("jreplicate: %s state at step %d", "restored" if step is not None
                     else "initialised", step or 0)
         return (step or 0), placed
+
+    def _placement(self, template_leaf: Any) -> Any:
+        """Where a restored leaf goes: where ``init_fn`` put it when that is on the
+        strategy's devices (model-sharded state, a logical device), else replicated."""
+        sharding = getattr(template_leaf, "sharding", None)
+        if isinstance(sharding, NamedSharding) and not isinstance(
+                template_leaf, jax.core.Tracer) and sharding.mesh.devices.size and set(
+                sharding.mesh.devices.flat) <= self._devices:
+            return sharding
+        return self._sharding
 
     # -- save ----------------------------------------------------------------------
     def should_save(self, step: int) -> bool:

@@ -50,7 +50,19 @@ class SPMDExecutor(Executor):
     @contextlib.contextmanager
     def scope(self) -> Iterator[None]:
         with jax.set_mesh(self._mesh):
-            yield
+            try:
+                yield
+            except ValueError as e:
+                if "not found in mesh" not in str(e):
+                    raise
+                sizes = ", ".join(f"{k!r}: {v}" for k, v in self._mesh.shape.items())
+                raise ValueError(
+                    f"{e} The strategy's mesh has axes {{{sizes}}}: shard state over "
+                    f"jr.MODEL_AXIS ({self._mesh.axis_names[-1]!r}), e.g. "
+                    "nnx.with_partitioning(init, (None, jr.MODEL_AXIS)) or "
+                    "NamedSharding(rep.mesh, P(None, jr.MODEL_AXIS)); create the strategy "
+                    "with logical_devices_per_replica=M to split it over M devices."
+                ) from e
 
     @contextlib.contextmanager
     def logical_device_scope(self, logical_device_id: int) -> Iterator[None]:
