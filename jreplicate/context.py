@@ -244,7 +244,11 @@ class PerReplica:
             start = shard.index[0].start or 0 if shard.index else 0
             stop = shard.index[0].stop if shard.index and shard.index[0].stop is not None else n
             if start <= i < stop:
-                return shard.data[i - start]
+                if all(s.start in (None, 0) and s.stop in (None, d) for s, d in zip(
+                        shard.index[1:], self.array.shape[1:])):
+                    return shard.data[i - start]
+                # Split over a replica's logical devices: gather its pieces.
+                return self.array[i]
         raise IndexError(
             f"replica {i}'s value lives on another process; use Replicator.local_results "
             "for this process's replicas, or Replicator.reduce to combine all of them."

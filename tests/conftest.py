@@ -23,6 +23,8 @@ STRATEGY_FACTORIES = {
     "mirrored-4": lambda: jr.MirroredStrategy(devices=jax.local_devices()[:4]),
     "mirrored-2-odd": lambda: jr.MirroredStrategy(devices=[jax.local_devices()[i] for i in (5, 2)]),
     "mirrored-1": lambda: jr.MirroredStrategy(devices=[0]),
+    # 4 replicas x 2 logical devices: the step is manual over "replica" only.
+    "mirrored-4x2": lambda: jr.MirroredStrategy(logical_devices_per_replica=2),
 }
 
 

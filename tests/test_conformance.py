@@ -48,7 +48,7 @@ def test_outputs_replicated_or_per_replica(strategy):
     assert len(pr) == n and pr.shape == (3,)
     assert pr.array.shape == (n, 3) and isinstance(pr.array, jax.Array)
     # One global array, sharded over the replica devices: nothing gathered to one host.
-    assert {s.device for s in pr.array.addressable_shards} == set(strategy.devices)
+    assert {s.device for s in pr.array.addressable_shards} == set(strategy.mesh.devices.flat)
     for r in range(n):
         assert pr[r].devices() == {strategy.devices[r]}
         np.testing.assert_array_equal(pr[r], np.full(3, r))
@@ -62,7 +62,7 @@ def test_outputs_replicated_or_per_replica(strategy):
     assert len(local) == n
     for r, tree in enumerate(local):
         np.testing.assert_array_equal(tree["differs"], np.full(3, r))
-        assert tree["same"].devices() == {strategy.devices[r]}
+        assert tree["same"].devices() == set(strategy.layout.replica_devices[r])
 
 
 def test_per_replica_args_roundtrip(strategy):
@@ -144,7 +144,7 @@ def test_scope_places_state_replicated(strategy):
         state = optax.adam(1e-3).init({"w": w})
     for leaf in [w, *jax.tree.leaves(state)]:
         assert leaf.sharding.is_fully_replicated
-        assert leaf.sharding.device_set == set(strategy.devices)
+        assert leaf.sharding.device_set == set(strategy.mesh.devices.flat)
     assert rep.initialize() == [] and rep.finalize() == []
     with rep.logical_device_for_variables(0):
         pass
@@ -157,7 +157,7 @@ def test_scope_places_nnx_modules_and_run_places_stray_arguments(strategy):
     with rep.scope():
         model = nnx.Linear(3, 2, rngs=nnx.Rngs(0))
     assert model.kernel[...].sharding.is_fully_replicated
-    assert model.kernel[...].sharding.device_set == set(strategy.devices)
+    assert model.kernel[...].sharding.device_set == set(strategy.mesh.devices.flat)
 
     # Arguments created outside the scope (numpy, or committed to one device) are placed
     # replicated by run itself.
@@ -165,7 +165,7 @@ def test_scope_places_nnx_modules_and_run_places_stray_arguments(strategy):
     on_one = jax.device_put(jnp.ones(4), jax.local_devices()[7])
     out = rep.run(lambda ctx, a, b: a + b + ctx.all_sum(0.0), None, host, on_one)
     np.testing.assert_array_equal(out, host + 1)
-    assert out.sharding.device_set == set(strategy.devices)
+    assert out.sharding.device_set == set(strategy.mesh.devices.flat)
     assert out.sharding.is_fully_replicated
 
 

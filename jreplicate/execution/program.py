@@ -38,7 +38,8 @@ class Signature:
     treedef: Any            # of (batch, plain args, NNX state)
     graphdef: Any           # of the NNX arguments, or None
     node_pos: tuple[int, ...]
-    kinds: tuple[str, ...]  # per flat leaf: "r" per-replica, "c" replicated
+    kinds: tuple            # per flat leaf: "r" per-replica, "c" replicated, or
+                            # ("m", spec): replicated over replicas, split over "model"
     steps: int | None
     donate: tuple[int, ...]  # flat leaf indices donated to the program
 
@@ -86,9 +87,27 @@ def _body(fn: Callable, sig: Signature, layout: Layout, program: Program) -> Cal
         flat = _out_leaves(out, program)
         if graphdef is not None:
             flat += nnx_args.state_leaves(new_state, jax.tree.structure(state), axis)
-        return flat
+        return _keep_model_shardings(flat, [b.shape for b in blocks], sig, program)
 
     return body
+
+
+def _keep_model_shardings(flat: list, in_shapes: list, sig: Signature,
+                          program: Program) -> list:
+    """The new values of model-sharded arguments keep the arguments' shardings: leaves
+    of plain arguments the step returned first (``return params, opt_state, ...``),
+    and NNX state. (XLA's propagation would otherwise be free to choose.)"""
+    batch_t, plain_t, state_t = sig.treedef.children()
+    nb, np_, ns = batch_t.num_leaves, plain_t.num_leaves, state_t.num_leaves
+    pairs = []
+    if program.returns_args:
+        pairs += [(nb + t, t) for t in range(min(np_, program.num_out))]
+    pairs += [(nb + np_ + t, program.num_out + t) for t in range(ns)]
+    for i, k in pairs:
+        kind = sig.kinds[i]
+        if isinstance(kind, tuple) and flat[k].shape == in_shapes[i]:
+            flat[k] = jax.lax.with_sharding_constraint(flat[k], kind[1])
+    return flat
 
 
 def _call(fn: Callable, ctx: ReplicaContext, sig: Signature, batch: Any, plain: tuple,

@@ -45,6 +45,8 @@ class SPMDExecutor(Executor):
         self._logical = [_logical_submesh(self._mesh, i)
                          for i in range(layout.logical_devices_per_replica)]
         self._logical_index = {m: i for i, m in enumerate(self._logical)}
+        self._sharding_kinds: dict = {replicated_sharding: "c"
+                                      for replicated_sharding in (self._replicated,)}
 
     # -- state -----------------------------------------------------------------------
     @contextlib.contextmanager
@@ -122,7 +124,7 @@ class SPMDExecutor(Executor):
     def _place(self, leaves: list, treedef: Any, node_pos: tuple,
                homes: list) -> tuple[list, tuple]:
         arrays, kinds = [], []
-        replicated, mesh = self._replicated, self._mesh
+        replicated = self._replicated
         for i, x in enumerate(leaves):
             if isinstance(x, PerReplica):
                 arrays.append(self._check_per_replica(x, i, treedef, node_pos))
@@ -134,15 +136,19 @@ class SPMDExecutor(Executor):
                 elif x.is_deleted():
                     raise _deleted_error(_leaf_paths(treedef, node_pos)[i])
                 else:
-                    s = x.sharding
-                    # Replicated, or model-sharded on this mesh: keep it (never gather).
-                    if s is not replicated and not (isinstance(s, NamedSharding)
-                                                    and s.mesh == mesh):
-                        if isinstance(s, NamedSharding) and s.mesh in self._logical_index:
+                    kind = self._sharding_kinds.get(x.sharding) or self._kind_of(x.sharding)
+                    if kind == "place":
+                        x = jax.device_put(x, replicated)
+                    elif kind != "c":
+                        if kind[0] == "logical":
                             # Lives on one logical device: a copy to the others for the
                             # step; its new value goes back there afterwards.
-                            homes.append((i, self._logical_index[s.mesh]))
-                        x = jax.device_put(x, replicated)
+                            homes.append((i, kind[1]))
+                            x = jax.device_put(x, replicated)
+                            kind = "c"
+                    arrays.append(x)
+                    kinds.append(kind)
+                    continue
             elif is_array_like(x):
                 x = jax.device_put(x, replicated)
             else:
@@ -156,6 +162,21 @@ class SPMDExecutor(Executor):
             arrays.append(x)
             kinds.append("c")
         return arrays, tuple(kinds)
+
+    def _kind_of(self, s: Any) -> Any:
+        """How ``run`` takes an argument with sharding ``s``: ``"c"`` as it is (replicated),
+        ``("m", spec)`` as it is, split over the model axis (the step keeps the split on
+        the argument's new value), ``("logical", i)`` from logical device ``i``, or
+        ``"place"``: copied replicated."""
+        if isinstance(s, NamedSharding) and s.mesh == self._mesh:
+            kind = ("m", s.spec) if _spec_axes(s.spec) else "c"
+        elif isinstance(s, NamedSharding) and s.mesh in self._logical_index:
+            kind = ("logical", self._logical_index[s.mesh])
+        else:
+            kind = "place"
+        if len(self._sharding_kinds) < 1024:
+            self._sharding_kinds[s] = kind
+        return kind
 
     def _check_per_replica(self, x: PerReplica, i: int, treedef: Any, node_pos: tuple) -> Any:
         if x.mesh is not None and x.mesh is not self._mesh and x.mesh != self._mesh:
