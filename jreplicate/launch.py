@@ -14,8 +14,13 @@ devices (``XLA_FLAGS=--xla_force_host_platform_device_count=K``, ``JAX_PLATFORMS
 
 Every output line of process ``i`` is printed prefixed with ``[p<i>]``. When a process
 fails (non-zero exit code or a signal), the others are terminated (SIGTERM, then SIGKILL
-after ``--grace`` seconds) and the launcher exits with that process's status (128 +
-signal number for a signal) and a message saying which process failed and how. With
+after ``--grace`` seconds) and the launcher exits with the status of the process that
+failed first (128 + signal number for a signal) and a message saying which process it
+was and how it failed: the exception its traceback ended with (``ValueError: ...``), or
+else its last line on stderr. Peers that fail because of it, or are stopped, are not
+blamed. Processes started by the programs die with the group: each program runs in its
+own process group, which is killed when the group stops, and a small guard process
+kills these groups if the launcher itself is killed (even by SIGKILL). With
 ``--max-restarts R`` the whole group is started again, up to ``R`` times, on a fresh
 port; a program that restores its latest checkpoint on start (see
 :class:`jreplicate.checkpoint.CheckpointManager`) then resumes where it stopped.
@@ -27,6 +32,7 @@ import argparse
 import collections
 import dataclasses
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -118,32 +124,77 @@ def tied_to_parent(cmd: list[str]) -> list[str]:
     return [sys.executable, "-S", "-c", _TIE_TO_PARENT, str(os.getpid()), *cmd]
 
 
+# A guard per group: reads "<pgid>" lines from the launcher; on "exit" it ends; on EOF (the
+# launcher died, however: its end of the pipe closed) it SIGKILLs every group it was told
+# of, so that the programs' own children (grandchildren) die with the launcher.
+_GUARD = (
+    "import os,signal,sys\n"
+    "for s in (signal.SIGINT, signal.SIGHUP):\n signal.signal(s, signal.SIG_IGN)\n"
+    "groups = set()\n"
+    "for line in sys.stdin:\n"
+    " line = line.strip()\n"
+    " if line == 'exit':\n  sys.exit(0)\n"
+    " if line.isdigit():\n  groups.add(int(line))\n"
+    "for g in groups:\n"
+    " try:\n  os.killpg(g, signal.SIGKILL)\n"
+    " except OSError:\n  pass\n"
+)
+
+_TRACEBACK = "Traceback (most recent call last):"
+_EXCEPTION_LINE = re.compile(r"^[A-Za-z_][\w.]*(: .*)?$")
+
+
 class _Group:
-    """The N processes of one attempt, their output pumps, and their shutdown."""
+    """The N processes of one attempt, their output pumps, their guard and shutdown."""
 
     def __init__(self, cmd: list[str], envs: list[dict[str, str]]):
         self._lock = threading.Lock()
         self._last_err = [collections.deque(maxlen=5) for _ in envs]
+        self._exception: list[str] = ["" for _ in envs]
+        self.ended: list[float | None] = [None for _ in envs]
         self.procs: list[subprocess.Popen] = []
         self._pumps: list[threading.Thread] = []
+        self._guard = _start_guard()
         for rank, env in enumerate(envs):
             p = subprocess.Popen(tied_to_parent(cmd), env=env, stdin=subprocess.DEVNULL,
                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                  start_new_session=True)
             self.procs.append(p)
-            for stream, out, keep in ((p.stdout, sys.stdout, None),
-                                      (p.stderr, sys.stderr, self._last_err[rank])):
-                t = threading.Thread(target=self._pump, args=(rank, stream, out, keep),
-                                     daemon=True)
+            self._tell_guard(str(p.pid))  # its own session: process group id = pid
+            threads = [threading.Thread(target=self._pump, args=(rank, p.stdout, sys.stdout,
+                                                                  False), daemon=True),
+                       threading.Thread(target=self._pump, args=(rank, p.stderr, sys.stderr,
+                                                                  True), daemon=True),
+                       threading.Thread(target=self._wait, args=(rank,), daemon=True)]
+            for t in threads:
                 t.start()
-                self._pumps.append(t)
+            self._pumps.extend(threads[:2])
 
-    def _pump(self, rank: int, stream, out, keep) -> None:
+    def _tell_guard(self, line: str) -> None:
+        if self._guard is None:
+            return
+        try:
+            self._guard.stdin.write(line + "\n")
+            self._guard.stdin.flush()
+        except (OSError, ValueError):  # the guard is gone: nothing to tell
+            pass
+
+    def _wait(self, rank: int) -> None:
+        self.procs[rank].wait()
+        self.ended[rank] = time.monotonic()
+
+    def _pump(self, rank: int, stream, out, is_err: bool) -> None:
         prefix = f"[p{rank}] "
+        in_traceback = False
         for raw in iter(stream.readline, b""):
             line = raw.decode("utf-8", errors="replace").rstrip("\n")
-            if keep is not None and line.strip():
-                keep.append(line.strip())
+            if is_err and line.strip():
+                self._last_err[rank].append(line.strip())
+                if line.startswith(_TRACEBACK):
+                    in_traceback = True
+                elif in_traceback and not line[:1].isspace() and _EXCEPTION_LINE.match(line):
+                    self._exception[rank] = line.strip()  # a traceback's final line
+                    in_traceback = False
             with self._lock:
                 out.write(prefix + line + "\n")
                 out.flush()
@@ -152,6 +203,19 @@ class _Group:
     def last_error_line(self, rank: int) -> str:
         lines = [ln for ln in self._last_err[rank] if not ln.startswith("*** ")]
         return lines[-1] if lines else ""
+
+    def exception(self, rank: int) -> str:
+        """The last ``SomeError: message`` line that ended a traceback of ``rank``."""
+        return self._exception[rank]
+
+    def first_failure(self) -> tuple[int, int] | None:
+        """``(rank, returncode)`` of the process that failed first, or None."""
+        failed = [(self.ended[r] or float("inf"), r, c) for r, c in
+                  enumerate(p.poll() for p in self.procs) if c not in (None, 0)]
+        if not failed:
+            return None
+        _, rank, code = min(failed)
+        return rank, code
 
     def signal_all(self, sig: int) -> None:
         for p in self.procs:
@@ -178,6 +242,26 @@ class _Group:
     def join_output(self) -> None:
         for t in self._pumps:
             t.join(timeout=5)
+        self.release_guard()
+
+    def release_guard(self) -> None:
+        """Ends the guard without it killing anything (the group ended normally)."""
+        if self._guard is not None:
+            self._tell_guard("exit")
+            try:
+                self._guard.stdin.close()
+                self._guard.wait(timeout=5)
+            except (OSError, ValueError, subprocess.TimeoutExpired):
+                pass
+            self._guard = None
+
+
+def _start_guard() -> subprocess.Popen | None:
+    try:
+        return subprocess.Popen([sys.executable, "-S", "-c", _GUARD], stdin=subprocess.PIPE,
+                                stdout=subprocess.DEVNULL, text=True, start_new_session=True)
+    except OSError:  # cannot start one: processes are still tied to the launcher
+        return None
 
 
 def run_group(cmd: list[str], *, nproc: int, devices_per_proc: int | None, host: str,
@@ -192,14 +276,16 @@ def run_group(cmd: list[str], *, nproc: int, devices_per_proc: int | None, host:
     try:
         while True:
             codes = [p.poll() for p in group.procs]
-            failed = [(r, c) for r, c in enumerate(codes) if c not in (None, 0)]
-            if failed:
-                rank, code = failed[0]
+            first = group.first_failure()
+            if first is not None:
+                time.sleep(0.1)  # let the exit times of near-simultaneous failures arrive
+                rank, code = group.first_failure() or first
                 group.stop(grace)
-                why = group.last_error_line(rank)
                 msg = f"process {rank} of {nproc} failed first: {describe_status(code)}"
-                if why:
-                    msg += f"; its last stderr line: {why[:500]}"
+                if group.exception(rank):
+                    msg += f"; it raised {group.exception(rank)[:500]}"
+                elif group.last_error_line(rank):
+                    msg += f"; its last stderr line: {group.last_error_line(rank)[:500]}"
                 others = [r for r in range(nproc) if r != rank]
                 if others:
                     msg += "; stopped the other processes"

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import itertools
+import logging
+import os
 import sys
 from collections.abc import Sequence
 from typing import final
@@ -57,10 +59,16 @@ class MultiWorkerStrategy(Strategy):
       ``heartbeat_timeout + shutdown_timeout`` plus about a second.
     * a process that is alive but stops taking part makes the others' next collective
       (gloo: "Timed out waiting ...ms") or input agreement (:class:`ClusterError`) fail
-      after ``collective_timeout``; the runtime then stops every process, the stuck one
-      included, when the shutdown barrier times out. Measured with
-      ``collective_timeout=8, shutdown_timeout=3``: all processes exit 12 s after the
-      hang began; the bound is ``collective_timeout + shutdown_timeout`` plus a second.
+      after ``collective_timeout``; those processes exit at once, and the stuck one is
+      stopped by the runtime when it loses them (or by the launcher). Measured with
+      ``collective_timeout=8, heartbeat_timeout=4``: all processes exit 8.4 s after the
+      hang began; the bound is ``collective_timeout + heartbeat_timeout`` plus a second.
+    * an uncaught exception in one process ends it at once, with status 1, after its
+      traceback: it does not wait in the runtime's shutdown barrier (up to
+      ``shutdown_timeout``) for peers that wait for it in a collective.
+      ``python -m jreplicate.launch`` then stops the others and names that process and
+      its exception (measured with the default timeouts: the group stops 5.4 s after the
+      exception, of which 5 s are the launcher's ``--grace``).
     * validation that decides between continuing and raising (device counts, input
       structure and shapes, end of input, a failing ``input_fn``, checkpoint errors) is
       computed from facts every process shares, so all processes raise together.
@@ -178,11 +186,19 @@ _PEER_FAILURE_SIGNS = ("gloo", "connection closed by peer", "timed out waiting",
 
 
 def _explain_peer_failures(strategy: MultiWorkerStrategy) -> None:
-    """Adds a jreplicate explanation to an uncaught cross-process failure.
+    """Makes an uncaught exception end this process at once, explained.
 
     A dead or stuck peer surfaces as a terse runtime error from XLA or gloo (or as a
-    :class:`ClusterError` from jreplicate's agreements). The hook says, once, what it
-    means and what happens next, then defers to the previous hook.
+    :class:`ClusterError` from jreplicate's agreements): the hook says, once, what it
+    means. Then, after the previous hook has printed the traceback, the process exits
+    with status 1 (130 for KeyboardInterrupt) without running ``atexit`` handlers:
+    JAX's would wait in the distributed runtime's shutdown barrier, up to
+    ``shutdown_timeout``, for peers that are themselves waiting in a collective for
+    this process, so one process's exception would stall the whole group (and a
+    launcher would see a peer abort first). Exiting closes this process's connections,
+    so the peers' collectives fail at once, and ``python -m jreplicate.launch`` stops
+    them and names this process and its exception. An interactive interpreter is not
+    ended.
     """
     previous = sys.excepthook
     if getattr(previous, "_jreplicate", False):
@@ -199,13 +215,28 @@ def _explain_peer_failures(strategy: MultiWorkerStrategy) -> None:
                 "stopped because a collective across processes failed: another process died "
                 f"(detected at once, or within heartbeat_timeout={t.heartbeat_timeout:g}s) "
                 "or stopped taking part (detected after collective_timeout="
-                f"{t.collective_timeout:g}s). See that process's output for the cause; the "
-                "runtime stops the remaining processes within shutdown_timeout="
-                f"{t.shutdown_timeout:g}s.\n")
-            sys.stderr.flush()
+                f"{t.collective_timeout:g}s). See that process's output for the cause (the "
+                "launcher names the process that failed first).\n")
+        if hasattr(sys, "ps1") or sys.flags.interactive:
+            return  # a REPL carries on after an exception
+        _exit_now(130 if issubclass(kind, KeyboardInterrupt) else 1)
 
     hook._jreplicate = True  # type: ignore[attr-defined]
     sys.excepthook = hook
+
+
+def _exit_now(status: int) -> None:
+    """Flushes output and logging, then ends the process without atexit handlers."""
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:  # a closed or broken stream: nothing more to save
+            pass
+    try:
+        logging.shutdown()
+    except Exception:  # a faulty handler must not keep the process alive
+        pass
+    os._exit(status)
 
 
 def _global_mesh(logical_devices_per_replica: int) -> Mesh:

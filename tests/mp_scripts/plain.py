@@ -1,10 +1,11 @@
 """A JAX-free program for launcher tests: prints its environment, then behaves as told.
 
-``python plain.py ok|exit3|kill|flaky|sleep [args...]``
+``python plain.py ok|exit3|kill|flaky|sleep|grandchild [args...]``
 """
 
 import os
 import signal
+import subprocess
 import sys
 import time
 
@@ -24,5 +25,8 @@ if what == "kill" and rank == 1:
     os.kill(os.getpid(), signal.SIGKILL)
 if what == "flaky" and rank == 0 and restart < 2:
     sys.exit(7)
-if what in ("exit3", "kill", "sleep"):
+if what == "grandchild":  # a child of its own, which must die with the launcher
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    print(f"GRANDCHILD {child.pid} of rank={rank}", flush=True)
+if what in ("exit3", "kill", "sleep", "grandchild"):
     time.sleep(60)  # stopped by the launcher long before this

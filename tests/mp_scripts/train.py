@@ -55,6 +55,8 @@ def fail(how: str, step: int) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
     elif how == "hang":
         time.sleep(3600)
+    elif how == "raise":  # an uncaught exception while the others enter the next step
+        raise ValueError(f"bad batch at step {step}")
     raise SystemExit(f"unknown --fail-how {how}")
 
 
