@@ -171,7 +171,7 @@ def uninterrupted(tmp_path_factory):
     (ckpt / "18").mkdir()
     (ckpt / "18" / "junk").write_text("half written")
     r = _launch(["--nproc", "2", "--devices-per-proc", "4", str(SCRIPTS / "train.py"),
-                 "--out", str(out), "--modes", "per_worker,per_replica,single",
+                 "--out", str(out), "--modes", "per_worker,per_replica,single,loop",
                  "--ckpt", str(ckpt), "--save-every", "5"])
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-5000:]
     return out, r
@@ -186,9 +186,10 @@ def test_two_processes_match_one_process_of_eight_devices(uninterrupted):
     assert sorted(p.name for p in (out / "ckpt").iterdir() if p.name.isdigit()) == ["15", "20"]
     # The same training code, 1 process x 8 devices (this pytest process).
     assert jax.device_count() == 8
-    args = train_script.parse_args(["--modes", "per_worker,per_replica,single"])
+    args = train_script.parse_args(["--modes", "per_worker,per_replica,single,loop"])
     ref = train_script.train(MultiWorkerStrategy(num_processes=1), args)
-    for mode in ("per_worker", "per_replica", "single"):
+    # Device loops across processes (3 steps a call, a 2-step tail) train alike too.
+    for mode in ("per_worker", "per_replica", "single", "loop"):
         leaves, losses = _load(out / f"{mode}.npz")
         ref_leaves, ref_losses = ref[mode]
         assert len(losses) == 20

@@ -139,6 +139,7 @@ class SPMDExecutor(Executor):
                     kind = self._sharding_kinds.get(x.sharding) or self._kind_of(x.sharding)
                     if kind == "place":
                         x = jax.device_put(x, replicated)
+                        kind = "c"
                     elif kind != "c":
                         if kind[0] == "logical":
                             # Lives on one logical device: a copy to the others for the

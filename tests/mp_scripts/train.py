@@ -30,7 +30,9 @@ from tests._models import init_mlp, make_data, mlp, per_example_loss  # noqa: E4
 GLOBAL_BATCH = 64
 MODES = {"per_worker": InputReplicationMode.PER_WORKER,
          "per_replica": InputReplicationMode.PER_REPLICA,
-         "single": InputReplicationMode.SINGLE}
+         "single": InputReplicationMode.SINGLE,
+         "loop": InputReplicationMode.PER_WORKER}  # device loops of LOOP_STEPS steps
+LOOP_STEPS = 3
 
 
 def input_fn_for(x, y, mode, start):
@@ -109,6 +111,11 @@ def train(strategy, args: argparse.Namespace) -> dict:
         print(f"START {name} at step {step} (restart {restart})", flush=True)
         inputs = rep.prepare_input(input_fn_for(x, y, mode, step), replication_mode=mode)
         losses = []
+        while name == "loop" and step < args.steps:
+            params, opt, loss, per_replica = rep.run(step_fn, inputs, params, opt,
+                                                     steps=LOOP_STEPS)
+            losses.extend(float(v) for v in np.asarray(loss))
+            step += len(loss)
         while step < args.steps:
             batch = next(inputs)
             if (step == args.fail_at and me == args.fail_process and restart == 0
