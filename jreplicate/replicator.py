@@ -272,7 +272,7 @@ def _check_donate(donate_argnums: Any, num_args: int) -> tuple[int, ...]:
         out = tuple(sorted({int(i) for i in donate_argnums}))
         ok = all(not isinstance(i, bool) and isinstance(i, (int, np.integer))
                  for i in donate_argnums)
-    except TypeError:
+    except (TypeError, ValueError):
         ok = False
     if not ok or any(not 0 <= i < num_args for i in out):
         raise ValueError(

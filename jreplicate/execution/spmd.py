@@ -3,7 +3,6 @@ strategies whose replicas form one mesh (Mirrored, MultiWorker, TPU)."""
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import functools
 from collections.abc import Callable, Iterator, Sequence
@@ -19,6 +18,7 @@ from jreplicate._tree import is_array_like, path_str
 from jreplicate.context import PerReplica
 from jreplicate.execution import nnx_args
 from jreplicate.execution.base import Executor
+from jreplicate.execution.cache import ProgramCache
 from jreplicate.execution.program import Program, Signature
 from jreplicate.strategies.layout import Layout
 
@@ -39,7 +39,7 @@ class SPMDExecutor(Executor):
         self._num_replicas = layout.num_replicas
         self._replicated = layout.replicated
         self._per_replica = layout.per_replica
-        self._programs: collections.OrderedDict = collections.OrderedDict()
+        self._programs = ProgramCache(_MAX_ENTRIES)
         self._node_positions = nnx_args.NodePositions()
         # The (replica, 1) sub-mesh of each logical device, and back.
         self._logical = [_logical_submesh(self._mesh, i)
@@ -87,6 +87,31 @@ class SPMDExecutor(Executor):
     # -- running ---------------------------------------------------------------------
     def run(self, fn: Callable, has_batch: bool, batch: Any, args: tuple, *,
             steps: int | None = None, donate_argnums: tuple[int, ...] = ()) -> Any:
+        program, arrays, split, homes = self._prepare(fn, has_batch, batch, args, steps,
+                                                      donate_argnums)
+        flat = program.jitted(*arrays)
+        mesh, axis = self._mesh, self._axis
+        outs = [PerReplica(x, mesh, axis) if r else x
+                for x, r in zip(flat, program.outputs_per_replica())]
+        if homes:
+            self._send_home(outs, homes, split[0], program)
+        result = jax.tree.unflatten(program.out_tree, outs[:program.num_out])
+        if split[1]:
+            _, node_pos, state = split
+            new_state = jax.tree.unflatten(jax.tree.structure(state), outs[program.num_out:])
+            nnx_args.write_back(args, node_pos, new_state)
+        return result
+
+    def compiled(self, fn: Callable, has_batch: bool, batch: Any, args: tuple, *,
+                 steps: int | None = None, donate_argnums: tuple[int, ...] = ()) -> Any:
+        """The ``jax.stages.Compiled`` program ``run`` would call (for inspection:
+        ``.as_text()``, ``.memory_analysis()``); runs nothing."""
+        program, arrays, _, _ = self._prepare(fn, has_batch, batch, args, steps,
+                                              donate_argnums)
+        return program.jitted.lower(*arrays).compile()
+
+    def _prepare(self, fn, has_batch, batch, args, steps, donate_argnums):
+        """The program for this call's signature (built on first use) and its inputs."""
         node_pos = self._node_positions(args)
         graphdef = state = None
         plain = args
@@ -95,31 +120,16 @@ class SPMDExecutor(Executor):
         leaves, treedef = jax.tree.flatten((batch, plain, state), is_leaf=_is_per_replica)
         homes: list = []
         arrays, kinds = self._place(leaves, treedef, node_pos, homes)
-        key = (fn, has_batch, treedef, graphdef, node_pos, kinds, steps, donate_argnums,
-               tuple((a.shape, a.dtype, getattr(a, "weak_type", False)) for a in arrays))
-        program = self._programs.get(key)
+        rest = (has_batch, treedef, graphdef, node_pos, kinds, steps, donate_argnums,
+                tuple((a.shape, a.dtype, getattr(a, "weak_type", False)) for a in arrays))
+        program = self._programs.get(fn, rest)
         if program is None:
             if node_pos:
                 nnx_args.check_writable(args, node_pos, state)
             donate = _donated_leaves(treedef, node_pos, donate_argnums, len(args))
             sig = Signature(has_batch, treedef, graphdef, node_pos, kinds, steps, donate)
-            program = Program(fn, sig, self.layout)
-            self._programs[key] = program
-            if len(self._programs) > _MAX_ENTRIES:
-                self._programs.popitem(last=False)
-        else:
-            self._programs.move_to_end(key)
-        flat = program.jitted(*arrays)
-        mesh, axis = self._mesh, self._axis
-        outs = [PerReplica(x, mesh, axis) if r else x
-                for x, r in zip(flat, program.outputs_per_replica())]
-        if homes:
-            self._send_home(outs, homes, treedef, program)
-        result = jax.tree.unflatten(program.out_tree, outs[:program.num_out])
-        if node_pos:
-            new_state = jax.tree.unflatten(jax.tree.structure(state), outs[program.num_out:])
-            nnx_args.write_back(args, node_pos, new_state)
-        return result
+            program = self._programs.put(fn, rest, lambda f: Program(f, sig, self.layout))
+        return program, arrays, (treedef, node_pos, state), homes
 
     def _place(self, leaves: list, treedef: Any, node_pos: tuple,
                homes: list) -> tuple[list, tuple]:
