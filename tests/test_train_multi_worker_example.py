@@ -45,6 +45,7 @@ def test_train_multi_worker_example_under_the_launcher_resumes_after_a_failure(t
                 "checkpoint at step 10") in out, out
     assert "[p1] process 1: failing on purpose at step 13" in out
     assert "[p0] step 30/30  loss" in out and "[p0] done: step 30, held-out accuracy" in out
+    assert "process 1 of 2 failed first: exit code 3" in err, err[-3000:]
     assert "succeeded after 1 restart" in err, err[-3000:]
     kept = set(os.listdir(tmp_path / "ckpt"))
     assert {"25", "30"} <= kept and not {"5", "10", "15", "20"} & kept  # max_to_keep=2
