@@ -17,7 +17,19 @@ A checkpoint is complete when its step directory holds Orbax's ``commit_success.
 which Orbax writes as the last act of a save (before the atomic rename from its
 temporary directory). Temporary directories of an interrupted save and step
 directories without the marker are never restored; the chief moves the latter aside
-(to ``<step>.incomplete``) so that later saves are not confused by them.
+(to ``<step>.incomplete-<time>``) so that later saves are not confused by them. A
+complete step whose data cannot be read (files lost after the save) is moved aside too
+(``<step>.damaged-<time>``), with a warning, and the next newest complete one restored.
+
+A checkpoint is restored only into a state of the same structure (the same paths),
+shapes and dtypes as ``init_fn``'s: any difference is a :class:`CheckpointError` naming
+the path and both sides, never a silent cast.
+
+One directory, one job: the chief holds ``<directory>/jreplicate.lock`` (see
+:mod:`jreplicate._dirlock`) from construction to :meth:`CheckpointManager.close`, so a
+second manager on the directory (two jobs started by mistake) fails instead of
+overwriting the first one's steps. The lock dies with its process, so a crashed job's
+restart takes it over.
 """
 
 from __future__ import annotations
@@ -26,6 +38,7 @@ import logging
 import os
 import pickle
 import time
+import weakref
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -34,6 +47,8 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jreplicate._checkpoint_checks import mismatch, one_line, path_problem, quiet_orbax
+from jreplicate._dirlock import LOCK_NAME, DirectoryLock, LockHeldError
 from jreplicate._tree import path_str
 from jreplicate.context import PerReplica
 from jreplicate.strategies.base import Strategy
@@ -60,6 +75,11 @@ class CheckpointManager:
       max_to_keep: the number of most recent checkpoints kept (``None``: all).
       save_interval_steps: :meth:`save` writes only at steps divisible by this (unless
         ``force=True``).
+
+    Raises:
+      CheckpointError: on every process, when the chief cannot create or write
+        ``directory`` (the message names the path), or another manager (another job, or
+        an unclosed manager of this process) holds the directory's lock.
 
     Example (every process runs this; see ``tests/mp_scripts/train.py``)::
 
@@ -106,8 +126,13 @@ class CheckpointManager:
         self._devices = set(strategy.mesh.devices.flat)
         self._agreement = strategy.agreement("checkpoint")
         self._orbax = None
-        if self.is_chief:
-            os.makedirs(self._dir, exist_ok=True)
+        self._lock: DirectoryLock | None = None
+        # The chief's failure (no permission, a file in the way, another job's lock) is
+        # everybody's, at once: not a ClusterError on the others at their next agreement.
+        _, err = self._share(lambda: (None, self._open_directory() if self.is_chief else None),
+                             f"opening the checkpoint directory {self._dir}")
+        if err:
+            raise CheckpointError(err)
 
     # -- facts ---------------------------------------------------------------------
     @property
@@ -149,8 +174,14 @@ class CheckpointManager:
         strategy's devices (state sharded over the ``"model"`` axis stays sharded, a
         logical device's state stays there), else replicated on the strategy's mesh.
 
+        A complete checkpoint whose data cannot be read is moved aside with a warning and
+        the next newest one restored (``init_fn`` when none is left).
+
         Raises:
-          CheckpointError: the chief could not read the checkpoint (on every process).
+          CheckpointError: on every process, when the latest readable checkpoint does not
+            match ``init_fn``'s state: another structure (paths added, removed or
+            renamed), shape or dtype (the message names the path, the stored and the
+            expected); or when the chief cannot move a damaged checkpoint aside.
         """
         if not callable(init_fn):
             raise TypeError(
@@ -160,19 +191,26 @@ class CheckpointManager:
         step, err = self._share(lambda: (self._latest(), None), "the latest checkpoint")
         if err:
             raise CheckpointError(err)
+        restored = None
+        if step is not None:
+            template = _abstract(init_fn)
+            host = _to_host(_zeros_like(template), "restore_or_initialize: init_fn() returned")
+
+            def chief_reads():
+                nonlocal restored
+                if not self.is_chief:
+                    return None, None
+                found, restored, error = self._read_newest(host)
+                return found, error
+
+            # The step actually read: an older one when newer ones turn out damaged.
+            step, err = self._share(chief_reads, "reading the latest checkpoint")
+            if err:
+                raise CheckpointError(err)
         if step is None:
             template = init_fn()
             host = _to_host(template, "restore_or_initialize: init_fn() returned")
             restored = host
-        else:
-            template = _abstract(init_fn)
-            host = _to_host(_zeros_like(template), "restore_or_initialize: init_fn() returned")
-            restored = None
-            if self.is_chief:
-                restored, err = self._read(step, host)
-            _, err = self._share(lambda: (None, err), f"reading checkpoint {step}")
-            if err:
-                raise CheckpointError(err)
         state = self._broadcast(restored if self.is_chief else host)
         placed = jax.tree.map(lambda x, t: jax.device_put(x, self._placement(t)),
                               state, template)
@@ -224,11 +262,20 @@ class CheckpointManager:
         return True
 
     def close(self) -> None:
-        """Finishes pending writes and releases Orbax's resources."""
-        if self._orbax is not None:
-            self._orbax.wait_until_finished()
-            self._orbax.close()
-            self._orbax = None
+        """Finishes pending writes, releases Orbax's resources and the directory's lock.
+
+        Idempotent. A manager that is dropped, or whose process ends, without ``close()``
+        releases the lock too.
+        """
+        try:
+            if self._orbax is not None:
+                self._orbax.wait_until_finished()
+                self._orbax.close()
+                self._orbax = None
+        finally:
+            if self._lock is not None:
+                self._lock.release()
+                self._lock = None
 
     def __enter__(self) -> CheckpointManager:
         return self
@@ -237,6 +284,25 @@ class CheckpointManager:
         self.close()
 
     # -- chief's file work ---------------------------------------------------------
+    def _open_directory(self) -> str | None:
+        """Creates the directory and takes its lock; returns an error message or None."""
+        path = self._dir
+        try:
+            os.makedirs(path, exist_ok=True)
+            self._lock = DirectoryLock(path)
+        except LockHeldError as e:
+            who = ("another CheckpointManager, not closed, of the chief's process"
+                   if e.in_this_process else f"another job: {e}")
+            fix = ("close() that manager first, or use it" if e.in_this_process else
+                   "stop the other job, or give this one another directory. If that job is "
+                   f"gone (e.g. it ran on another host), delete {os.path.join(path, LOCK_NAME)}")
+            return (f"the checkpoint directory {path} is in use by {who}. Two managers "
+                    f"writing one directory overwrite each other's checkpoints: {fix}.")
+        except OSError as e:
+            return path_problem(path, e)
+        weakref.finalize(self, self._lock.release)
+        return None
+
     def _manager(self):
         if self._orbax is None:
             import orbax.checkpoint as ocp
@@ -248,7 +314,8 @@ class CheckpointManager:
                 cleanup_tmp_directories=True,
                 multiprocessing_options=ocp.options.MultiprocessingOptions(
                     primary_host=jax.process_index(), active_processes={jax.process_index()}))
-            self._orbax = ocp.CheckpointManager(self._dir, options=options)
+            self._orbax = ocp.CheckpointManager(self._dir, options=options,
+                                                item_handlers=ocp.StandardCheckpointHandler())
         return self._orbax
 
     def _set_aside_incomplete(self) -> None:
@@ -256,10 +323,16 @@ class CheckpointManager:
         for name in os.listdir(self._dir):
             path = os.path.join(self._dir, name)
             if name.isdigit() and int(name) not in complete and os.path.isdir(path):
-                aside = f"{path}.incomplete-{int(time.time())}"
-                logger.warning("jreplicate: checkpoint %s is incomplete (no %s); moved it to %s",
-                               path, COMMIT_MARKER, aside)
-                os.rename(path, aside)
+                self._set_aside(int(name), "incomplete", f"no {COMMIT_MARKER}")
+
+    def _set_aside(self, step: int, kind: str, why: str) -> None:
+        path = os.path.join(self._dir, str(step))
+        aside = f"{path}.{kind}-{int(time.time())}"
+        logger.warning("jreplicate: checkpoint %s is %s (%s); moved it to %s", path, kind,
+                       why, aside)
+        os.rename(path, aside)
+        if self._orbax is not None:
+            self._orbax.reload()  # forget the step, so that it can be written again
 
     def _latest(self) -> int | None:
         if not self.is_chief:
@@ -267,27 +340,54 @@ class CheckpointManager:
         steps = self.complete_steps()
         return steps[-1] if steps else None
 
+    def _read_newest(self, template: Any) -> tuple[int | None, Any, str | None]:
+        """``(step, state, error)`` of the newest readable checkpoint (step None: none)."""
+        for step in reversed(self.complete_steps()):
+            try:
+                stored = self._stored(step)
+            except Exception as e:  # unreadable metadata: the step is damaged
+                damage = one_line(e)
+            else:
+                differs = mismatch(stored, template, f"checkpoint {step} in {self._dir}")
+                if differs:
+                    return None, None, differs
+                value, damage = self._read(step, template)
+                if damage is None:
+                    return step, value, None
+            try:
+                self._set_aside(step, "damaged", damage)
+            except OSError as e:
+                return None, None, (f"checkpoint {step} in {self._dir} cannot be read "
+                                    f"({damage}) and cannot be moved aside: {one_line(e)}. "
+                                    f"Remove {os.path.join(self._dir, str(step))}.")
+        return None, None, None
+
+    def _stored(self, step: int) -> Any:
+        """The checkpoint's tree of array metadata (shapes and dtypes), read quietly."""
+        with quiet_orbax():
+            metadata = self._manager().item_metadata(step)
+        tree = getattr(metadata, "tree", metadata)
+        if tree is None:
+            raise CheckpointError("no metadata")
+        return tree
+
     def _read(self, step: int, template: Any) -> tuple[Any, str | None]:
+        """``(state, None)``, or ``(None, what is damaged)``."""
         import orbax.checkpoint as ocp
         try:
-            value = self._manager().restore(step, args=ocp.args.StandardRestore(template))
-        except Exception as e:  # reported to every process
-            return None, (f"could not restore checkpoint {step} from {self._dir} "
-                          f"({type(e).__name__}: {e}). If the state's structure changed, start "
-                          "from a new directory; else remove the damaged step directory.")
+            with quiet_orbax():
+                value = self._manager().restore(step, args=ocp.args.StandardRestore(template))
+        except Exception as e:  # the data of a committed checkpoint is damaged
+            return None, one_line(e)
         leaves = jax.tree.leaves(value)
         treedef = jax.tree.structure(template)
-        if len(leaves) != treedef.num_leaves:
-            return None, (f"checkpoint {step} in {self._dir} holds {len(leaves)} arrays but "
-                          f"init_fn()'s state has {treedef.num_leaves}; start from a new "
-                          "directory if the state's structure changed.")
-        paths = [path_str(p) or "the root" for p, _ in jax.tree_util.tree_leaves_with_path(
-            template)]
-        for path, got, want in zip(paths, leaves, jax.tree.leaves(template), strict=True):
-            if np.shape(got) != np.shape(want):  # the other processes expect init_fn's shape
-                return None, (f"checkpoint {step} in {self._dir} holds {path} with shape "
-                              f"{np.shape(got)} but init_fn() gives shape {np.shape(want)}; "
-                              "start from a new directory if the state's shapes changed.")
+        if len(leaves) != treedef.num_leaves:  # metadata and data disagree
+            return None, f"{len(leaves)} arrays restored, {treedef.num_leaves} expected"
+        for got, want in zip(leaves, jax.tree.leaves(template), strict=True):
+            if np.shape(got) != np.shape(want) or np.asarray(got).dtype != want.dtype:
+                return None, (f"data of shape {np.shape(got)} and dtype "
+                              f"{np.asarray(got).dtype} where the metadata says "
+                              f"{want.dtype}{list(np.shape(want))}")
         # Orbax restores containers as plain tuples/dicts: rebuild the template's types.
         return jax.tree.unflatten(treedef, [np.asarray(x) for x in leaves]), None
 
@@ -298,10 +398,13 @@ class CheckpointManager:
             if step in mngr.all_steps():
                 return (f"checkpoint {step} already exists in {self._dir}; save each step "
                         "once, or restore it with restore_or_initialize before training on.")
-            mngr.save(step, args=ocp.args.StandardSave(host), force=True)
-            mngr.wait_until_finished()
+            with quiet_orbax():
+                mngr.save(step, args=ocp.args.StandardSave(host), force=True)
+                mngr.wait_until_finished()
+        except OSError as e:  # reported to every process
+            return f"could not write checkpoint {step}: " + path_problem(self._dir, e)
         except Exception as e:  # reported to every process
-            return f"could not write checkpoint {step} to {self._dir} ({type(e).__name__}: {e})"
+            return f"could not write checkpoint {step} to {self._dir} ({one_line(e)})"
         return None
 
     # -- agreement -----------------------------------------------------------------
