@@ -15,6 +15,7 @@ from jreplicate.strategies import (
     MultiWorkerStrategy,
     Strategy,
     Timeouts,
+    TPUStrategy,
 )
 from jreplicate.sync_replicas import (
     SyncReplicasState,
@@ -47,6 +48,7 @@ __all__ = [
     "Replicator",
     "Strategy",
     "SyncReplicasState",
+    "TPUStrategy",
     "Timeouts",
     "TokenQueue",
     "averaged_params",

@@ -103,6 +103,20 @@ def shard_map_per_leaf_out_specs(
     return two_pass
 
 
+def compiler_options(platform: str, partial_manual: bool) -> dict | None:
+    """XLA options for a step's program.
+
+    jaxlib 0.12's CPU compiler aborts the process ("Invalid binary instruction opcode
+    copy", in AllReducePromotion) on an all-reduce of a 16-bit type inside a
+    ``shard_map`` that is manual over some mesh axes only (a replica spanning several
+    logical devices). Skipping that pass leaves every dtype's collectives correct on CPU
+    (tests/test_model_parallel.py checks bfloat16, float16 and int8).
+    """
+    if platform == "cpu" and partial_manual:
+        return {"xla_disable_hlo_passes": "all-reduce-promotion"}
+    return None
+
+
 # -- the distributed runtime -------------------------------------------------------
 def backends_are_initialized() -> bool:
     """Whether the JAX backend has started (after which jax.distributed can't start)."""

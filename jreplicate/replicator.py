@@ -43,6 +43,7 @@ class Replicator:
         self._strategy = strategy
         self._layout = strategy.layout
         self._executor = strategy.make_executor()
+        self._steps_per_run = strategy.steps_per_run
         # Iterators finalize() closes; held weakly so a dropped one can be collected.
         self._iterators: weakref.WeakSet[InputIterator] = weakref.WeakSet()
 
@@ -187,7 +188,8 @@ class Replicator:
             step to step, Flax NNX modules are carried in place, and the other outputs
             come back stacked ``[K, ...]``. The result equals K separate calls. A final
             stretch of fewer than K batches runs as a shorter loop (compiled once for
-            that length); the iterator then raises StopIteration.
+            that length); the iterator then raises StopIteration. Default: the
+            strategy's ``steps_per_run`` for an input iterator (None: one step).
           donate_argnums: positions in ``args`` whose buffers the step may reuse for
             its outputs (as ``jax.jit``'s ``donate_argnums``): the arrays passed there
             are deleted, so pass state you replace with the step's result
@@ -210,6 +212,8 @@ class Replicator:
         if steps is not None:
             steps = _check_steps(steps)
         if isinstance(inputs, InputIterator):
+            if steps is None:
+                steps = self._steps_per_run
             if inputs._owner is not self:
                 raise ValueError(
                     "Replicator.run(fn, inputs): `inputs` was prepared by another "

@@ -25,6 +25,7 @@ STRATEGY_FACTORIES = {
     "mirrored-1": lambda: jr.MirroredStrategy(devices=[0]),
     # 4 replicas x 2 logical devices: the step is manual over "replica" only.
     "mirrored-4x2": lambda: jr.MirroredStrategy(logical_devices_per_replica=2),
+    "tpu-8": lambda: jr.TPUStrategy(devices=jax.devices()),  # laid out as on a TPU
 }
 
 

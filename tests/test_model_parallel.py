@@ -292,3 +292,20 @@ def test_layout_errors_name_the_fix():
             from flax import nnx
             nnx.Linear(2, 4, kernel_init=nnx.with_partitioning(
                 nnx.initializers.lecun_normal(), (None, "modle")), rngs=nnx.Rngs(0))
+
+
+@pytest.mark.parametrize("m", [1, 2])
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16, jnp.int8])
+def test_collectives_of_narrow_dtypes(m, dtype):
+    """jaxlib 0.12's CPU compiler aborted on these with a replica over 2 devices."""
+    rep = jr.Replicator(jr.MirroredStrategy(logical_devices_per_replica=m))
+    n = rep.num_replicas
+
+    def f(ctx):
+        x = (jnp.ones(3) * ctx.replica_id).astype(dtype)
+        return ctx.all_sum(x), ctx.all_max(x)
+
+    out = rep.run(f)
+    assert out[0].dtype == dtype
+    np.testing.assert_array_equal(np.asarray(out[0], np.float32), np.full(3, n * (n - 1) / 2))
+    np.testing.assert_array_equal(np.asarray(out[1], np.float32), np.full(3, n - 1))

@@ -56,10 +56,16 @@ class Program:
         axis = layout.replica_axis
         in_specs = tuple(P(axis) if k == "r" else P() for k in sig.kinds)
         body = _body(fn, sig, layout, self)
+        # Manual over the replica axis only when a replica spans several devices (the
+        # model axis stays automatic); else over the whole (replicas, 1) mesh.
+        partial = layout.logical_devices_per_replica > 1
+        manual = frozenset({axis}) if partial else frozenset(layout.mesh.axis_names)
         call = _jax_compat.shard_map_per_leaf_out_specs(
-            body, mesh=layout.mesh, in_specs=in_specs, axis=axis,
-            manual_axes=frozenset({axis}), specs=self.specs)
-        self.jitted = jax.jit(call, donate_argnums=sig.donate)
+            body, mesh=layout.mesh, in_specs=in_specs, axis=axis, manual_axes=manual,
+            specs=self.specs)
+        self.jitted = jax.jit(call, donate_argnums=sig.donate,
+                              compiler_options=_jax_compat.compiler_options(
+                                  layout.devices[0].platform, partial))
 
     def outputs_per_replica(self) -> tuple[bool, ...]:
         if self.per_replica is None:

@@ -180,7 +180,8 @@ class SPMDExecutor(Executor):
         the argument's new value), ``("logical", i)`` from logical device ``i``, or
         ``"place"``: copied replicated."""
         if isinstance(s, NamedSharding) and s.mesh == self._mesh:
-            kind = ("m", s.spec) if _spec_axes(s.spec) else "c"
+            split = _spec_axes(s.spec) and self.layout.logical_devices_per_replica > 1
+            kind = ("m", s.spec) if split else "c"
         elif isinstance(s, NamedSharding) and s.mesh in self._logical_index:
             kind = ("logical", self._logical_index[s.mesh])
         else:

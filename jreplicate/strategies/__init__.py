@@ -5,6 +5,7 @@ from jreplicate.strategies.cluster import ClusterError, ClusterSpec, Timeouts
 from jreplicate.strategies.layout import Layout
 from jreplicate.strategies.mirrored import MirroredStrategy
 from jreplicate.strategies.multi_worker import MultiWorkerStrategy
+from jreplicate.strategies.tpu import TPUStrategy
 
 __all__ = [
     "MODEL_AXIS",
@@ -15,5 +16,6 @@ __all__ = [
     "MirroredStrategy",
     "MultiWorkerStrategy",
     "Strategy",
+    "TPUStrategy",
     "Timeouts",
 ]

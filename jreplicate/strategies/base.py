@@ -40,6 +40,12 @@ class Strategy(abc.ABC):
     def make_executor(self) -> Executor:
         """A new executor running steps for one :class:`jreplicate.Replicator`."""
 
+    @property
+    def steps_per_run(self) -> int | None:
+        """Steps per :meth:`jreplicate.Replicator.run` call with an input iterator when
+        ``steps=`` is not given (None: one step)."""
+        return None
+
     def agreement(self, name: str) -> Agreement | None:
         """A channel on which the processes agree on small facts each step (input
         outcomes, checkpoint errors), or ``None`` when there is one process. Every

@@ -72,6 +72,14 @@ def mesh_layout(mesh: Mesh, *, num_replicas_in_sync: int | None = None) -> Layou
     """The layout of an SPMD mesh of shape ``(replicas, logical devices per replica)``."""
     grid = np.asarray(mesh.devices)
     replica_devices = tuple(tuple(row) for row in grid.reshape(grid.shape[0], -1))
+    for r, row in enumerate(replica_devices):
+        if len({d.process_index for d in row}) > 1:
+            raise ValueError(
+                f"replica {r} would span devices of processes "
+                f"{sorted({d.process_index for d in row})}; a replica's logical devices must "
+                "belong to one process. Choose logical_devices_per_replica dividing the "
+                "number of devices per process."
+            )
     me = jax.process_index()
     procs = sorted({d.process_index for row in replica_devices for d in row})
     local = tuple(r for r, row in enumerate(replica_devices) if row[0].process_index == me)
@@ -113,12 +121,4 @@ def replica_mesh(devices: Sequence[jax.Device], logical_devices_per_replica: int
             "devices."
         )
     grid = np.array(list(devices), dtype=object).reshape(n // m, m)
-    for r, row in enumerate(grid):
-        procs = {d.process_index for d in row}
-        if len(procs) > 1:
-            raise ValueError(
-                f"{where}: replica {r} would span devices of processes {sorted(procs)}; a "
-                "replica's logical devices must belong to one process. Choose "
-                "logical_devices_per_replica dividing the number of devices per process."
-            )
     return Mesh(grid, (REPLICA_AXIS, MODEL_AXIS), axis_types=(AxisType.Auto, AxisType.Auto))

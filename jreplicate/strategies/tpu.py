@@ -1,0 +1,147 @@
+"""TPUStrategy: synchronous replication over TPU devices, laid out for the interconnect."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from typing import final
+
+import jax
+import numpy as np
+from jax.experimental import mesh_utils
+from jax.sharding import AxisType, Mesh
+
+from jreplicate.execution.spmd import SPMDExecutor
+from jreplicate.strategies import cluster as _cluster
+from jreplicate.strategies.base import Strategy
+from jreplicate.strategies.layout import (
+    MODEL_AXIS,
+    REPLICA_AXIS,
+    Layout,
+    check_logical_devices_per_replica,
+    mesh_layout,
+)
+
+_instances = itertools.count()
+_AUTO = (AxisType.Auto, AxisType.Auto)
+
+
+@final
+class TPUStrategy(Strategy):
+    """Synchronous replication over TPU devices, with the mesh ordered for the
+    interconnect and, optionally, device loops and several logical devices per replica.
+
+    The ``("replica", "model")`` mesh comes from ``jax.make_mesh`` (which orders devices
+    along the ICI torus); on a multi-slice job (devices with several ``slice_index``
+    values) from ``mesh_utils.create_hybrid_device_mesh``, with the slices (DCN) as the
+    outermost part of the replica axis, so that a replica's logical devices share a
+    slice and only the gradient all-reduce crosses DCN. Axis types are ``Auto``. Steps
+    compile and run as with :class:`jreplicate.MirroredStrategy`.
+
+    Mixed precision is the step's business: keep parameters and optimizer state in
+    float32 and cast to bfloat16 for the forward pass (``examples/mixed_precision.py``);
+    gradients of the float32 parameters come back float32.
+
+    Args:
+      devices: the TPU devices to use (default: all of ``jax.devices()``, which must be
+        TPUs). Passing devices of another platform lays them out the same way, which is
+        how tests run this strategy on CPU.
+      logical_devices_per_replica: M, the devices one replica spans (the ``"model"``
+        axis, default 1).
+      steps_per_run: when set, :meth:`jreplicate.Replicator.run` with an input iterator
+        runs this many steps per call as a device loop unless ``steps=`` is given (see
+        ``Replicator.run``): the step must then return its arguments first. Default
+        None: one step per call.
+
+    Raises:
+      ValueError: no TPU devices and none passed, devices that do not factor into
+        replicas x logical devices (per slice), or a bad ``steps_per_run``.
+
+    Example (on CPU, with devices passed)::
+
+        >>> import jax, jreplicate as jr
+        >>> s = jr.TPUStrategy(devices=jax.devices(), logical_devices_per_replica=2)
+        >>> s.num_replicas, s.logical_devices_per_replica
+        (4, 2)
+    """
+
+    def __init__(self, devices: Sequence[jax.Device] | None = None, *,
+                 logical_devices_per_replica: int = 1, steps_per_run: int | None = None):
+        m = check_logical_devices_per_replica(logical_devices_per_replica, "TPUStrategy")
+        if steps_per_run is not None and (
+                isinstance(steps_per_run, bool) or not isinstance(steps_per_run, int)
+                or steps_per_run < 1):
+            raise ValueError(
+                f"TPUStrategy(steps_per_run={steps_per_run!r}) must be an int >= 1 (steps "
+                "per device loop), or None for one step per run call."
+            )
+        devs = _tpu_devices(devices)
+        self._layout = mesh_layout(tpu_mesh(devs, m))
+        self._steps_per_run = steps_per_run
+        self._uid = next(_instances)
+        self._agreements = itertools.count()
+
+    @property
+    def layout(self) -> Layout:
+        return self._layout
+
+    @property
+    def steps_per_run(self) -> int | None:
+        return self._steps_per_run
+
+    def make_executor(self) -> SPMDExecutor:
+        return SPMDExecutor(self._layout)
+
+    def agreement(self, name: str) -> _cluster.Agreement | None:
+        if self.num_workers == 1:
+            return None
+        prefix = f"jreplicate/tpu{self._uid}/{name}/{next(self._agreements)}"
+        return _cluster.Agreement(prefix, self.num_workers, self.worker_index,
+                                  _cluster.Timeouts().collective_timeout)
+
+
+def _tpu_devices(devices: Sequence[jax.Device] | None) -> list:
+    if devices is None:
+        found = jax.devices()
+        if found[0].platform != "tpu":
+            raise ValueError(
+                f"TPUStrategy() found no TPU devices: jax.devices() are {len(found)} "
+                f"{found[0].platform} device(s). On CPU or GPU use jr.MirroredStrategy() "
+                "(or MultiWorkerStrategy across processes); to lay other devices out as "
+                "TPUStrategy does (e.g. in tests), pass devices=jax.devices()."
+            )
+        return list(found)
+    devices = list(devices)
+    if not devices or not all(isinstance(d, jax.Device) for d in devices):
+        raise ValueError(
+            "TPUStrategy(devices=...) must be a non-empty list of jax.Device objects, e.g. "
+            "jax.devices()."
+        )
+    if len(set(devices)) != len(devices):
+        raise ValueError("TPUStrategy(devices=...) lists a device twice; each device once.")
+    return devices
+
+
+def tpu_mesh(devices: Sequence, logical_devices_per_replica: int) -> Mesh:
+    """The ``(replica, model)`` mesh of ``devices``: ``jax.make_mesh`` order on one slice,
+    ``create_hybrid_device_mesh`` with the slices outermost on several."""
+    m, n = logical_devices_per_replica, len(devices)
+    slices = sorted({getattr(d, "slice_index", 0) for d in devices})
+    per_slice = n // len(slices)
+    if n % len(slices) or any(
+            sum(getattr(d, "slice_index", 0) == s for d in devices) != per_slice for s in slices):
+        raise ValueError(f"TPUStrategy: the {len(slices)} slices hold different numbers of "
+                         "the given devices; use the same number of devices on every slice.")
+    if per_slice % m:
+        fits = [k for k in range(1, per_slice + 1) if per_slice % k == 0]
+        raise ValueError(
+            f"TPUStrategy: {per_slice} devices per slice do not factor into replicas of "
+            f"logical_devices_per_replica={m} devices each (a replica stays on one slice). "
+            f"Use one of {fits}."
+        )
+    if len(slices) > 1:
+        grid = mesh_utils.create_hybrid_device_mesh(
+            (per_slice // m, m), (len(slices), 1), devices=list(devices))
+        return Mesh(np.asarray(grid), (REPLICA_AXIS, MODEL_AXIS), axis_types=_AUTO)
+    return jax.make_mesh((n // m, m), (REPLICA_AXIS, MODEL_AXIS), axis_types=_AUTO,
+                         devices=list(devices))
