@@ -63,9 +63,11 @@ class Program:
         call = _jax_compat.shard_map_per_leaf_out_specs(
             body, mesh=layout.mesh, in_specs=in_specs, axis=axis, manual_axes=manual,
             specs=self.specs)
-        self.jitted = jax.jit(call, donate_argnums=sig.donate,
-                              compiler_options=_jax_compat.compiler_options(
-                                  layout.devices[0].platform, partial))
+        options = _jax_compat.compiler_options(layout.devices[0].platform, partial)
+        self.jitted = jax.jit(call, donate_argnums=sig.donate, compiler_options=options)
+        # Under an outer jax.jit, whose compilation options are the caller's.
+        self.jitted_nested = jax.jit(call, donate_argnums=sig.donate) if options \
+            else self.jitted
 
     def outputs_per_replica(self) -> tuple[bool, ...]:
         if self.per_replica is None:

@@ -87,9 +87,9 @@ class SPMDExecutor(Executor):
     # -- running ---------------------------------------------------------------------
     def run(self, fn: Callable, has_batch: bool, batch: Any, args: tuple, *,
             steps: int | None = None, donate_argnums: tuple[int, ...] = ()) -> Any:
-        program, arrays, split, homes = self._prepare(fn, has_batch, batch, args, steps,
-                                                      donate_argnums)
-        flat = program.jitted(*arrays)
+        program, arrays, split, homes, traced = self._prepare(fn, has_batch, batch, args,
+                                                              steps, donate_argnums)
+        flat = (program.jitted_nested if traced else program.jitted)(*arrays)
         mesh, axis = self._mesh, self._axis
         outs = [PerReplica(x, mesh, axis) if r else x
                 for x, r in zip(flat, program.outputs_per_replica())]
@@ -106,8 +106,8 @@ class SPMDExecutor(Executor):
                  steps: int | None = None, donate_argnums: tuple[int, ...] = ()) -> Any:
         """The ``jax.stages.Compiled`` program ``run`` would call (for inspection:
         ``.as_text()``, ``.memory_analysis()``); runs nothing."""
-        program, arrays, _, _ = self._prepare(fn, has_batch, batch, args, steps,
-                                              donate_argnums)
+        program, arrays, _, _, _ = self._prepare(fn, has_batch, batch, args, steps,
+                                                 donate_argnums)
         return program.jitted.lower(*arrays).compile()
 
     def _prepare(self, fn, has_batch, batch, args, steps, donate_argnums):
@@ -119,7 +119,7 @@ class SPMDExecutor(Executor):
             graphdef, state, plain = nnx_args.split(args, node_pos)
         leaves, treedef = jax.tree.flatten((batch, plain, state), is_leaf=_is_per_replica)
         homes: list = []
-        arrays, kinds = self._place(leaves, treedef, node_pos, homes)
+        arrays, kinds, traced = self._place(leaves, treedef, node_pos, homes)
         rest = (has_batch, treedef, graphdef, node_pos, kinds, steps, donate_argnums,
                 tuple((a.shape, a.dtype, getattr(a, "weak_type", False)) for a in arrays))
         program = self._programs.get(fn, rest)
@@ -129,20 +129,24 @@ class SPMDExecutor(Executor):
             donate = _donated_leaves(treedef, node_pos, donate_argnums, len(args))
             sig = Signature(has_batch, treedef, graphdef, node_pos, kinds, steps, donate)
             program = self._programs.put(fn, rest, lambda f: Program(f, sig, self.layout))
-        return program, arrays, (treedef, node_pos, state), homes
+        return program, arrays, (treedef, node_pos, state), homes, traced
 
     def _place(self, leaves: list, treedef: Any, node_pos: tuple,
-               homes: list) -> tuple[list, tuple]:
+               homes: list) -> tuple[list, tuple, bool]:
+        """The step's input arrays placed for the mesh, their kinds, and whether any is
+        traced by an outer ``jax.jit``; logical-device arguments are noted in ``homes``."""
         arrays, kinds = [], []
+        traced = False
         replicated = self._replicated
         for i, x in enumerate(leaves):
             if isinstance(x, PerReplica):
                 arrays.append(self._check_per_replica(x, i, treedef, node_pos))
+                traced = traced or isinstance(x.array, jax.core.Tracer)
                 kinds.append("r")
                 continue
             if isinstance(x, jax.Array):
                 if isinstance(x, jax.core.Tracer):
-                    pass  # under an outer jit: shard_map's in_specs place it
+                    traced = True  # under an outer jit: shard_map's in_specs place it
                 elif x.is_deleted():
                     raise _deleted_error(_leaf_paths(treedef, node_pos)[i])
                 else:
@@ -172,7 +176,7 @@ class SPMDExecutor(Executor):
                 )
             arrays.append(x)
             kinds.append("c")
-        return arrays, tuple(kinds)
+        return arrays, tuple(kinds), traced
 
     def _kind_of(self, s: Any) -> Any:
         """How ``run`` takes an argument with sharding ``s``: ``"c"`` as it is (replicated),

@@ -1,0 +1,40 @@
+"""Interleaved timing shared by the benchmarks: ratios measured side by side."""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+
+import jax
+
+
+def time_block(run: Callable[[], object], calls: int) -> float:
+    """Seconds per call of ``run`` over ``calls`` calls, waiting for the device at the end."""
+    t0 = time.perf_counter()
+    out = None
+    for _ in range(calls):
+        out = run()
+    jax.block_until_ready(out)
+    return (time.perf_counter() - t0) / calls
+
+
+def interleaved(impls: dict[str, tuple[Callable[[], object], int]], rounds: int,
+                warmup: int = 2) -> dict[str, list[float]]:
+    """Times every ``(run, calls)`` of ``impls`` once per round, the order rotated every
+    round so that slow drifts of background load hit all alike. Returns the seconds per
+    call of each round, by name."""
+    for run, _ in impls.values():
+        time_block(run, warmup)
+    names = list(impls)
+    times: dict[str, list[float]] = {name: [] for name in names}
+    for r in range(rounds):
+        for name in names[r % len(names):] + names[:r % len(names)]:
+            run, calls = impls[name]
+            times[name].append(time_block(run, calls))
+    return times
+
+
+def paired_ratio(times: dict[str, list[float]], a: str, b: str) -> float:
+    """Median over rounds of ``a``'s time over ``b``'s in the same round."""
+    return statistics.median(x / y for x, y in zip(times[a], times[b]))
