@@ -1,8 +1,8 @@
 """Peak memory of an Adam step with and without donation: jreplicate vs hand-written.
 
-The peak is XLA's own account of the compiled program (``memory_analysis()``: arguments
-+ outputs - aliased buffers + temporaries), summed over one device: it is exact and
-free of timing noise. An MLP 784-1024-1024-10 with Adam on 8 simulated CPU devices;
+The peak is XLA's own account of the compiled per-device program
+(``memory_analysis()``: arguments + outputs - aliased buffers + temporaries): it is
+exact and free of timing noise. An MLP 784-1024-1024-10 with Adam on 8 simulated CPU devices;
 jreplicate's ``run(..., donate_argnums=(0, 1))`` against ``jax.jit(shard_map(...),
 donate_argnums=...)`` of the same step, and both without donation.
 
@@ -76,11 +76,11 @@ def main() -> None:
                     hand(True)),
         "kept": (peak(ex.compiled(step, True, batch, (params, opt))), hand(False)),
     }
-    state = sum(a.nbytes for a in jax.tree.leaves((params, opt))) / n
+    state = sum(a.nbytes for a in jax.tree.leaves((params, opt)))  # each device holds it
     print(f"Adam step, MLP {'-'.join(map(str, SIZES))}: state {state / 2**20:.2f} MiB/device")
     print(f"{'state':8s} {'jreplicate MiB':>15s} {'hand-written MiB':>17s} {'ratio':>6s}")
     for name, (ours, theirs) in rows.items():
-        print(f"{name:8s} {ours / n / 2**20:15.2f} {theirs / n / 2**20:17.2f} "
+        print(f"{name:8s} {ours / 2**20:15.2f} {theirs / 2**20:17.2f} "
               f"{ours / theirs:6.3f}")
     print(f"jreplicate kept / donated: {rows['kept'][0] / rows['donated'][0]:.3f}")
 
