@@ -10,9 +10,10 @@ from nbclient import NotebookClient
 COLAB = pathlib.Path(__file__).parent.parent / "colab"
 NOTEBOOKS = sorted(COLAB.glob("*.ipynb"))
 QUICKSTART = COLAB / "quickstart.ipynb"
-# Every notebook on 8 simulated CPU devices; the quickstart, which must run unchanged on
-# any device count, also on 1 (its first cell reads JREPLICATE_NOTEBOOK_DEVICES).
-CASES = [(path, 8) for path in NOTEBOOKS] + [(QUICKSTART, 1)]
+MODEL_PARALLEL = COLAB / "model_parallel_and_device_loops.ipynb"
+# Every notebook on 8 simulated CPU devices; those that must run unchanged on any device
+# count also on 1 (their first cell reads JREPLICATE_NOTEBOOK_DEVICES).
+CASES = [(path, 8) for path in NOTEBOOKS] + [(QUICKSTART, 1), (MODEL_PARALLEL, 1)]
 
 
 def _outputs(nb) -> list[str]:
@@ -34,6 +35,13 @@ def test_notebook_runs(path, devices, monkeypatch):
               if o.get("output_type") == "error"]
     assert not errors, errors
     assert os.environ["XLA_FLAGS"]
+    if path == MODEL_PARALLEL:
+        text = "\n".join(_outputs(nb))
+        m = 2 if devices % 2 == 0 else 1
+        assert f"{devices // m} replicas x {m} logical devices" in text, text
+        for claim in ("tensor-parallel == 1 device", "two stages == 1 device",
+                      "10 steps in one loop == 10 run calls, bit for bit", "K =  50"):
+            assert claim in text, text
     if path == QUICKSTART:
         text = "\n".join(_outputs(nb))
         assert f"{devices} replicas on cpu" in text, text
