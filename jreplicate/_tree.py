@@ -41,3 +41,38 @@ def check_array_leaves(tree: Any, what: str) -> None:
 def what_path(path: tuple) -> str:
     s = path_str(path)
     return f"path {s}" if s else "the root"
+
+
+_INT32 = np.iinfo(np.int32)
+_UINT32 = np.iinfo(np.uint32)
+_FLOAT32_MAX = float(np.finfo(np.float32).max)
+
+
+def check_fits(x: np.ndarray, where: str | Callable[[], str]) -> None:
+    """Raises ValueError when JAX, with 64-bit types disabled, would change the values of
+    the 64-bit numpy array ``x`` (ints wrapped modulo 2**32, floats turned into inf).
+    ``where`` names the value (or is called to name it, only for the error)."""
+    kind = x.dtype
+    if kind not in (np.int64, np.uint64, np.float64) or not x.size:
+        return
+    if jax.config.jax_enable_x64:
+        return
+    if kind == np.float64:
+        big = float(np.max(np.abs(x), initial=0.0, where=np.isfinite(x)))
+        if big <= _FLOAT32_MAX:
+            return
+        bad, target, fix = big, "float32", "scale it, or keep it as float64"
+    else:
+        info = _INT32 if kind == np.int64 else _UINT32
+        lo, hi = int(x.min()), int(x.max())
+        if info.min <= lo and hi <= info.max:
+            return
+        bad = lo if lo < info.min else hi
+        target, fix = info.dtype.name, "e.g. split it into two int32 parts or use float64"
+    where = where if isinstance(where, str) else where()
+    raise ValueError(
+        f"{where} holds {bad!r} ({kind.name}), which does not fit {target}: with JAX's "
+        f"64-bit types disabled it would silently arrive changed (wrapped or inf). Convert "
+        f"it to a type that holds it ({fix}), or enable 64-bit types before any JAX work: "
+        "jax.config.update('jax_enable_x64', True)."
+    )

@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
+from jreplicate._jax_compat import axis_bound
 from jreplicate._jax_compat import varying_axes as _varying
 from jreplicate._tree import check_array_leaves
 
@@ -51,6 +52,12 @@ class ReplicaContext:
     @property
     def replica_id(self) -> jax.Array:
         """This replica's id, a traced int32 scalar in ``[0, num_replicas)``."""
+        if not axis_bound(self._axis):
+            raise RuntimeError(
+                "ReplicaContext.replica_id was read outside the step Replicator.run is "
+                "running: a ReplicaContext is only valid inside the call of the step it "
+                "was passed to."
+            )
         return jax.lax.axis_index(self._axis).astype(jnp.int32)
 
     @property
@@ -85,6 +92,13 @@ class ReplicaContext:
         return contextlib.nullcontext()
 
     def _prepare(self, value: T, name: str) -> T:
+        if not axis_bound(self._axis):
+            raise RuntimeError(
+                f"ReplicaContext.{name} was called outside the step Replicator.run is "
+                "running: a ReplicaContext is only valid inside the call of the step it was "
+                "passed to. Call the collective inside the step; outside it, combine "
+                "per-replica results with rep.reduce(...) or rep.local_results(...)."
+            )
         check_array_leaves(value, f"ReplicaContext.{name}(value)")
         if any(isinstance(x, PerReplica) for x in jax.tree.leaves(
                 value, is_leaf=lambda x: isinstance(x, PerReplica))):

@@ -10,6 +10,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from jreplicate._jax_compat import axis_bound
 from jreplicate.context import check_logical_device
 from jreplicate.input.context import InputContext, InputReplicationMode
 from jreplicate.input.iterator import InputIterator
@@ -208,6 +209,13 @@ class Replicator:
         if not callable(fn):
             raise TypeError(f"Replicator.run(fn) must be callable, got {type(fn).__name__}.")
         donate = _check_donate(donate_argnums, len(args))
+        if axis_bound(self._layout.replica_axis):
+            raise RuntimeError(
+                "Replicator.run was called inside a step that Replicator.run is running. "
+                "A step runs on every replica already: call the inner function directly "
+                "(passing it the step's ctx for collectives), or call run from outside "
+                "the step."
+            )
         has_batch = inputs is not None  # before get_next: an element may itself be None
         if steps is not None:
             steps = _check_steps(steps)
@@ -219,14 +227,24 @@ class Replicator:
                     "Replicator.run(fn, inputs): `inputs` was prepared by another "
                     "Replicator. Call prepare_input on the Replicator that runs the step."
                 )
+            iterator = inputs
             inputs, steps = (inputs.get_next(), None) if steps is None \
                 else inputs._get_steps(steps)
+            try:
+                return self._executor.run(fn, has_batch, inputs, args, steps=steps,
+                                          donate_argnums=donate)
+            except BaseException:
+                # The step raised (or was interrupted): its batch stays for a retry.
+                iterator._put_back(inputs if steps is None else (inputs, steps), steps)
+                raise
         elif steps is not None and inputs is not None:
             raise TypeError(
                 "Replicator.run(fn, inputs, ..., steps=K) takes its K batches from an "
                 f"InputIterator (rep.prepare_input(input_fn)), not a {type(inputs).__name__}."
                 " Pass the iterator, or inputs=None for a loop without input."
             )
+        elif inputs is not None:
+            inputs = self._executor.split_batch(inputs)
         # No jax.set_mesh here: fn runs inside shard_map over this mesh, which is the
         # scope, and run stays usable under an outer jax.jit (set_mesh is not).
         return self._executor.run(fn, has_batch, inputs, args, steps=steps,

@@ -42,6 +42,11 @@ class Executor(abc.ABC):
         leaf position. Returns the pytree ``run`` receives as ``inputs``. A leaf may
         carry a leading axis of K steps (see :meth:`run`'s ``steps``)."""
 
+    def split_batch(self, batch: Any) -> Any:
+        """``run``'s ``inputs`` given as a pytree: :class:`PerReplica` leaves as they are,
+        other leaves taken as global batches and split over the replicas."""
+        return batch
+
     @abc.abstractmethod
     def run(self, fn: Callable, has_batch: bool, batch: Any, args: tuple, *,
             steps: int | None, donate_argnums: tuple[int, ...]) -> Any:

@@ -129,3 +129,73 @@ def state_leaves(new_state: Any, structure: Any, axis: str) -> list:
                 "it first, e.g. `ctx.all_sum(x) / ctx.num_replicas`."
             )
     return [x for _, x in pairs]
+
+
+_SIMPLE = (bool, int, float, complex, str, bytes, type(None))
+
+
+def _static_attributes(node: Any, path: tuple = (), out: dict | None = None,
+                       seen: set | None = None) -> dict:
+    """The plain Python attributes (numbers, strings, None) of a graph of NNX objects,
+    by path: what ``nnx.split`` keeps in the static graph definition."""
+    from flax import nnx
+    out = {} if out is None else out
+    seen = set() if seen is None else seen
+    if id(node) in seen:
+        return out
+    seen.add(id(node))
+    if isinstance(node, nnx.Variable):
+        return out
+    if isinstance(node, (list, tuple)):
+        items = enumerate(node)
+    elif isinstance(node, dict):
+        items = node.items()
+    elif isinstance(node, (nnx.Module, getattr(nnx, "Pytree", nnx.Module),
+                           getattr(nnx, "Object", nnx.Module))):
+        items = ((k, v) for k, v in vars(node).items() if not k.startswith("_"))
+    else:
+        return out
+    for k, v in items:
+        if isinstance(v, _SIMPLE):
+            out[path + (k,)] = v
+        else:
+            _static_attributes(v, path + (k,), out, seen)
+    return out
+
+
+def check_static_unchanged(graphdef: Any, state: Any, nodes: tuple, node_pos: tuple) -> None:
+    """Raises when the step changed a plain Python attribute of an NNX module: that
+    happens once, while tracing, and could not be written back."""
+    from flax import nnx
+    if nnx.split(nodes)[0] == graphdef:
+        return
+    before = _static_attributes(nnx.merge(graphdef, state))
+    after = _static_attributes(nodes)
+    changed = [p for p in sorted(set(before) | set(after), key=str)
+               if before.get(p, "<absent>") != after.get(p, "<absent>")]
+    def name(p):
+        return f"argument [{node_pos[p[0]]}]" + "".join(
+            f".{k}" if isinstance(k, str) else f"[{k}]" for k in p[1:])
+    listing = ", ".join(f"{name(p)} ({before.get(p, '<absent>')!r} -> "
+                        f"{after.get(p, '<absent>')!r})" for p in changed[:5])
+    raise ValueError(
+        "the step function changed a plain Python attribute of a Flax NNX module"
+        + (f": {listing}" if listing else " (or added or removed a submodule)")
+        + ". Such a change happens once, while the step is traced, not at every step, and "
+        "cannot be written back to the module. Keep values that change in an "
+        "nnx.Variable (e.g. self.count = nnx.Variable(jnp.array(0)); "
+        "self.count[...] += 1), or change the attribute outside the step."
+    )
+
+
+def explain_closure(e: Exception) -> Exception | None:
+    """jreplicate's error for Flax's, when a step closes over an NNX module."""
+    if "different trace level" not in str(e):
+        return None
+    return ValueError(
+        "the step function uses a Flax NNX module or nnx.Optimizer it closes over (e.g. "
+        "one created in rep.scope() outside the step). Inside Replicator.run a module's "
+        "state must come in as an argument so that run can replicate it and write the "
+        "update back: pass the module and its optimizer to run, "
+        "rep.run(step, inputs, model, optimizer), and take them as parameters of step."
+    )

@@ -122,8 +122,17 @@ def _call(fn: Callable, ctx: ReplicaContext, sig: Signature, batch: Any, plain: 
           state: Any) -> tuple[Any, Any]:
     nodes = nnx_args.merge(sig.graphdef, state) if sig.graphdef is not None else ()
     args = nnx_args.interleave(plain, nodes, sig.node_pos)
-    out = fn(ctx, batch, *args) if sig.has_batch else fn(ctx, *args)
-    return out, (nnx_args.state_of(nodes) if sig.graphdef is not None else None)
+    try:
+        out = fn(ctx, batch, *args) if sig.has_batch else fn(ctx, *args)
+    except ValueError as e:
+        better = nnx_args.explain_closure(e)
+        if better is None:
+            raise
+        raise better from e
+    if sig.graphdef is None:
+        return out, None
+    nnx_args.check_static_unchanged(sig.graphdef, state, nodes, sig.node_pos)
+    return out, nnx_args.state_of(nodes)
 
 
 def _loop(fn: Callable, ctx: ReplicaContext, sig: Signature, batch: Any, plain: tuple,

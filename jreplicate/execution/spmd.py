@@ -14,7 +14,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jreplicate._tree import is_array_like, path_str
+from jreplicate._tree import check_fits, is_array_like, path_str
 from jreplicate.context import PerReplica
 from jreplicate.execution import nnx_args
 from jreplicate.execution.base import Executor
@@ -83,6 +83,44 @@ class SPMDExecutor(Executor):
             arr = jax.make_array_from_process_local_data(self._per_replica, local, shape)
             out.append(PerReplica(arr, self._mesh, self._axis))
         return jax.tree.unflatten(treedef, out)
+
+    def split_batch(self, batch: Any) -> Any:
+        leaves, treedef = jax.tree.flatten(batch, is_leaf=_is_per_replica)
+        if all(isinstance(x, PerReplica) for x in leaves):
+            return batch
+        paths = [p for p, _ in jax.tree_util.tree_flatten_with_path(
+            batch, is_leaf=_is_per_replica)[0]]
+        return jax.tree.unflatten(treedef, [
+            x if isinstance(x, PerReplica) else self._split(x, path_str(p) or "the root")
+            for x, p in zip(leaves, paths)])
+
+    def _split(self, x: Any, where: str) -> PerReplica:
+        """A global batch as a PerReplica: replica r takes rows [r*b, (r+1)*b)."""
+        n = self._num_replicas
+        if not is_array_like(x):
+            raise TypeError(
+                f"Replicator.run(fn, inputs): inputs {where} is a {type(x).__name__}; inputs "
+                "are a pytree of arrays (global batches) or PerReplica values. Pass other "
+                "values as arguments after inputs."
+            )
+        shape = np.shape(x)
+        if not shape or shape[0] % n:
+            got = f"shape {tuple(shape)}" if shape else "a scalar"
+            raise ValueError(
+                f"Replicator.run(fn, inputs): inputs {where} has {got}; a plain array in "
+                f"inputs is a global batch, split over the {n} replicas along its first axis, "
+                f"so that axis must be divisible by {n}. Pass a global batch of a multiple "
+                f"of {n} rows, a PerReplica of shape [{n}, ...] for per-replica values, or "
+                "values every replica shares as arguments after inputs."
+            )
+        if isinstance(x, jax.core.Tracer):
+            return PerReplica(x.reshape((n, shape[0] // n) + shape[1:]), self._mesh, self._axis)
+        host = np.asarray(x)
+        check_fits(host, f"Replicator.run(fn, inputs): inputs {where}")
+        rows = shape[0] // n
+        local = [[host[r * rows:(r + 1) * rows]] for r in self.layout.local_replica_ids]
+        leaf = self.assemble(local, jax.tree.structure(0))
+        return leaf
 
     # -- running ---------------------------------------------------------------------
     def run(self, fn: Callable, has_batch: bool, batch: Any, args: tuple, *,
@@ -165,6 +203,9 @@ class SPMDExecutor(Executor):
                     kinds.append(kind)
                     continue
             elif is_array_like(x):
+                if isinstance(x, (np.ndarray, np.generic, int, float)):
+                    check_fits(np.asarray(x), lambda i=i: "Replicator.run: "
+                               + _leaf_paths(treedef, node_pos)[i])
                 x = jax.device_put(x, replicated)
             else:
                 raise TypeError(

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 import jax
 import numpy as np
 
-from jreplicate._tree import flatten_arrays, path_str
+from jreplicate._tree import check_fits, flatten_arrays, path_str
 from jreplicate.context import PerReplica
 from jreplicate.input.context import InputContext, InputReplicationMode
 from jreplicate.input.prefetch import Prefetcher, ReaderPool
@@ -57,6 +57,10 @@ class InputIterator:
         self._enforce_ordering = enforce_ordering
         self._pipelines, self._feeds = _make_pipelines(strategy, input_fn, replication_mode)
         self._spec: list | None = None
+        self._first: tuple | None = None  # the first step's structure and leaf paths
+        self._sweep = 1  # counts reinitialize(); dropped batches warn on every sweep
+        # The batch of a run whose step raised, given again to the next run (a retry).
+        self._pending: tuple | None = None
         self._exhausted = False
         self._buffer = prefetch_buffer_size
         self._pool: ReaderPool | None = None
@@ -81,9 +85,17 @@ class InputIterator:
         Raises:
           StopIteration: when a pipeline is exhausted (see the partial batch policy).
         """
+        if self._pending is not None and self._pending[0] is None:
+            batch, self._pending = self._pending[1], None
+            return batch
         if self._prefetcher is not None:
             return self._prefetcher.get()
         return self._produce()
+
+    def _put_back(self, batch: Any, steps: int | None) -> None:
+        """Keeps ``batch`` (one step's, or a device loop's ``(batch, k)`` for ``steps``)
+        for the next ``run``: a step that raised consumed no input."""
+        self._pending = (steps, batch)
 
     def __iter__(self) -> InputIterator:
         return self
@@ -101,6 +113,8 @@ class InputIterator:
         for p in self._pipelines:
             p.reinitialize()
         self._exhausted = False
+        self._pending = None
+        self._sweep += 1
         if self._buffer:
             self._prefetcher = Prefetcher(self._produce, self._buffer)
         return []
@@ -126,7 +140,7 @@ class InputIterator:
                 try:
                     got.append(take(k))
                 except StopIteration:
-                    _warn_dropped(len(got), n)
+                    _warn_dropped(len(got), n, self._sweep)
                     raise
             return got
         # Distinct pipelines per replica: read them concurrently, on daemon threads kept
@@ -137,7 +151,7 @@ class InputIterator:
         results = self._pool.map(take, n)
         errors = [e for _, e in results]
         if any(isinstance(e, StopIteration) for e in errors):
-            _warn_dropped(sum(e is None for e in errors), n)
+            _warn_dropped(sum(e is None for e in errors), n, self._sweep)
             raise StopIteration
         for e in errors:
             if e is not None:
@@ -165,7 +179,7 @@ class InputIterator:
             flat, treedef = self._check(elements, self._strategy.local_replica_ids)
         except _PartialBatch as e:
             self._exhausted = True
-            _warn_partial(str(e), stacklevel=5)  # past _produce_host, _produce, get_next
+            _warn_partial(str(e), self._sweep, stacklevel=5)  # to get_next's caller
             raise StopIteration from None
         return [leaves for leaves, _, _ in flat], treedef
 
@@ -181,6 +195,9 @@ class InputIterator:
                 )
         if self._spec is None:  # the first step's element spec, kept for every step
             self._spec = [(x.shape, x.dtype) for x in flat[0][0]]
+            self._first = (treedef, [path_str(p) or "the root" for p in flat[0][2]])
+        elif treedef != self._first[0]:
+            raise _structure_changed(self._first, treedef, flat[0][2], ids[0])
         self._check_shapes(flat, ids)
         return flat, treedef
 
@@ -230,7 +247,8 @@ class InputIterator:
                     + "; ".join(f"process {p} " + (f"had a partial batch ({reports[p][1]})"
                                                    if reports[p][0] == "partial"
                                                    else "ran out of input") for p in ended)
-                    + "; the input iterator is exhausted.", stacklevel=5)
+                    + f" on sweep {self._sweep} of the input; the input iterator is "
+                    "exhausted.", stacklevel=5)
             raise StopIteration
         specs = [(p, sp) for p, (_, _, sp) in enumerate(reports) if sp is not None]
         if any(sp != specs[0][1] for _, sp in specs):
@@ -283,6 +301,12 @@ class InputIterator:
         """The next ``k`` steps' inputs as one batch whose per-replica leaves have a
         leading step axis, and the number of steps it holds (fewer than ``k`` at the
         end of the input). Raises StopIteration when no step is left."""
+        if self._pending is not None and self._pending[0] is not None:
+            got, self._pending = self._pending[1], None
+            return got
+        if self._pending is not None:  # one step's batch, left by a failed run
+            batch, self._pending = self._pending[1], None
+            return _stack_steps([batch]), 1
         if self._prefetcher is not None:
             batches = []
             for _ in range(k):
@@ -311,6 +335,22 @@ class _PartialBatch(Exception):
     pass
 
 
+def _structure_changed(first: tuple, treedef: Any, paths: list, rid: int) -> ValueError:
+    first_def, first_paths = first
+    now = [path_str(p) or "the root" for p in paths]
+    missing = [p for p in first_paths if p not in now]
+    added = [p for p in now if p not in first_paths]
+    what = "; ".join(part for part in (
+        f"missing {', '.join(missing)}" if missing else "",
+        f"new {', '.join(added)}" if added else "") if part) or (
+        f"the containers changed from {first_def} to {treedef}")
+    return ValueError(
+        f"input element of replica {rid} changed structure since the first step: {what}. "
+        "Every element must keep the first step's structure (same keys, same containers); "
+        "fix input_fn, or start a new iterator with prepare_input for the new structure."
+    )
+
+
 @jax.jit
 def _stack_leaves(arrays: list) -> jax.Array:
     return jax.numpy.stack(arrays, axis=1)  # [replicas, steps, ...], sharding kept
@@ -329,15 +369,17 @@ def _spec_str(spec: tuple) -> str:
     return f"{shapes} in {treedef}" if treedef.num_nodes > 1 else shapes
 
 
-def _warn_partial(reason: str, stacklevel: int) -> None:
-    warnings.warn(f"jreplicate: dropped a final partial batch ({reason}); the input "
-                  "iterator is exhausted.", stacklevel=stacklevel)
+def _warn_partial(reason: str, sweep: int, stacklevel: int) -> None:
+    # The sweep number makes each sweep's warning a new one: Python shows a warning once
+    # per message and location.
+    warnings.warn(f"jreplicate: dropped a final partial batch ({reason}) on sweep {sweep} "
+                  "of the input; the input iterator is exhausted.", stacklevel=stacklevel)
 
 
-def _warn_dropped(read: int, n: int) -> None:
+def _warn_dropped(read: int, n: int, sweep: int) -> None:
     if read:
         _warn_partial(f"an input pipeline ran out after {read} of {n} replicas got an "
-                      "element", stacklevel=7)  # past _read, _produce_host, _produce, get_next
+                      "element", sweep, stacklevel=7)  # to get_next's caller
 
 
 def _flatten(element: Any, replica_id: int) -> tuple[list[np.ndarray], Any, list]:
@@ -345,7 +387,12 @@ def _flatten(element: Any, replica_id: int) -> tuple[list[np.ndarray], Any, list
         f"input element of replica {replica_id} has a {type(x).__name__} at "
         f"{path_str(path) or 'the root'}; elements must be pytrees of arrays "
         "(numpy arrays or Python numbers). Convert it, or drop it in input_fn."))
-    return [np.asarray(x) for _, x in pairs], treedef, [path for path, _ in pairs]
+    leaves = []
+    for path, x in pairs:
+        x = np.asarray(x)
+        check_fits(x, f"input element of replica {replica_id} at {path_str(path) or 'the root'}")
+        leaves.append(x)
+    return leaves, treedef, [path for path, _ in pairs]
 
 
 def _make_pipelines(strategy: Strategy, input_fn: Callable, mode: InputReplicationMode):
