@@ -1,0 +1,71 @@
+"""A worker's view of the shards: pull all pieces, push to every shard (both carriers).
+
+``shards`` are objects with the methods of :class:`jreplicate.ps.shard.PSShard`
+(``pull``, ``push``, ``record``, ``take_token``, ``return_token``): the shards
+themselves in the embedded carrier, proxies of Ray actors in the Ray carrier.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+from jreplicate.ps.placement import Placement
+from jreplicate.ps.shard import Decision
+
+
+class ShardClient:
+    """Pulls and pushes whole parameter pytrees through a :class:`Placement`.
+
+    Args:
+      shards: one object per shard with :class:`PSShard`'s methods.
+      placement: how the parameters are split over the shards.
+      token_gated: whether shard 0 decides which pushes count (token-gated mode).
+      between_shards: called after each shard's push except the last (a test hook to
+        simulate a worker dying mid-push).
+    """
+
+    def __init__(self, shards: Sequence[Any], placement: Placement, token_gated: bool,
+                 between_shards: Callable[[int], None] | None = None):
+        self.shards = list(shards)
+        self.placement = placement
+        self.token_gated = token_gated
+        self.between_shards = between_shards
+
+    def pull(self) -> tuple[list[int], Any]:
+        """``(step of each shard, parameters as a numpy pytree)``."""
+        got = [s.pull() for s in self.shards]
+        return [g[0] for g in got], self.placement.join([g[1] for g in got])
+
+    def push(self, push_id: int, worker: int, fetched: Sequence[int], grads: Any) -> Decision:
+        """Pushes ``grads`` (a numpy pytree like the parameters) to every shard.
+
+        Asynchronous mode: each shard applies its pieces (``fetched[i]``: the step of
+        shard ``i`` when the parameters were pulled). Token-gated mode: shard 0 decides
+        (``fetched[0]`` is the worker's ``local_step``); the other shards get the
+        gradient only when shard 0 accepted it, else only the ledger entry.
+
+        Returns:
+          Shard 0's decision.
+        """
+        pieces = self.placement.split(grads)
+        first = self.shards[0].push(push_id, worker, int(fetched[0]), pieces[0])
+        for i in range(1, len(self.shards)):
+            if self.between_shards is not None:
+                self.between_shards(i)
+            shard = self.shards[i]
+            if not self.token_gated:
+                shard.push(push_id, worker, int(fetched[i]), pieces[i])
+            elif first.kind == "applied":
+                shard.push(push_id, worker, int(fetched[0]), pieces[i], first)
+            else:
+                shard.record(push_id, first)
+        return first
+
+
+def to_numpy(tree: Any) -> Any:
+    """A numpy copy of a pytree of arrays."""
+    import jax
+    return jax.tree.map(np.asarray, tree)
