@@ -4,6 +4,8 @@ from jreplicate.checkpoint import CheckpointError, CheckpointManager
 from jreplicate.context import PerReplica, ReplicaContext
 from jreplicate.input import InputContext, InputIterator, InputReplicationMode
 from jreplicate.losses import compute_average_loss
+from jreplicate.ps.capture import pushable
+from jreplicate.ps.remote import ParameterServerError, RemoteValue, WorkerLostError
 from jreplicate.replicator import Replicator
 from jreplicate.strategies import (
     MODEL_AXIS,
@@ -13,6 +15,7 @@ from jreplicate.strategies import (
     Layout,
     MirroredStrategy,
     MultiWorkerStrategy,
+    ParameterServerStrategy,
     Strategy,
     Timeouts,
     TPUStrategy,
@@ -43,7 +46,10 @@ __all__ = [
     "Layout",
     "MirroredStrategy",
     "MultiWorkerStrategy",
+    "ParameterServerError",
+    "ParameterServerStrategy",
     "PerReplica",
+    "RemoteValue",
     "ReplicaContext",
     "Replicator",
     "Strategy",
@@ -51,8 +57,10 @@ __all__ = [
     "TPUStrategy",
     "Timeouts",
     "TokenQueue",
+    "WorkerLostError",
     "averaged_params",
     "compute_average_loss",
+    "pushable",
     "replica_grad",
     "replica_value_and_grad",
     "sync_replicas",

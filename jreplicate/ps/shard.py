@@ -40,6 +40,10 @@ class ShardClosedError(RuntimeError):
     """The shard was closed (training ended, or the strategy shut down)."""
 
 
+class TokenWaitInterrupted(RuntimeError):
+    """A token wait was interrupted (the coordinator cancelled waiting steps)."""
+
+
 class TokenTimeoutError(TimeoutError):
     """No token of the current step became available before the deadline."""
 
@@ -103,6 +107,7 @@ class PSShard:
         self.ledger = ledger or Ledger()
         self._cond = threading.Condition(threading.Lock())
         self._closed: str | None = None
+        self._interrupts = 0
         # Token-gated, shards > 0: accepted pushes waiting for their step's turn.
         self._pending: dict[int, dict[int, dict[str, np.ndarray]]] = {}
         self._complete_count: dict[int, int] = {}
@@ -256,8 +261,11 @@ class PSShard:
           ShardClosedError: the shard was closed while waiting (the end of training).
         """
         with self._cond:
+            generation = self._interrupts
             while True:
                 self._check_open()
+                if self._interrupts != generation:
+                    raise TokenWaitInterrupted("the token wait was cancelled")
                 while int(tokens_available(self._opt_state)) > 0:
                     token, self._opt_state = take_token(self._opt_state)
                     token = int(token)
@@ -285,6 +293,12 @@ class PSShard:
                     lambda x: s._replace(tokens=new_q) if isinstance(x, SyncReplicasState)
                     else x, self._opt_state, is_leaf=lambda x: isinstance(x, SyncReplicasState))
                 self._cond.notify_all()
+
+    def interrupt(self) -> None:
+        """Makes every current token wait raise :class:`TokenWaitInterrupted`."""
+        with self._cond:
+            self._interrupts += 1
+            self._cond.notify_all()
 
     def tokens_available(self) -> int:
         with self._cond:

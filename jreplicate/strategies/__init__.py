@@ -5,6 +5,7 @@ from jreplicate.strategies.cluster import ClusterError, ClusterSpec, Timeouts
 from jreplicate.strategies.layout import Layout
 from jreplicate.strategies.mirrored import MirroredStrategy
 from jreplicate.strategies.multi_worker import MultiWorkerStrategy
+from jreplicate.strategies.parameter_server import ParameterServerStrategy
 from jreplicate.strategies.tpu import TPUStrategy
 
 __all__ = [
@@ -15,6 +16,7 @@ __all__ = [
     "Layout",
     "MirroredStrategy",
     "MultiWorkerStrategy",
+    "ParameterServerStrategy",
     "Strategy",
     "TPUStrategy",
     "Timeouts",

@@ -1,0 +1,117 @@
+"""How one step function serves every strategy: :func:`pushable` optax transformations.
+
+Under an SPMD strategy (Mirrored, MultiWorker, TPU) the step computes gradients and
+applies them itself: ``updates, opt_state = tx.update(grads, opt_state, params)``. Under
+:class:`jreplicate.ParameterServerStrategy` the same call must become a push of
+``grads`` to the parameter servers, which own the parameters and the optimizer state.
+An optax transformation is a pair of closures that cannot be intercepted from outside,
+so the step's transformation is wrapped once, where it is created:
+
+    tx = jr.pushable(optax.adam(1e-3))
+
+* Everywhere except a parameter-server worker, ``pushable(tx)`` **is** ``tx``: its
+  ``init`` and ``update`` call ``tx``'s (bit for bit the same results).
+* ``tx.init(params)`` inside ``rep.scope()`` of a ParameterServerStrategy also hands
+  ``(tx, params)`` to the strategy: the parameters are placed on the PS shards, each
+  shard initialises ``tx``'s state over its pieces, and the two arguments of later
+  ``run`` calls that are these ``params`` and this state are recognised by identity.
+* While a PS worker traces the step, ``update(grads, ...)`` records ``grads`` (summed
+  over the worker's sync group, as under Mirrored) and returns zero updates and the
+  state unchanged; the worker pushes the recorded gradients once per step, and the
+  shards apply them with ``tx``.
+
+Limits: one ``pushable`` transformation per step (a GAN's two optimizers are not
+supported under the PS yet); the step's state outputs under the PS are the worker's
+snapshot (read trained parameters with ``strategy.parameters()``); Flax NNX modules and
+``nnx.Optimizer`` are not supported as PS step arguments yet (pass
+``nnx.split``-style state pytrees).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+
+_TRACE = threading.local()  # .sink: list of captured gradients while a PS worker traces
+#: The parameter-server executor whose scope is active (it registers pushable inits).
+REGISTRY: contextvars.ContextVar[Any] = contextvars.ContextVar("jreplicate_ps_registry",
+                                                               default=None)
+
+
+class PushableTransformation(optax.GradientTransformationExtraArgs):
+    """An optax transformation that a parameter-server worker turns into a push.
+
+    Build it with :func:`pushable`; ``inner`` is the wrapped transformation.
+    """
+
+    def __new__(cls, init, update, inner):
+        self = super().__new__(cls, init, update)
+        object.__setattr__(self, "_inner", inner)
+        return self
+
+    @property
+    def inner(self) -> optax.GradientTransformationExtraArgs:
+        return self._inner
+
+
+def pushable(tx: optax.GradientTransformation) -> PushableTransformation:
+    """Wraps ``tx`` so that the same step runs under every strategy (see module doc).
+
+    Args:
+      tx: any optax transformation, including :func:`jreplicate.sync_replicas`.
+
+    Returns:
+      A transformation equal to ``tx`` except on a parameter-server worker.
+
+    Example:
+      >>> import jax.numpy as jnp, optax, jreplicate as jr
+      >>> tx = jr.pushable(optax.sgd(0.5))
+      >>> u, _ = tx.update(jnp.ones(2), tx.init(jnp.zeros(2)))
+      >>> u.tolist()
+      [-0.5, -0.5]
+    """
+    if isinstance(tx, PushableTransformation):
+        return tx
+    if not (hasattr(tx, "init") and hasattr(tx, "update")):
+        raise TypeError(
+            "pushable(tx): tx must be an optax.GradientTransformation (e.g. "
+            f"optax.adam(1e-3)), got {type(tx).__name__}.")
+    inner = optax.with_extra_args_support(tx)
+    holder: list = []
+
+    def init(params):
+        state = inner.init(params)
+        registry = REGISTRY.get()
+        if registry is not None:
+            registry.register(holder[0], params, state)
+        return state
+
+    def update(grads, state, params=None, **extra):
+        sink = getattr(_TRACE, "sink", None)
+        if sink is not None:
+            sink.append(grads)
+            return jax.tree.map(jnp.zeros_like, grads), state
+        return inner.update(grads, state, params, **extra)
+
+    out = PushableTransformation(init, update, inner)
+    holder.append(out)
+    return out
+
+
+@contextlib.contextmanager
+def capturing() -> Iterator[list]:
+    """While active (on this thread), pushable updates record their gradients in the
+    yielded list instead of computing updates."""
+    prev = getattr(_TRACE, "sink", None)
+    _TRACE.sink = sink = []
+    try:
+        yield sink
+    finally:
+        _TRACE.sink = prev

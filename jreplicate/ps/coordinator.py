@@ -1,0 +1,301 @@
+"""Scheduling with TF2 ``ClusterCoordinator`` semantics, for both carriers.
+
+``schedule`` puts a closure in a queue and returns a :class:`RemoteValue` at once; one
+thread per worker takes closures as the worker becomes free and runs them through a
+*runner* (the embedded carrier calls :meth:`PSWorker.run` in-process; the Ray carrier
+calls a worker actor). Outcomes:
+
+* success: the RemoteValue gets the outputs;
+* :class:`ApplicationError` (the step raised): the RemoteValue gets the error, and the
+  first one is re-raised by :meth:`Coordinator.join` (not retried, as in TF);
+* a worker failure (:class:`WorkerLostError`, Ray's ``ActorDiedError``, any other
+  exception of the carrier): the worker is marked dead and the closure goes back to the
+  front of the queue with its id, so its push is applied at most once (the shards'
+  ledgers drop a second push of the id as a duplicate); after ``max_attempts`` the
+  step fails;
+* a lost shard (:class:`ShardClosedError` while not shutting down, or the Ray actor of a
+  shard dead): :class:`ParameterServerError` for this and every pending step.
+
+Bounded delay (``max_staleness=tau``, Li et al., OSDI'14): a worker's clock counts the
+steps it completed; a worker whose clock is more than ``tau`` ahead of the slowest live
+worker running a step waits before taking the next one (idle and dead workers leave
+the minimum; an idle worker taking work catches its clock up).
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from jreplicate.ps.remote import (
+    ParameterServerError,
+    RemoteValue,
+    StepCancelledError,
+    WorkerLostError,
+)
+from jreplicate.ps.shard import ShardClosedError
+from jreplicate.ps.worker import ApplicationError, Closure
+
+
+class Coordinator:
+    """Runs closures on workers through ``runners[i](closure, on_token_wait)``.
+
+    Args:
+      runners: one callable per worker, returning the step's outputs.
+      max_staleness: the bounded delay tau, or None (fully asynchronous).
+      max_attempts: runs of one closure before its step fails.
+      is_shard_failure: tells a shard's failure from a worker's (Ray's errors).
+    """
+
+    def __init__(self, runners: list[Callable], *, max_staleness: int | None = None,
+                 max_attempts: int = 4,
+                 is_shard_failure: Callable[[BaseException], bool] | None = None,
+                 interrupt: Callable[[], None] | None = None):
+        self._runners = runners
+        self._interrupt = interrupt or (lambda: None)
+        self._tau = max_staleness
+        self._max_attempts = max_attempts
+        self._is_shard_failure = is_shard_failure or (lambda e: False)
+        self._cond = threading.Condition()
+        self._queue: collections.deque = collections.deque()
+        self._values: dict[int, RemoteValue] = {}
+        self._inflight: dict[int, Closure] = {}  # worker -> closure
+        self._token_waiting: set[int] = set()
+        self._alive = [True] * len(runners)
+        self.clock = [0] * len(runners)
+        self.max_clock_gap = 0
+        self.rescheduled = 0
+        self.scheduled = 0
+        self.completed = 0
+        self.completed_by = [0] * len(runners)
+        self.finish_times: list[list[float]] = [[] for _ in runners]
+        self._first_error: BaseException | None = None
+        self._fatal: BaseException | None = None
+        self._stopping = False
+        self._threads: list[threading.Thread | None] = [None] * len(runners)
+        with self._cond:
+            self._start_threads()
+
+    IDLE_EXIT = 5.0  # seconds a worker thread waits for work before it exits
+
+    def _start_threads(self) -> None:
+        """(Re)starts the thread of every live worker that has none (threads exit after
+        ``IDLE_EXIT`` seconds without work, so an unused strategy holds no threads)."""
+        for w, t in enumerate(self._threads):
+            if self._alive[w] and (t is None or not t.is_alive()):
+                t = threading.Thread(target=self._loop, args=(w,), daemon=True,
+                                     name=f"jreplicate-ps-worker-{w}")
+                self._threads[w] = t
+                t.start()
+
+    # -- scheduling ----------------------------------------------------------------------
+    def schedule(self, closure: Closure) -> RemoteValue:
+        with self._cond:
+            if self._fatal is not None:
+                raise self._fatal
+            if self._stopping:
+                raise RuntimeError("ParameterServerStrategy was shut down; create a new one.")
+            if not any(self._alive):
+                raise ParameterServerError(
+                    "every worker of the ParameterServerStrategy is dead; nothing can run "
+                    "the step. Restart the job (restore the last checkpoint).")
+            rv = RemoteValue(closure.step_id)
+            self._values[closure.step_id] = rv
+            self._queue.append(closure)
+            self.scheduled += 1
+            self._start_threads()
+            self._cond.notify_all()
+            return rv
+
+    def join(self, timeout: float | None = None) -> None:
+        """Waits until every scheduled step finished; re-raises the first error.
+
+        Raises:
+          TimeoutError: ``timeout`` seconds passed with steps still pending.
+          ParameterServerError: a shard was lost.
+          RuntimeError: steps wait for tokens no running step can produce.
+        """
+        end = None if timeout is None else time.monotonic() + timeout
+        with self._cond:
+            while self._queue or self._inflight:
+                if self._fatal is not None:
+                    break
+                if not self._queue and self._inflight and \
+                        set(self._inflight) <= self._token_waiting:
+                    self._cancel_starved()
+                if self._fatal is not None:
+                    break
+                if not any(self._alive) and self._queue:
+                    self._fail_all(ParameterServerError(
+                        "every worker died; the remaining steps cannot run."))
+                    break
+                left = None if end is None else end - time.monotonic()
+                if left is not None and left <= 0:
+                    raise TimeoutError(f"join: {len(self._queue) + len(self._inflight)} "
+                                       f"steps still pending after {timeout} s.")
+                self._cond.wait(0.2 if left is None else min(left, 0.2))
+            if self._fatal is not None:
+                self._cond.release()
+                try:
+                    self._interrupt()  # wake token waits
+                finally:
+                    self._cond.acquire()
+            grace = time.monotonic() + 60.0
+            while self._inflight and self._fatal is not None and time.monotonic() < grace:
+                self._cond.wait(0.2)  # the workers notice the failure at once
+            err = self._fatal or self._first_error
+            self._first_error = None
+            if isinstance(self._fatal, StepCancelledError):
+                self._fatal = None  # starved token waits: later steps may run again
+        if err is not None:
+            raise err
+
+    def _cancel_starved(self) -> None:
+        """Every running step waits for a token and none is queued: nothing can push the
+        gradients the next global step needs, so the waits are cancelled (a clear
+        error now instead of a hang, or of a timeout later)."""
+        steps = sorted(c.step_id for c in self._inflight.values())
+        self._fatal = StepCancelledError(
+            f"token-gated training cannot go on: steps {steps} wait for a token of the "
+            "next global step, but no other step is scheduled or running to push the "
+            "gradients that step needs. Schedule steps in multiples of the number of "
+            "workers, or lower replicas_to_aggregate.")
+
+    def shutdown(self) -> None:
+        with self._cond:
+            self._stopping = True
+            self._fail_queue(StepCancelledError("the strategy shut down before this step ran"))
+            self._cond.notify_all()
+
+    def kill(self, worker: int) -> None:
+        with self._cond:
+            self._alive[worker] = False
+            self._cond.notify_all()
+
+    @property
+    def alive(self) -> list[bool]:
+        return list(self._alive)
+
+    # -- the worker threads ------------------------------------------------------------
+    def _take(self, w: int) -> Closure | None:
+        with self._cond:
+            idle_since = time.monotonic()
+            while True:
+                if self._stopping or not self._alive[w]:
+                    return None
+                if self._queue and self._fatal is None:
+                    idle_since = time.monotonic()
+                    if self._may_start(w):
+                        c = self._queue.popleft()
+                        self._inflight[w] = c
+                        return c
+                elif time.monotonic() - idle_since > self.IDLE_EXIT:
+                    self._threads[w] = None  # restarted by the next schedule
+                    return None
+                self._cond.wait(0.5)
+
+    def _may_start(self, w: int) -> bool:
+        others = [self.clock[v] for v in self._inflight if v != w and self._alive[v]]
+        if not others:
+            return True
+        slowest = min(others)
+        if self.clock[w] < slowest:  # it was idle: catch up
+            self.clock[w] = slowest
+        gap = self.clock[w] - slowest
+        if self._tau is not None and gap > self._tau:
+            return False
+        self.max_clock_gap = max(self.max_clock_gap, gap)
+        return True
+
+    def _token_wait(self, w: int, waiting: bool) -> None:
+        with self._cond:
+            (self._token_waiting.add if waiting else self._token_waiting.discard)(w)
+            self._cond.notify_all()
+
+    def _loop(self, w: int) -> None:
+        while True:
+            c = self._take(w)
+            if c is None:
+                return
+            rv = self._values[c.step_id]
+            rv.attempts += 1
+            try:
+                out = self._runners[w](c, lambda waiting, w=w: self._token_wait(w, waiting))
+            except ApplicationError as e:
+                self._finish(w, c, error=e.error)
+            except StepCancelledError as e:
+                self._finish(w, c, error=self._fatal or e)
+            except ShardClosedError as e:
+                self._finish(w, c, error=e if self._stopping else self._shard_lost(e))
+            except BaseException as e:  # a worker failure: retry elsewhere
+                if self._is_shard_failure(e):
+                    self._finish(w, c, error=self._shard_lost(e))
+                else:
+                    self._worker_lost(w, c, e)
+                    return
+            else:
+                rv.worker = w
+                self._finish(w, c, value=out)
+
+    def _finish(self, w: int, c: Closure, value: Any = None,
+                error: BaseException | None = None) -> None:
+        with self._cond:
+            self._inflight.pop(w, None)
+            rv = self._values.pop(c.step_id)
+            if error is None:
+                self.clock[w] += 1
+                self.completed += 1
+                self.completed_by[w] += 1
+                self.finish_times[w].append(time.monotonic())
+            elif self._first_error is None and self._fatal is None:
+                self._first_error = error
+            rv._set(value, error)
+            self._cond.notify_all()
+
+    def _shard_lost(self, e: BaseException) -> ParameterServerError:
+        with self._cond:
+            if self._fatal is None:
+                self._fatal = ParameterServerError(
+                    f"a parameter-server shard failed ({type(e).__name__}: {e}); the "
+                    "parameters it held are gone, so training stops. Restore the last "
+                    "checkpoint (strategy.restore(...)) in a new strategy.")
+                self._fatal.__cause__ = e
+                self._fail_queue(self._fatal)
+            self._cond.notify_all()
+            return self._fatal
+
+    def _worker_lost(self, w: int, c: Closure, e: BaseException) -> None:
+        with self._cond:
+            self._alive[w] = False
+            self._inflight.pop(w, None)
+            rv = self._values[c.step_id]
+            if rv.attempts >= self._max_attempts:
+                self._values.pop(c.step_id)
+                err = WorkerLostError(f"step {c.step_id} failed on {rv.attempts} workers; "
+                                      f"the last error: {type(e).__name__}: {e}")
+                self._first_error = self._first_error or err
+                rv._set(error=err)
+            elif not any(self._alive):
+                self._values.pop(c.step_id)
+                rv._set(error=ParameterServerError(
+                    f"every worker died (the last: {type(e).__name__}: {e})"))
+                self._first_error = self._first_error or rv._error
+                self._fail_queue(ParameterServerError("every worker died"))
+            else:
+                self.rescheduled += 1
+                self._queue.appendleft(c)
+            self._cond.notify_all()
+
+    def _fail_queue(self, error: BaseException) -> None:
+        while self._queue:
+            c = self._queue.popleft()
+            rv = self._values.pop(c.step_id, None)
+            if rv is not None:
+                rv._set(error=error)
+
+    def _fail_all(self, error: BaseException) -> None:
+        self._first_error = self._first_error or error
+        self._fail_queue(error)

@@ -1,0 +1,83 @@
+"""RemoteValue and the errors of parameter-server training (TF2 ``ClusterCoordinator``)."""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import jax
+import numpy as np
+
+from jreplicate.context import PerReplica
+
+
+class WorkerLostError(RuntimeError):
+    """A worker died or became unusable; its step is rescheduled on another worker.
+
+    Raise it from a step to simulate a worker failure (the step runs again elsewhere).
+    """
+
+
+class ParameterServerError(RuntimeError):
+    """A parameter-server shard failed; training cannot continue (restore a checkpoint)."""
+
+
+class StepCancelledError(RuntimeError):
+    """The step was never run: training stopped first (an error, or shutdown)."""
+
+
+def _to_numpy(x: Any) -> Any:
+    if isinstance(x, PerReplica):
+        return np.asarray(x.array)
+    return np.asarray(x)
+
+
+class RemoteValue:
+    """The future result of a step scheduled by :meth:`jreplicate.Replicator.run` under
+    :class:`jreplicate.ParameterServerStrategy`.
+
+    Attributes:
+      step_id: the scheduled step's id (also the id of its push).
+      worker: the worker that ran it (None until it has run).
+    """
+
+    def __init__(self, step_id: int):
+        self.step_id = step_id
+        self.worker: int | None = None
+        self.attempts = 0
+        self._done = threading.Event()
+        self._value: Any = None
+        self._error: BaseException | None = None
+
+    def done(self) -> bool:
+        """Whether the step finished (successfully or not)."""
+        return self._done.is_set()
+
+    def fetch(self, timeout: float | None = None) -> Any:
+        """Waits for the step and returns its outputs as numpy arrays (a
+        :class:`jreplicate.PerReplica` leaf of a sync group becomes ``[group, ...]``).
+
+        Args:
+          timeout: seconds to wait at most (None: until the step finishes, which the
+            strategy bounds: failed workers are replaced, a lost shard fails every step).
+
+        Raises:
+          TimeoutError: ``timeout`` passed first.
+          Exception: the step's error (the function raised, or the step was cancelled).
+        """
+        if not self._done.wait(timeout):
+            raise TimeoutError(f"RemoteValue.fetch: step {self.step_id} did not finish "
+                               f"within {timeout} s; call rep.join() to wait for all steps.")
+        if self._error is not None:
+            raise self._error
+        return jax.tree.map(_to_numpy, self._value, is_leaf=lambda x: isinstance(x, PerReplica))
+
+    get = fetch
+
+    def _set(self, value: Any = None, error: BaseException | None = None) -> None:
+        self._value, self._error = value, error
+        self._done.set()
+
+    def __repr__(self) -> str:
+        state = "pending" if not self.done() else ("failed" if self._error else "done")
+        return f"RemoteValue(step {self.step_id}, {state}, worker={self.worker})"

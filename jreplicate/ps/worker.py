@@ -1,0 +1,184 @@
+"""One parameter-server worker: runs a scheduled step on its own device(s) (both carriers).
+
+A worker with ``num_replicas_in_sync = g`` devices is one SPMD mesh of g replicas run
+by :class:`jreplicate.execution.spmd.SPMDExecutor`: inside the step gradients are
+summed over the group as under MirroredStrategy, and the group pushes once per step.
+
+Per step (:meth:`PSWorker.run`):
+
+1. token-gated mode: take a token from shard 0 (its value is this step's
+   ``local_step``; a worker's first step uses ``global_step``, as TF's
+   ``local_step_init_op``), with a deadline;
+2. pull the parameters from every shard (numpy);
+3. run the step, compiled once per signature, with the pulled parameters; the
+   :func:`jreplicate.pushable` transformation records the gradients (see
+   :mod:`jreplicate.ps.capture`);
+4. push the gradients to every shard with the step's id.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import numpy as np
+
+from jreplicate._jax_compat import varying_axes
+from jreplicate.execution.spmd import SPMDExecutor
+from jreplicate.ps.capture import capturing
+from jreplicate.ps.client import ShardClient
+from jreplicate.ps.remote import StepCancelledError, WorkerLostError
+from jreplicate.ps.shard import Decision, TokenTimeoutError, TokenWaitInterrupted
+from jreplicate.strategies.layout import mesh_layout, replica_mesh
+
+
+@dataclasses.dataclass
+class HostBatch:
+    """One step's input for one sync group, on the host: ``elements[k]`` are the flat
+    leaves of replica ``k``'s element (see ``Executor.assemble``)."""
+
+    elements: list
+    treedef: Any
+
+
+@dataclasses.dataclass
+class Closure:
+    """A scheduled step. ``args[param_index]`` and ``args[opt_index]`` are placeholders
+    (None): the worker puts the pulled parameters and its copy of the state there."""
+
+    step_id: int
+    fn: Callable
+    has_batch: bool
+    batch: Any
+    args: tuple
+    param_index: int
+    opt_index: int | None
+
+
+class ApplicationError(Exception):
+    """The step function itself raised (not retried: TF's application errors)."""
+
+    def __init__(self, error: BaseException):
+        super().__init__(str(error))
+        self.error = error
+
+
+class PSWorker:
+    """Runs closures on ``devices`` (one sync group) against the shards of ``client``.
+
+    Args:
+      index: the worker's index.
+      devices: its devices (a sync group of ``len(devices)`` replicas).
+      client: a :class:`ShardClient` over the shards.
+      opt_state: a numpy copy of the optimizer state (passed to the step, unchanged).
+      token_timeout: seconds a token wait may last (token-gated mode).
+      skip_stale_tokens: see :meth:`jreplicate.ps.shard.PSShard.take_token`.
+    """
+
+    def __init__(self, index: int, devices: list, client: ShardClient, opt_state: Any, *,
+                 token_timeout: float = 60.0, skip_stale_tokens: bool = True):
+        self.index = index
+        self.layout = mesh_layout(replica_mesh(devices, 1, "ParameterServerStrategy"),
+                                  num_replicas_in_sync=len(devices))
+        self.executor = SPMDExecutor(self.layout)
+        self.client = client
+        self._opt_host = opt_state
+        self._opt = None
+        self._wrapped: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        self.token_timeout = token_timeout
+        self.skip_stale_tokens = skip_stale_tokens
+        self.local_step: int | None = None
+        self.delay = 0.0  # simulated extra seconds per step (stragglers in tests/benchmarks)
+        self.kill_at: str | None = None  # "compute" or "push": die there on the next step
+        self.steps_done = 0
+        client.between_shards = self._between_shards
+
+    def _between_shards(self, i: int) -> None:
+        if self.kill_at == "push":
+            raise WorkerLostError(f"worker {self.index} died after pushing to shard {i - 1}")
+
+    def run(self, c: Closure, on_token_wait: Callable[[bool], None] | None = None
+            ) -> tuple[Any, Decision]:
+        """Runs one closure; returns its outputs (on this worker's devices) and shard 0's
+        decision. Raises :class:`ApplicationError` for the step's own errors and
+        :class:`WorkerLostError` (or any other exception) for worker failures."""
+        token = None
+        if self.client.token_gated and self.local_step is not None:
+            if on_token_wait:
+                on_token_wait(True)
+            try:
+                token = self.client.shards[0].take_token(
+                    time.monotonic() + self.token_timeout, skip_stale=self.skip_stale_tokens)
+            except TokenWaitInterrupted as e:
+                raise StepCancelledError(str(e)) from None
+            except TokenTimeoutError as e:
+                raise ApplicationError(e) from e
+            finally:
+                if on_token_wait:
+                    on_token_wait(False)
+        try:
+            out, decision = self._run(c, token)
+        except BaseException:
+            if token is not None:
+                self.client.shards[0].return_token(token)
+            raise
+        self.steps_done += 1
+        return out, decision
+
+    def _run(self, c: Closure, token: int | None) -> tuple[Any, Decision]:
+        steps, params = self.client.pull()
+        if self.client.token_gated:
+            if token is None:
+                token = steps[0]
+            fetched = [token]
+        else:
+            fetched = steps
+        args = list(c.args)
+        args[c.param_index] = params
+        if c.opt_index is not None:
+            if self._opt is None:
+                self._opt = self.executor.place(self._opt_host)
+            args[c.opt_index] = self._opt
+        batch = c.batch
+        if isinstance(batch, HostBatch):
+            batch = self.executor.assemble(batch.elements, batch.treedef)
+        try:
+            out, grads = self.executor.run(self._capturing(c.fn), c.has_batch, batch,
+                                           tuple(args), steps=None, donate_argnums=())
+            grads = jax.tree.map(np.asarray, grads)
+        except WorkerLostError:
+            raise
+        except Exception as e:
+            raise ApplicationError(e) from e
+        if self.delay:
+            time.sleep(self.delay)
+        if self.kill_at == "compute":
+            raise WorkerLostError(f"worker {self.index} died computing step {c.step_id}")
+        decision = self.client.push(c.step_id, self.index, fetched, grads)
+        self.local_step = token
+        return out, decision
+
+    def _capturing(self, fn: Callable) -> Callable:
+        wrapped = self._wrapped.get(fn)
+        if wrapped is None:
+            def wrapped(ctx, *args):
+                with capturing() as sink:
+                    out = fn(ctx, *args)
+                if len(sink) != 1:
+                    raise ValueError(
+                        f"ParameterServerStrategy: the step called a jr.pushable "
+                        f"transformation's update {len(sink)} times; it must call it once "
+                        "per step (its gradients are what the worker pushes). Create the "
+                        "optimizer as tx = jr.pushable(optax...) inside rep.scope() and call "
+                        "tx.update(grads, opt_state, params) in the step.")
+                axis, n = ctx._axis, ctx.num_replicas
+                grads = jax.tree.map(
+                    lambda g: jax.lax.psum(g, axis) / n if axis in varying_axes(g) else g,
+                    sink[0])
+                return out, grads
+            self._wrapped[fn] = wrapped
+        return wrapped

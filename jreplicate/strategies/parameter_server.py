@@ -1,0 +1,460 @@
+"""ParameterServerStrategy: parameter-server shards and asynchronous workers.
+
+The parameters live on PS shards (:mod:`jreplicate.ps.shard`, placed by
+:mod:`jreplicate.ps.placement`); each worker (a sync group of
+``num_replicas_in_sync`` devices, one SPMD mesh) pulls them, runs the step compiled for
+its devices and pushes the gradients, which the shards apply with the optax
+transformation as they arrive. Scheduling follows TF2's ``ClusterCoordinator``
+(:mod:`jreplicate.ps.coordinator`): ``rep.run(step, inputs, params, opt_state)``
+returns a :class:`jreplicate.RemoteValue` at once, ``rep.join()`` waits for every step
+and re-raises the first error.
+
+**The same step as under MirroredStrategy.** The step computes gradients and calls
+``tx.update(grads, opt_state, params)``; create ``tx = jr.pushable(optax...)`` and its
+state inside ``rep.scope()``. Under SPMD strategies ``pushable`` changes nothing; here
+``tx.init`` in the scope registers the parameters and the transformation (the shards
+are built from them), and on a worker ``tx.update`` records the gradients, which the
+worker pushes (see :mod:`jreplicate.ps.capture` for the mechanism and its limits).
+``run``'s arguments that are the registered ``params`` and optimizer state are
+recognised by identity; the worker passes the freshly pulled parameters in their place.
+
+**Modes.** Any optax transformation: asynchronous training (every push applied as it
+arrives, staleness recorded, ``max_staleness=tau`` bounds the delay). A
+:func:`jreplicate.sync_replicas` transformation: token-gated synchronous training with
+backup workers, its host driver on shard 0 with a blocking token queue.
+
+**Input.** ``rep.prepare_input`` reads on the coordinator (this process): each
+``get_next`` is one step's batch for one sync group (``num_replicas_in_sync``
+elements), shipped to whichever worker runs the step.
+
+**Carriers.** ``carrier="embedded"`` (default): shards and workers are threads of this
+process on distinct local devices (8 devices, ``num_ps=2``: 2 shards + 6 workers).
+``carrier="ray"``: shards and workers are Ray actors (:mod:`jreplicate.ps.ray_carrier`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+
+from jreplicate.context import PerReplica
+from jreplicate.execution.base import Executor
+from jreplicate.ps import capture
+from jreplicate.ps.client import ShardClient
+from jreplicate.ps.coordinator import Coordinator
+from jreplicate.ps.ledger import Ledger
+from jreplicate.ps.placement import POLICIES, Placement, place_parameters
+from jreplicate.ps.remote import RemoteValue
+from jreplicate.ps.shard import PSShard
+from jreplicate.ps.worker import Closure, HostBatch, PSWorker
+from jreplicate.strategies.base import Strategy
+from jreplicate.strategies.layout import MODEL_AXIS, REPLICA_AXIS, Layout, replica_mesh
+
+
+def _count(name: str, value: Any, minimum: int, what: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < minimum:
+        raise ValueError(f"ParameterServerStrategy({name}={value!r}) must be an int >= "
+                         f"{minimum}: {what}.")
+    return int(value)
+
+
+class ParameterServerStrategy(Strategy):
+    """Asynchronous (or token-gated) training with parameter-server shards and workers.
+
+    Args:
+      num_ps: parameter-server shards (default 1).
+      num_workers: workers (sync groups); default: as many as the devices left after
+        the shards' allow (``(len(devices) - num_ps) // num_replicas_in_sync``).
+      num_replicas_in_sync: devices (replicas) per worker; each group is one SPMD mesh
+        that all-reduces inside and pushes once per step.
+      devices: local devices to use (default all): the first ``num_ps`` hold the
+        shards, the next ones the workers. With too few devices, shards and workers
+        share them.
+      placement: ``"round_robin"`` or ``"size_balanced"`` (see
+        :func:`jreplicate.ps.placement.place_parameters`).
+      max_staleness: bounded delay tau (None: fully asynchronous).
+      token_timeout: seconds a token wait may last (token-gated mode) before the step
+        fails with a clear error.
+      skip_stale_tokens: token-gated mode: a worker drops tokens older than
+        ``global_step`` instead of computing a gradient that would be dropped (False:
+        TensorFlow's FIFO exactly).
+      max_attempts: workers a step is tried on before it fails.
+      carrier: ``"embedded"`` (threads in this process) or ``"ray"``.
+      min_slice_bytes: ``"size_balanced"`` placement's smallest slice of a split leaf.
+
+    Example:
+      >>> import jax, jax.numpy as jnp, optax, jreplicate as jr
+      >>> strategy = jr.ParameterServerStrategy(num_ps=2)
+      >>> rep = jr.Replicator(strategy)
+      >>> with rep.scope():
+      ...     w = jnp.zeros(2)
+      ...     tx = jr.pushable(optax.sgd(0.5))
+      ...     opt = tx.init(w)
+      >>> def step(ctx, w, opt):
+      ...     g = jax.grad(lambda w: jnp.sum(w - 1.0))(w)
+      ...     u, opt = tx.update(g, opt, w)
+      ...     return optax.apply_updates(w, u), opt
+      >>> values = [rep.run(step, None, w, opt) for _ in range(4)]
+      >>> rep.join()
+      >>> strategy.parameters().tolist(), strategy.ledger()[0]["applied"]
+      ([-2.0, -2.0], 4)
+    """
+
+    def __init__(self, num_ps: int = 1, num_workers: int | None = None, *,
+                 num_replicas_in_sync: int = 1, devices: Sequence[jax.Device] | None = None,
+                 placement: str = "round_robin", max_staleness: int | None = None,
+                 token_timeout: float = 60.0, skip_stale_tokens: bool = True,
+                 max_attempts: int = 4, carrier: str = "embedded",
+                 min_slice_bytes: int = 256 << 10):
+        num_ps = _count("num_ps", num_ps, 1, "the parameter-server shards")
+        g = _count("num_replicas_in_sync", num_replicas_in_sync, 1,
+                   "the devices of one worker's sync group")
+        devs = list(jax.local_devices() if devices is None else devices)
+        if not devs:
+            raise ValueError("ParameterServerStrategy(devices=[]) has no devices; pass "
+                             "some, or devices=None for all local devices.")
+        if g > len(devs):
+            raise ValueError(
+                f"ParameterServerStrategy(num_replicas_in_sync={g}) needs {g} devices per "
+                f"worker but {len(devs)} are available; use at most {len(devs)}.")
+        spare = len(devs) - num_ps
+        if num_workers is None:
+            num_workers = max(spare // g, 1)
+        num_workers = _count("num_workers", num_workers, 1, "the workers (sync groups)")
+        if placement not in POLICIES:
+            raise ValueError(f"ParameterServerStrategy(placement={placement!r}) must be one "
+                             f"of {POLICIES}.")
+        if max_staleness is not None:
+            max_staleness = _count("max_staleness", max_staleness, 0,
+                                   "the bounded delay tau, or None for none")
+        if carrier not in ("embedded", "ray"):
+            raise ValueError(f"ParameterServerStrategy(carrier={carrier!r}) must be "
+                             "'embedded' (threads in this process) or 'ray'.")
+        if not isinstance(token_timeout, (int, float)) or token_timeout <= 0:
+            raise ValueError(f"ParameterServerStrategy(token_timeout={token_timeout!r}) must "
+                             "be a positive number of seconds.")
+        if spare >= num_workers * g:  # distinct devices for shards and workers
+            self.shard_devices = tuple(devs[:num_ps])
+            pool = devs[num_ps:]
+        else:
+            self.shard_devices = tuple(devs[i % len(devs)] for i in range(num_ps))
+            pool = devs[num_ps:] if spare >= g else devs
+        self.worker_devices = tuple(
+            tuple(pool[(w * g + j) % len(pool)] for j in range(g)) for w in range(num_workers))
+        for w, grp in enumerate(self.worker_devices):
+            if len(set(grp)) < g:
+                raise ValueError(
+                    f"ParameterServerStrategy: worker {w} would use a device twice; pass "
+                    f"num_replicas_in_sync dividing the {len(pool)} worker devices.")
+        self.num_ps = num_ps
+        self.max_staleness = max_staleness
+        self.token_timeout = float(token_timeout)
+        self.skip_stale_tokens = bool(skip_stale_tokens)
+        self.max_attempts = _count("max_attempts", max_attempts, 1, "tries of a step")
+        self.carrier = carrier
+        self.placement_policy = placement
+        self.min_slice_bytes = int(min_slice_bytes)
+        mesh = replica_mesh(list(self.worker_devices[0]), 1, "ParameterServerStrategy")
+        self._layout = Layout(
+            mesh=mesh, replica_axis=REPLICA_AXIS, model_axes=(MODEL_AXIS,),
+            replica_devices=tuple((d,) for grp in self.worker_devices for d in grp),
+            num_replicas_in_sync=g, local_replica_ids=tuple(range(g)), num_workers=1,
+            worker_index=0)
+        self._executor: ParameterServerExecutor | None = None
+
+    @property
+    def layout(self) -> Layout:
+        return self._layout
+
+    @property
+    def num_ps_workers(self) -> int:
+        """The number of workers (sync groups)."""
+        return len(self.worker_devices)
+
+    def make_executor(self) -> ParameterServerExecutor:
+        if self._executor is not None:
+            raise ValueError("a ParameterServerStrategy serves one Replicator (its shards "
+                             "hold that Replicator's parameters); create a new strategy.")
+        self._executor = ParameterServerExecutor(self)
+        return self._executor
+
+    # -- inspection and control ------------------------------------------------------------
+    def _ex(self) -> ParameterServerExecutor:
+        if self._executor is None or self._executor.client is None:
+            raise ValueError(
+                "ParameterServerStrategy: no parameters yet. Create the optimizer state "
+                "with tx = jr.pushable(optax...); tx.init(params) inside rep.scope().")
+        return self._executor
+
+    @property
+    def placement(self) -> Placement:
+        """Which shard holds which parameter leaf."""
+        return self._ex().placement
+
+    def parameters(self) -> Any:
+        """The current parameters, pulled from the shards (numpy pytree)."""
+        return self._ex().client.pull()[1]
+
+    @property
+    def global_step(self) -> int:
+        """Shard 0's step: updates it applied (async) or ``global_step`` (token-gated)."""
+        return int(self._ex().call_shard(0, "step"))
+
+    def ledger(self) -> list[dict[str, Any]]:
+        """Each shard's ledger summary: pushes, applied, stale, backup, duplicate and the
+        staleness histogram ``{staleness: count}``."""
+        return [self._ex().call_shard(i, "summary") for i in range(self.num_ps)]
+
+    def staleness_histogram(self) -> dict[int, int]:
+        """Shard 0's histogram of the staleness of applied updates."""
+        return self.ledger()[0]["staleness"]
+
+    def stats(self) -> dict[str, Any]:
+        """Scheduling counters: scheduled, completed, completed_by (per worker),
+        rescheduled, alive, max_clock_gap (the largest clock gap a worker started a step
+        with), finish_times (per worker, ``time.monotonic()`` of each completed step)."""
+        c = self._ex().coordinator
+        return {"scheduled": c.scheduled, "completed": c.completed,
+                "completed_by": list(c.completed_by), "rescheduled": c.rescheduled,
+                "alive": c.alive, "max_clock_gap": c.max_clock_gap,
+                "finish_times": [list(t) for t in c.finish_times]}
+
+    def kill_worker(self, worker: int, when: str = "compute") -> None:
+        """Fault injection: worker ``worker`` dies during its next step, after computing
+        (``"compute"``) or between its pushes to shard 0 and shard 1 (``"push"``)."""
+        if when not in ("compute", "push"):
+            raise ValueError(f"kill_worker(when={when!r}) must be 'compute' or 'push'.")
+        self._ex().set_worker(worker, "kill_at", when)
+
+    def set_worker_delay(self, worker: int, seconds: float) -> None:
+        """Simulation: worker ``worker`` spends ``seconds`` more on each step."""
+        self._ex().set_worker(worker, "delay", float(seconds))
+
+    def kill_shard(self, shard: int) -> None:
+        """Fault injection: shard ``shard`` is lost (its state is gone)."""
+        self._ex().kill_shard(shard)
+
+    def state(self) -> dict[str, Any]:
+        """Every shard's state and ledger as numpy, for
+        :class:`jreplicate.CheckpointManager` (call after ``rep.join()``)."""
+        ex = self._ex()
+        return {"shards": [ex.call_shard(i, "state") for i in range(self.num_ps)],
+                "next_step_id": np.array(ex.next_id, np.int64)}
+
+    def restore(self, state: dict[str, Any]) -> None:
+        """Loads :meth:`state`'s output (e.g. from a checkpoint) into the shards."""
+        self._ex().restore(state)
+
+    def shutdown(self) -> None:
+        """Stops the workers and shards (pending steps are cancelled)."""
+        if self._executor is not None:
+            self._executor.shutdown()
+
+    def __repr__(self) -> str:
+        return (f"ParameterServerStrategy(num_ps={self.num_ps}, num_workers="
+                f"{self.num_ps_workers}, num_replicas_in_sync={self.num_replicas_in_sync}, "
+                f"carrier={self.carrier!r})")
+
+
+class ParameterServerExecutor(Executor):
+    """Schedules steps on the workers of a :class:`ParameterServerStrategy`."""
+
+    def __init__(self, strategy: ParameterServerStrategy):
+        super().__init__(strategy.layout)
+        self.strategy = strategy
+        self.client: ShardClient | None = None
+        self.placement: Placement | None = None
+        self.coordinator: Coordinator | None = None
+        self.next_id = 0
+        self._param_ids: tuple | None = None
+        self._opt_ids: tuple | None = None
+        self._tx = None
+        self._carrier = None
+
+    # -- registration (tx.init inside scope) -------------------------------------------
+    @contextlib.contextmanager
+    def scope(self) -> Iterator[None]:
+        token = capture.REGISTRY.set(self)
+        try:
+            yield
+        finally:
+            capture.REGISTRY.reset(token)
+
+    def register(self, tx: Any, params: Any, opt_state: Any) -> None:
+        if self._tx is not None:
+            if tx is self._tx:
+                return
+            raise ValueError(
+                "ParameterServerStrategy holds one optimizer: a second jr.pushable "
+                "transformation was initialised inside rep.scope(). Use one (e.g. "
+                "optax.multi_transform for parts of the parameters).")
+        s = self.strategy
+        host = jax.tree.map(np.asarray, params)
+        self.placement = place_parameters(host, s.num_ps, s.placement_policy,
+                                          min_slice_bytes=s.min_slice_bytes)
+        self._tx = tx
+        self._param_ids = tuple(id(x) for x in jax.tree.leaves(params))
+        self._opt_ids = tuple(id(x) for x in jax.tree.leaves(opt_state))
+        self._opt_keep = (params, opt_state)  # ids stay valid while held
+        self._build(self.placement.split(host), jax.tree.map(np.asarray, opt_state))
+
+    def _build(self, pieces: list, opt_host: Any, restored: list | None = None) -> None:
+        s = self.strategy
+        if s.carrier == "ray":
+            from jreplicate.ps.ray_carrier import RayCarrier
+            self._carrier = RayCarrier(s, self._tx.inner, self.placement, pieces, opt_host,
+                                       restored)
+        else:
+            self._carrier = EmbeddedCarrier(s, self._tx.inner, self.placement, pieces,
+                                            opt_host, restored)
+        self.client = self._carrier.client
+        self.coordinator = Coordinator(
+            self._carrier.runners, max_staleness=s.max_staleness,
+            max_attempts=s.max_attempts, is_shard_failure=self._carrier.is_shard_failure,
+            interrupt=self._carrier.interrupt)
+
+    def call_shard(self, i: int, what: str) -> Any:
+        return self._carrier.call_shard(i, what)
+
+    def set_worker(self, w: int, attr: str, value: Any) -> None:
+        if not 0 <= w < self.strategy.num_ps_workers:
+            raise ValueError(f"worker={w} is not in [0, {self.strategy.num_ps_workers}).")
+        self._carrier.set_worker(w, attr, value)
+
+    def kill_shard(self, i: int) -> None:
+        if not 0 <= i < self.strategy.num_ps:
+            raise ValueError(f"shard={i} is not in [0, {self.strategy.num_ps}).")
+        self._carrier.kill_shard(i)
+
+    def restore(self, state: dict[str, Any]) -> None:
+        if self.coordinator is None:
+            raise ValueError("restore: create the optimizer state inside rep.scope() first.")
+        self.coordinator.join()
+        shards = state["shards"]
+        if len(shards) != self.strategy.num_ps:
+            raise ValueError(f"restore: the state has {len(shards)} shards, this strategy "
+                             f"{self.strategy.num_ps}; restore with the same num_ps.")
+        self.coordinator.shutdown()
+        self._carrier.close()
+        restored = [{"params": jax.tree.map(np.asarray, sh["params"]),
+                     "opt_state": jax.tree.map(np.asarray, sh["opt_state"]),
+                     "step": int(np.asarray(sh["step"])),
+                     "ledger": Ledger.from_arrays(sh["ledger"])} for sh in shards]
+        self.next_id = int(np.asarray(state["next_step_id"]))
+        self._build([r["params"] for r in restored],
+                    jax.tree.map(np.asarray, self._opt_keep[1]), restored)
+
+    # -- the executor protocol ---------------------------------------------------------
+    def place(self, tree: Any) -> Any:
+        return tree
+
+    def assemble(self, elements: Sequence[Sequence[np.ndarray]], treedef: Any) -> Any:
+        return HostBatch([list(e) for e in elements], treedef)
+
+    def run(self, fn: Callable, has_batch: bool, batch: Any, args: tuple, *,
+            steps: int | None, donate_argnums: tuple[int, ...]) -> RemoteValue:
+        if steps is not None:
+            raise ValueError(
+                "Replicator.run(..., steps=K) under ParameterServerStrategy: device loops "
+                "are not supported (each step is one push); call run once per step.")
+        if self.coordinator is None:
+            raise ValueError(
+                "ParameterServerStrategy: the parameters are not on the parameter servers "
+                "yet. Create them and the optimizer inside rep.scope(): tx = "
+                "jr.pushable(optax.adam(...)); opt_state = tx.init(params).")
+        p_idx = o_idx = None
+        for i, a in enumerate(args):
+            ids = tuple(id(x) for x in jax.tree.leaves(a))
+            if ids == self._param_ids and p_idx is None:
+                p_idx = i
+            elif ids == self._opt_ids and o_idx is None:
+                o_idx = i
+        if p_idx is None:
+            raise ValueError(
+                "Replicator.run under ParameterServerStrategy: none of the step's arguments "
+                "is the params passed to tx.init inside rep.scope(). Pass those params "
+                "(the shards hold their current values; the worker substitutes them).")
+        args = tuple(None if i in (p_idx, o_idx) else a for i, a in enumerate(args))
+        if isinstance(batch, HostBatch) or batch is None:
+            pass
+        else:
+            batch = jax.tree.map(lambda x: np.asarray(x.array) if isinstance(
+                x, PerReplica) else np.asarray(x), batch,
+                is_leaf=lambda x: isinstance(x, PerReplica))
+        c = Closure(self.next_id, fn, has_batch, batch, args, p_idx, o_idx)
+        self.next_id += 1
+        return self.coordinator.schedule(c)
+
+    def reduce(self, reduce_op: str, value: Any) -> Any:
+        if isinstance(value, RemoteValue):
+            value.fetch()
+            value = value._value
+        g = self.layout.num_replicas_in_sync
+
+        def red(x):
+            if isinstance(x, PerReplica):
+                a = np.asarray(x.array)
+                return a.sum(0) if reduce_op == "sum" else a.mean(0)
+            return np.asarray(x) * (g if reduce_op == "sum" else 1)
+
+        return jax.tree.map(red, value, is_leaf=lambda x: isinstance(x, PerReplica))
+
+    def local_results(self, value: Any) -> list[Any]:
+        return [value.fetch() if isinstance(value, RemoteValue) else value]
+
+    def join(self) -> None:
+        if self.coordinator is not None:
+            self.coordinator.join()
+
+    def shutdown(self) -> None:
+        if self.coordinator is not None:
+            self.coordinator.shutdown()
+            self._carrier.close()
+
+
+class EmbeddedCarrier:
+    """Shards and workers as objects of this process; each worker runs on a thread of
+    the :class:`Coordinator` with its own devices."""
+
+    def __init__(self, s: ParameterServerStrategy, tx: Any, placement: Placement,
+                 pieces: list, opt_host: Any, restored: list | None):
+        self.shards = []
+        for i in range(s.num_ps):
+            r = restored[i] if restored else {}
+            self.shards.append(PSShard(i, pieces[i], tx, device=s.shard_devices[i],
+                                       opt_state=r.get("opt_state"), step=r.get("step", 0),
+                                       ledger=r.get("ledger")))
+        gated = self.shards[0].token_gated
+        self.workers = [PSWorker(w, list(grp), ShardClient(self.shards, placement, gated),
+                                 opt_host, token_timeout=s.token_timeout,
+                                 skip_stale_tokens=s.skip_stale_tokens)
+                        for w, grp in enumerate(s.worker_devices)]
+        self.client = ShardClient(self.shards, placement, gated)
+        self.runners = [lambda c, on_wait, w=w: w.run(c, on_wait)[0] for w in self.workers]
+
+    def is_shard_failure(self, e: BaseException) -> bool:
+        return False
+
+    def interrupt(self) -> None:
+        self.shards[0].interrupt()
+
+    def call_shard(self, i: int, what: str) -> Any:
+        sh = self.shards[i]
+        if what == "summary":
+            with sh._cond:
+                return sh.ledger.summary()
+        return sh.step if what == "step" else sh.state()
+
+    def set_worker(self, w: int, attr: str, value: Any) -> None:
+        setattr(self.workers[w], attr, value)
+
+    def kill_shard(self, i: int) -> None:
+        self.shards[i].close("lost (killed)")
+
+    def close(self) -> None:
+        for sh in self.shards:
+            sh.close("shut down")

@@ -1,0 +1,247 @@
+"""ParameterServerStrategy, embedded carrier: scheduling, async workers, sync groups."""
+
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import jreplicate as jr
+from tests._models import init_mlp, mlp, per_example_loss
+
+
+def _linear(num_ps=2, **kw):
+    """A strategy with params {"a": 2, "b": 3} and a pushable sgd(0.5)."""
+    s = jr.ParameterServerStrategy(num_ps=num_ps, **kw)
+    rep = jr.Replicator(s)
+    with rep.scope():
+        w = {"a": jnp.zeros(2), "b": jnp.zeros(3)}
+        tx = jr.pushable(optax.sgd(0.5))
+        opt = tx.init(w)
+
+    def step(ctx, w, opt):
+        g = jax.grad(lambda w: jnp.sum(w["a"] - 1.0) + jnp.sum(w["b"]))(w)
+        u, opt = tx.update(g, opt, w)
+        return optax.apply_updates(w, u), opt, jnp.sum(w["a"])
+
+    return s, rep, w, opt, step
+
+
+def test_run_schedules_and_returns_remote_values_at_once():
+    s, rep, w, opt, step = _linear(num_workers=2)
+    assert (rep.num_replicas, rep.num_replicas_in_sync, s.num_ps_workers) == (2, 1, 2)
+    assert {d for g in s.worker_devices for d in g}.isdisjoint(s.shard_devices)
+    s.set_worker_delay(0, 0.2)
+    s.set_worker_delay(1, 0.2)
+    t0 = time.monotonic()
+    values = [rep.run(step, None, w, opt) for _ in range(4)]
+    assert time.monotonic() - t0 < 0.15  # scheduled, not run
+    assert all(isinstance(v, jr.RemoteValue) for v in values)
+    assert not values[-1].done()
+    rep.join()
+    assert all(v.done() for v in values)
+    assert s.stats()["completed"] == 4 and s.stats()["completed_by"] == [2, 2]
+    np.testing.assert_allclose(s.parameters()["a"], [-2.0, -2.0])
+    np.testing.assert_allclose(s.parameters()["b"], [-2.0, -2.0, -2.0])
+    params_seen, _, a_sum = values[0].fetch()
+    assert isinstance(a_sum, np.ndarray) and float(a_sum) <= 0.0
+    assert s.ledger()[0]["applied"] == s.ledger()[1]["applied"] == 4
+    assert rep.finalize() == []
+
+
+def test_join_reraises_the_first_error_and_nothing_runs_after():
+    s, rep, w, opt, step = _linear(num_workers=3)
+
+    def bad(ctx, w, opt):
+        raise ValueError("broken step")
+
+    values = [rep.run(step, None, w, opt) for _ in range(3)]
+    values += [rep.run(bad, None, w, opt) for _ in range(3)]
+    with pytest.raises(ValueError, match="broken step"):
+        rep.join()
+    assert all(v.done() for v in values)
+    with pytest.raises(ValueError, match="broken step"):
+        values[-1].fetch()
+    assert s.stats()["completed"] == 3 and s.stats()["rescheduled"] == 0
+    rep.run(step, None, w, opt)  # training goes on after the error
+    rep.join()
+    assert s.ledger()[0]["applied"] == 4
+
+
+def test_errors_name_the_fix():
+    s = jr.ParameterServerStrategy(num_ps=2)
+    rep = jr.Replicator(s)
+    with pytest.raises(ValueError, match="tx = jr.pushable"):
+        rep.run(lambda ctx, w: w, None, jnp.zeros(2))
+    with rep.scope():
+        w = jnp.zeros(2)
+        tx = jr.pushable(optax.sgd(1.0))
+        opt = tx.init(w)
+    with pytest.raises(ValueError, match="is the params passed to tx.init"):
+        rep.run(lambda ctx, w: w, None, jnp.zeros(2))
+    with pytest.raises(ValueError, match="device loops"):
+        rep.run(lambda ctx, w: w, None, w, steps=2)
+    rep.run(lambda ctx, w, opt: (w, opt), None, w, opt)  # never calls tx.update
+    with pytest.raises(ValueError, match="update 0 times"):
+        rep.join()
+    with pytest.raises(ValueError, match="serves one Replicator"):
+        jr.Replicator(s)
+    with pytest.raises(ValueError, match="num_ps=0"):
+        jr.ParameterServerStrategy(num_ps=0)
+    with pytest.raises(ValueError, match="placement="):
+        jr.ParameterServerStrategy(placement="hash")
+    with pytest.raises(ValueError, match="max_staleness"):
+        jr.ParameterServerStrategy(max_staleness=-1)
+    with pytest.raises(ValueError, match="when="):
+        s.kill_worker(0, when="later")
+
+
+def test_pushable_is_the_transformation_outside_the_ps():
+    tx, ref = jr.pushable(optax.adam(0.1)), optax.adam(0.1)
+    p = {"w": jnp.arange(3.0)}
+    s1, s2 = tx.init(p), ref.init(p)
+    for _ in range(3):
+        g = {"w": jnp.ones(3)}
+        u1, s1 = tx.update(g, s1, p)
+        u2, s2 = ref.update(g, s2, p)
+        np.testing.assert_array_equal(u1["w"], u2["w"])
+    assert jr.pushable(tx) is tx
+    with pytest.raises(TypeError, match="optax.GradientTransformation"):
+        jr.pushable("adam")
+
+
+def test_one_worker_equals_one_device_adam():
+    """Asynchronous training with one worker is sequential: it equals one device."""
+    s = jr.ParameterServerStrategy(num_ps=2, num_workers=1, placement="size_balanced",
+                                   min_slice_bytes=256)
+    rep = jr.Replicator(s)
+    xs = np.random.default_rng(0).normal(size=(6, 8, 16)).astype(np.float32)
+    ys = np.random.default_rng(1).integers(0, 10, size=(6, 8)).astype(np.int32)
+    with rep.scope():
+        p = init_mlp(jax.random.key(0))
+        tx = jr.pushable(optax.adam(1e-2))
+        o = tx.init(p)
+    assert s.placement.bytes_per_shard[0] > 0 and s.placement.bytes_per_shard[1] > 0
+
+    def step(ctx, batch, p, o):
+        x, y = batch
+        g = jax.grad(lambda p: jr.compute_average_loss(per_example_loss(mlp(p, x), y), 8))(p)
+        u, o = tx.update(g, o, p)
+        return optax.apply_updates(p, u), o
+
+    inputs = rep.prepare_input(lambda ctx: [(xs[i], ys[i]) for i in range(6)])
+    for _ in range(6):
+        rep.run(step, inputs, p, o)
+    rep.join()
+    ref_tx, rp = optax.adam(1e-2), init_mlp(jax.random.key(0))
+    ro = ref_tx.init(rp)
+    for i in range(6):
+        g = jax.grad(lambda q, i=i: per_example_loss(mlp(q, xs[i]), ys[i]).mean())(rp)
+        u, ro = ref_tx.update(g, ro, rp)
+        rp = optax.apply_updates(rp, u)
+    for a, b in zip(jax.tree.leaves(s.parameters()), jax.tree.leaves(rp)):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_sync_group_pushes_once_per_step_with_the_group_gradient():
+    s = jr.ParameterServerStrategy(num_ps=2, num_workers=1, num_replicas_in_sync=4)
+    rep = jr.Replicator(s)
+    assert (rep.num_replicas, rep.num_replicas_in_sync) == (4, 4)
+    xs = np.random.default_rng(0).normal(size=(3, 16, 16)).astype(np.float32)
+    ys = np.random.default_rng(1).integers(0, 10, size=(3, 16)).astype(np.int32)
+    with rep.scope():
+        p = init_mlp(jax.random.key(0))
+        tx = jr.pushable(optax.sgd(0.1))
+        o = tx.init(p)
+
+    def step(ctx, batch, p, o):
+        x, y = batch
+        g = jax.grad(lambda p: jr.compute_average_loss(per_example_loss(mlp(p, x), y), 16))(p)
+        u, o = tx.update(g, o, p)
+        return optax.apply_updates(p, u), o, ctx.replica_id
+
+    def input_fn(ctx):
+        b = ctx.get_per_replica_batch_size(16)
+        return [(xs[i, r * b:(r + 1) * b], ys[i, r * b:(r + 1) * b])
+                for i in range(3) for r in range(4)]
+
+    inputs = rep.prepare_input(input_fn, replication_mode=jr.InputReplicationMode.SINGLE,
+                               enforce_ordering=True)
+    values = [rep.run(step, inputs, p, o) for _ in range(3)]
+    rep.join()
+    assert values[0].fetch()[2].tolist() == [0, 1, 2, 3]
+    assert s.ledger()[0]["pushes"] == 3  # one push per step for the group of 4
+    rp = init_mlp(jax.random.key(0))
+    for i in range(3):
+        g = jax.grad(lambda q, i=i: per_example_loss(mlp(q, xs[i]), ys[i]).mean())(rp)
+        rp = jax.tree.map(lambda a, b: a - 0.1 * b, rp, g)
+    for a, b in zip(jax.tree.leaves(s.parameters()), jax.tree.leaves(rp)):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_three_sync_groups_of_two_train_asynchronously():
+    s = jr.ParameterServerStrategy(num_ps=2, num_replicas_in_sync=2)
+    rep = jr.Replicator(s)
+    assert s.num_ps_workers == 3 and rep.num_replicas == 6
+    with rep.scope():
+        w = jnp.zeros(4)
+        tx = jr.pushable(optax.sgd(0.1))
+        o = tx.init(w)
+
+    def step(ctx, w, o):
+        g = jax.grad(lambda w: jr.compute_average_loss(jnp.sum((w - 1.0) ** 2)[None], 2))(w)
+        u, o = tx.update(g, o, w)
+        return optax.apply_updates(w, u), o
+
+    for _ in range(30):
+        rep.run(step, None, w, o)
+    rep.join()
+    assert s.ledger()[0]["applied"] == 30 and sum(s.stats()["completed_by"]) == 30
+    np.testing.assert_allclose(s.parameters(), np.ones(4), atol=0.05)
+
+
+def _others_rate(stats, t0, slow):
+    times = [t for w, ts in enumerate(stats["finish_times"]) if w != slow for t in ts]
+    return len(times) / (max(times) - t0)
+
+
+def test_a_5x_straggler_does_not_slow_the_others():
+    rates = {}
+    for straggle in (False, True):
+        s, rep, w, opt, step = _linear(num_workers=4)
+        for k in range(4):
+            s.set_worker_delay(k, 0.03)
+        rep.run(step, None, w, opt)
+        rep.join()  # compiled on one worker; warm the others below
+        for _ in range(4):
+            rep.run(step, None, w, opt)
+        rep.join()
+        if straggle:
+            s.set_worker_delay(3, 0.15)
+        t0 = time.monotonic()
+        for _ in range(48):
+            rep.run(step, None, w, opt)
+        rep.join()
+        rates[straggle] = _others_rate(s.stats(), t0, slow=3)
+        hist = s.staleness_histogram()
+        assert sum(hist.values()) == 53 == s.ledger()[0]["applied"]
+    ratio = rates[True] / rates[False]
+    print(f"others' throughput with a 5x straggler / without: {ratio:.3f}")
+    assert ratio >= 0.95, rates
+
+
+def test_max_staleness_bounds_the_clock_gap():
+    s, rep, w, opt, step = _linear(num_workers=3, max_staleness=1)
+    for k in range(3):
+        s.set_worker_delay(k, 0.01)
+    s.set_worker_delay(2, 0.06)
+    for _ in range(30):
+        rep.run(step, None, w, opt)
+    rep.join()
+    st = s.stats()
+    assert st["max_clock_gap"] <= 1
+    # Bounded: the straggler does a fair share instead of being left behind.
+    assert st["completed_by"][2] >= 6, st["completed_by"]
+    assert max(s.staleness_histogram()) <= 4
