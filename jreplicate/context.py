@@ -38,7 +38,8 @@ class ReplicaContext:
     """
 
     def __init__(self, *, axis_name: str, num_replicas: int, num_replicas_in_sync: int,
-                 logical_devices_per_replica: int = 1):
+                 logical_devices_per_replica: int = 1, batch_mask: Any = None):
+        self._mask = batch_mask
         self._axis = axis_name
         self._num_replicas = num_replicas
         self._num_in_sync = num_replicas_in_sync
@@ -69,6 +70,34 @@ class ReplicaContext:
     def num_replicas_in_sync(self) -> int:
         """The number of replicas whose gradients are aggregated synchronously."""
         return self._num_in_sync
+
+    @property
+    def batch_mask(self) -> jax.Array:
+        """This replica's mask of real examples: float32 ``[per-replica batch]``, 1 for
+        an example of the input, 0 for padding (all ones on full steps).
+
+        Available when the input comes from ``prepare_input(..., partial_batch="pad")``;
+        use it as ``compute_average_loss(losses, global_batch_size,
+        sample_weight=ctx.batch_mask)`` and for counting (``ctx.all_sum(
+        ctx.batch_mask.sum())`` is the number of real examples of the step).
+
+        Raises:
+          ValueError: the input does not pad (``partial_batch="drop"``, or no input).
+        """
+        if self._mask is None:
+            raise ValueError(
+                "ctx.batch_mask exists when the step's input comes from "
+                "rep.prepare_input(input_fn, ..., partial_batch='pad'), which pads the final "
+                "partial batch and marks the padding; this step's input does not pad."
+            )
+        return self._mask
+
+    def with_batch_mask(self, mask: Any) -> ReplicaContext:
+        """This context with ``mask`` as :attr:`batch_mask` (used by the executor)."""
+        ctx = ReplicaContext(axis_name=self._axis, num_replicas=self._num_replicas,
+                             num_replicas_in_sync=self._num_in_sync,
+                             logical_devices_per_replica=self._num_logical, batch_mask=mask)
+        return ctx
 
     @property
     def logical_devices_per_replica(self) -> int:
@@ -204,6 +233,29 @@ def check_logical_device(i: Any, num_logical: int, where: str) -> int:
                 f"each replica has {num_logical} logical devices, ids 0..{num_logical - 1}")
         raise ValueError(f"{where}({i!r}) is out of range: {hint}.")
     return int(i)
+
+
+@jax.tree_util.register_pytree_node_class
+class MaskedBatch:
+    """A padded step input and its mask of real examples (``partial_batch="pad"``).
+
+    Built by the input iterator; :meth:`jreplicate.Replicator.run` gives the step
+    ``batch`` and exposes ``mask`` as ``ctx.batch_mask``.
+    """
+
+    def __init__(self, batch: Any, mask: Any):
+        self.batch = batch
+        self.mask = mask
+
+    def tree_flatten(self):
+        return (self.batch, self.mask), None
+
+    @classmethod
+    def tree_unflatten(cls, aux, children):
+        return cls(*children)
+
+    def __repr__(self) -> str:
+        return f"MaskedBatch(batch={self.batch!r}, mask={self.mask!r})"
 
 
 @jax.tree_util.register_pytree_node_class

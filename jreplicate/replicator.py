@@ -125,6 +125,7 @@ class Replicator:
         enforce_ordering: bool = False,
         *,
         prefetch_buffer_size: int = 1,
+        partial_batch: str = "drop",
     ) -> InputIterator:
         """Builds the input pipelines and returns an iterator to pass to :meth:`run`.
 
@@ -141,6 +142,14 @@ class Replicator:
           enforce_ordering: read pipelines strictly in replica-id order (replica 0
             before replica 1). Otherwise per-replica pipelines are read concurrently.
           prefetch_buffer_size: batches kept ready when prefetching (default 1).
+          partial_batch: what happens to a final step in which some elements are
+            shorter along their leading (batch) axis, or some pipelines have run out
+            while others have not. ``"drop"`` (default): the step is dropped with a
+            warning and the iteration ends. ``"pad"``: the step is padded with zeros to
+            the first step's shapes and runs; the step function reads
+            ``ctx.batch_mask`` (1 for real examples, 0 for padding) to weight its loss
+            and count examples, so every example counts exactly once, on every sweep,
+            without a recompilation. Every leaf needs the batch as its leading axis.
         """
         if not callable(fn):
             raise TypeError(f"prepare_input(fn) must be callable, got {type(fn).__name__}.")
@@ -158,7 +167,7 @@ class Replicator:
         it = InputIterator(
             self, self._strategy, self._executor, fn, replication_mode=replication_mode,
             prefetch_buffer_size=prefetch_buffer_size if prefetch_on_device else 0,
-            enforce_ordering=bool(enforce_ordering))
+            enforce_ordering=bool(enforce_ordering), partial_batch=partial_batch)
         self._iterators.add(it)
         return it
 

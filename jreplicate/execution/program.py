@@ -25,7 +25,7 @@ from jax.sharding import PartitionSpec as P
 from jreplicate import _jax_compat
 from jreplicate._jax_compat import varying_axes
 from jreplicate._tree import flatten_arrays, path_str
-from jreplicate.context import ReplicaContext
+from jreplicate.context import MaskedBatch, ReplicaContext
 from jreplicate.execution import nnx_args
 from jreplicate.strategies.layout import Layout
 
@@ -120,6 +120,8 @@ def _keep_model_shardings(flat: list, in_shapes: list, sig: Signature,
 
 def _call(fn: Callable, ctx: ReplicaContext, sig: Signature, batch: Any, plain: tuple,
           state: Any) -> tuple[Any, Any]:
+    if isinstance(batch, MaskedBatch):  # padded input: the mask goes to ctx.batch_mask
+        ctx, batch = ctx.with_batch_mask(batch.mask), batch.batch
     nodes = nnx_args.merge(sig.graphdef, state) if sig.graphdef is not None else ()
     args = nnx_args.interleave(plain, nodes, sig.node_pos)
     try:

@@ -12,6 +12,7 @@ import numpy as np
 
 from jreplicate._tree import check_fits, flatten_arrays, path_str
 from jreplicate.context import PerReplica
+from jreplicate.input import padding
 from jreplicate.input.context import InputContext, InputReplicationMode
 from jreplicate.input.prefetch import Prefetcher, ReaderPool
 from jreplicate.input.sources import Pipeline
@@ -30,11 +31,15 @@ class InputIterator:
     ``[num_replicas, *element_shape]`` and sharded over the replicas, and returned as a
     pytree of :class:`jreplicate.PerReplica`.
 
-    **Final partial batch: dropped.** Elements must all have the shapes of the first
-    step. A step in which any replica's element is smaller along the leading (batch)
-    axis, or in which a pipeline runs out, ends the iteration (StopIteration) and its
-    elements are dropped with a warning, so a step never recompiles for a short batch.
-    Use a pipeline that pads (and passes a mask) if every example must be seen.
+    **Final partial batch** (``prepare_input(..., partial_batch=...)``). Elements must
+    all have the structure and shapes of the first step. With ``"drop"`` (default), a
+    step in which any replica's element is smaller along the leading (batch) axis, or
+    in which a pipeline runs out, ends the iteration (StopIteration) and its elements
+    are dropped with a warning, so a step never recompiles for a short batch. With
+    ``"pad"`` such a step is padded with zeros to the first step's shapes (a replica
+    whose pipeline has run out gets all padding) and runs; the step reads
+    ``ctx.batch_mask`` to count real examples only; the iteration ends when every
+    pipeline has run out.
 
     **Across processes** (:class:`jreplicate.MultiWorkerStrategy`): each step, every
     process reads its own replicas' elements and the processes agree on the outcome
@@ -49,10 +54,11 @@ class InputIterator:
     def __init__(self, owner: object, strategy: Strategy, executor: Executor,
                  input_fn: Callable[[InputContext], Any], *,
                  replication_mode: InputReplicationMode, prefetch_buffer_size: int,
-                 enforce_ordering: bool):
+                 enforce_ordering: bool, partial_batch: str = "drop"):
         self._owner = owner
         self._strategy = strategy
         self._executor = executor
+        self._pad = padding.check_mode(partial_batch) == "pad"
         self._mode = replication_mode
         self._enforce_ordering = enforce_ordering
         self._pipelines, self._feeds = _make_pipelines(strategy, input_fn, replication_mode)
@@ -140,8 +146,12 @@ class InputIterator:
                 try:
                     got.append(take(k))
                 except StopIteration:
-                    _warn_dropped(len(got), n, self._sweep)
-                    raise
+                    if not self._pad:
+                        _warn_dropped(len(got), n, self._sweep)
+                        raise
+                    got.append(padding.ENDED)  # padded below while others have data
+            if got and all(e is padding.ENDED for e in got):
+                raise StopIteration
             return got
         # Distinct pipelines per replica: read them concurrently, on daemon threads kept
         # for the iterator's life (a new pool per step costs milliseconds). A stalled
@@ -150,6 +160,12 @@ class InputIterator:
             self._pool = ReaderPool(min(n, 8))
         results = self._pool.map(take, n)
         errors = [e for _, e in results]
+        if self._pad:
+            results = [(padding.ENDED, None) if isinstance(e, StopIteration) else (v, e)
+                       for v, e in results]
+            errors = [e for _, e in results]
+            if all(v is padding.ENDED for v, _ in results):
+                raise StopIteration
         if any(isinstance(e, StopIteration) for e in errors):
             _warn_dropped(sum(e is None for e in errors), n, self._sweep)
             raise StopIteration
@@ -184,7 +200,16 @@ class InputIterator:
         return [leaves for leaves, _, _ in flat], treedef
 
     def _check(self, elements: list[Any], ids: tuple[int, ...]) -> tuple[list, Any]:
+        if self._pad:
+            return self._check_padded(elements, ids)
         flat = [_flatten(e, ids[k]) for k, e in enumerate(elements)]
+        treedef = self._check_structure(flat, ids)
+        self._check_shapes(flat, ids)
+        return flat, treedef
+
+    def _check_structure(self, flat: list, ids: tuple[int, ...]) -> Any:
+        """The common structure of one step's elements (the first step's for later
+        steps); records the first step's element spec."""
         treedef = flat[0][1]
         for k, (_, td, _) in enumerate(flat):
             if td != treedef:
@@ -198,8 +223,31 @@ class InputIterator:
             self._first = (treedef, [path_str(p) or "the root" for p in flat[0][2]])
         elif treedef != self._first[0]:
             raise _structure_changed(self._first, treedef, flat[0][2], ids[0])
-        self._check_shapes(flat, ids)
-        return flat, treedef
+        return treedef
+
+    def _check_padded(self, elements: list[Any], ids: tuple[int, ...]) -> tuple[list, Any]:
+        """The step's elements padded to the first step's shapes, each with its mask as
+        a last leaf, under the structure of ``MaskedBatch(element, mask)``."""
+        real = [k for k, e in enumerate(elements) if e is not padding.ENDED]
+        flat = {k: _flatten(elements[k], ids[k]) for k in real}
+        treedef = self._check_structure([flat[k] for k in real], tuple(ids[k] for k in real))
+        paths = flat[real[0]][2]
+        b = padding.batch_size(self._spec, paths)
+        out_def = padding.masked_treedef(treedef)
+        out = []
+        for k in range(len(elements)):
+            if k in flat:
+                leaves = padding.pad_element(flat[k][0], paths, self._spec, b, ids[k])
+            else:
+                leaves = padding.padding_element(self._spec, b)
+            out.append((leaves, out_def, None))
+        return out, out_def
+
+    def _padding_for(self, spec: tuple, n: int) -> list:
+        """Elements for ``n`` local replicas whose pipelines ran out while other
+        processes' did not, from the agreed spec (mask leaf included: all zeros)."""
+        leaves = [np.zeros(shape, dtype) for shape, dtype in spec[1]]
+        return [(list(leaves), spec[0], None) for _ in range(n)]
 
     def _produce_shared(self) -> Any:
         """One step across processes: read locally, agree, then all decide alike.
@@ -239,6 +287,15 @@ class InputIterator:
                 raise kind(f"reading the input on process {p} failed, so every process "
                            f"stops: {d}")
         ended = [p for p, (s, _, _) in enumerate(reports) if s in ("end", "partial")]
+        if self._pad and ended:
+            data = [p for p, (s, _, sp) in enumerate(reports) if s == "ok" and sp is not None]
+            if not data:  # every pipeline everywhere has run out
+                self._exhausted = True
+                raise StopIteration
+            if status == "end" and self._feeds:  # others still have data: pad this one
+                flat = self._padding_for(reports[data[0]][2], len(ids))
+                treedef = reports[data[0]][2][0]
+            ended = []
         if ended:
             self._exhausted = True
             if any(s == "partial" or sp is not None for s, _, sp in reports):
