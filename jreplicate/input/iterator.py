@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import pickle
 import warnings
 from collections.abc import Callable
@@ -13,6 +14,7 @@ import numpy as np
 from jreplicate._tree import check_fits, flatten_arrays, path_str
 from jreplicate.context import PerReplica
 from jreplicate.input import padding
+from jreplicate.input import prefetch as prefetch_mod
 from jreplicate.input.context import InputContext, InputReplicationMode
 from jreplicate.input.prefetch import Prefetcher, ReaderPool
 from jreplicate.input.sources import Pipeline
@@ -74,7 +76,12 @@ class InputIterator:
         self._agreement = strategy.agreement("input") if strategy.num_workers > 1 else None
         if self._agreement is not None and replication_mode is InputReplicationMode.SINGLE:
             self._buffer = 0  # its broadcast is a collective: keep it on the main thread
-        self._prefetcher = Prefetcher(self._produce, self._buffer) if self._buffer else None
+        # Started by the first read, which says what to prefetch: single steps, or
+        # device loops of self._chunk steps (see _prefetched).
+        self._prefetcher: Prefetcher | None = None
+        self._chunk: int | None = None
+        self._leftover: collections.deque = collections.deque()
+        self._closed = False
 
     @property
     def replication_mode(self) -> InputReplicationMode:
@@ -94,9 +101,64 @@ class InputIterator:
         if self._pending is not None and self._pending[0] is None:
             batch, self._pending = self._pending[1], None
             return batch
-        if self._prefetcher is not None:
-            return self._prefetcher.get()
+        if self._buffer:
+            return self._prefetched(None)
         return self._produce()
+
+    def _prefetched(self, k: int | None) -> Any:
+        """The next prefetched item: one step's batch (``k`` None) or ``(batch, n)`` for a
+        device loop of ``k`` steps, the next of which is staged while this one runs. A
+        change between the two drains what was prefetched and converts it: nothing read
+        is lost or reordered."""
+        if self._closed:
+            raise RuntimeError(
+                "this input iterator was closed (Replicator.finalize() or "
+                "InputIterator.close()); call its reinitialize() to read from the start "
+                "again, or prepare_input for a new one."
+            )
+        if self._prefetcher is None or self._chunk != k:
+            self._restart_prefetch(k)
+        if self._leftover:
+            kind, payload = self._leftover[0]
+            if kind == "end":  # stays at the front: the end stays the end
+                if payload is not None:
+                    raise payload
+                raise StopIteration
+            self._leftover.popleft()
+            return payload
+        return self._prefetcher.get()
+
+    def _restart_prefetch(self, k: int | None) -> None:
+        items = list(self._leftover)
+        self._leftover.clear()
+        if self._prefetcher is not None:
+            for item, err in self._prefetcher.drain():
+                if item is prefetch_mod.END:
+                    items.append(("end", err))
+                else:
+                    items.append(("single" if self._chunk is None else "chunk", item))
+        singles: list = []  # consecutive single steps, joined into loops of up to k
+
+        def flush():
+            for i in range(0, len(singles), k or 1):
+                part = singles[i:i + k]
+                self._leftover.append(("chunk", (_stack_steps(part), len(part))))
+            singles.clear()
+
+        for kind, payload in items:
+            if kind == "single" and k is not None:
+                singles.append(payload)
+                continue
+            flush()
+            if kind == "chunk" and k is None:  # a loop -> its single steps
+                batch, n = payload
+                self._leftover.extend(("single", _step_of(batch, i)) for i in range(n))
+            elif kind != "end" or not self._leftover or self._leftover[-1][0] != "end":
+                self._leftover.append((kind, payload))  # a loop of another length: as is
+        flush()
+        self._chunk = k
+        self._prefetcher = Prefetcher(self._produce if k is None else self._produce_chunk,
+                                      self._buffer)
 
     def _put_back(self, batch: Any, steps: int | None) -> None:
         """Keeps ``batch`` (one step's, or a device loop's ``(batch, k)`` for ``steps``)
@@ -116,17 +178,19 @@ class InputIterator:
         """
         if self._prefetcher is not None:
             self._prefetcher.close(wait=True)  # no read may race the restarted sources
+            self._prefetcher = None  # restarted by the next read
         for p in self._pipelines:
             p.reinitialize()
         self._exhausted = False
         self._pending = None
+        self._leftover.clear()
+        self._closed = False
         self._sweep += 1
-        if self._buffer:
-            self._prefetcher = Prefetcher(self._produce, self._buffer)
         return []
 
     def close(self) -> None:
         """Stops the prefetch thread and the reader threads, if any."""
+        self._closed = True
         if self._prefetcher is not None:
             self._prefetcher.close()
         if self._pool is not None:
@@ -364,18 +428,15 @@ class InputIterator:
         if self._pending is not None:  # one step's batch, left by a failed run
             batch, self._pending = self._pending[1], None
             return _stack_steps([batch]), 1
-        if self._prefetcher is not None:
-            batches = []
-            for _ in range(k):
-                try:
-                    batches.append(self._prefetcher.get())
-                except StopIteration:
-                    break
-            if not batches:
-                raise StopIteration
-            return _stack_steps(batches), len(batches)
+        if self._buffer:
+            return self._prefetched(k)
+        self._chunk = k
+        return self._produce_chunk()
+
+    def _produce_chunk(self) -> tuple[Any, int]:
+        """Up to ``self._chunk`` steps read on the host and placed with one transfer."""
         hosts = []
-        for _ in range(k):
+        for _ in range(self._chunk):
             try:
                 hosts.append(self._produce_host())
             except StopIteration:
@@ -406,6 +467,12 @@ def _structure_changed(first: tuple, treedef: Any, paths: list, rid: int) -> Val
         "Every element must keep the first step's structure (same keys, same containers); "
         "fix input_fn, or start a new iterator with prepare_input for the new structure."
     )
+
+
+def _step_of(batch: Any, i: int) -> Any:
+    """Step ``i`` of a device loop's batch (per-replica leaves ``[replicas, steps, ...]``)."""
+    return jax.tree.map(lambda x: PerReplica(x.array[:, i], x.mesh, x.axis_name), batch,
+                        is_leaf=lambda x: isinstance(x, PerReplica))
 
 
 @jax.jit

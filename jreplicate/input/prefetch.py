@@ -18,6 +18,7 @@ from collections.abc import Callable
 from typing import Any
 
 _END = object()
+END = _END  # the end-of-stream marker of drain()
 # Seconds the exit hook waits, in all, for prefetch threads to leave a call in progress.
 EXIT_JOIN_TIMEOUT = 5.0
 _POLL = 0.05  # seconds between checks for a stop request while waiting
@@ -84,6 +85,7 @@ class Prefetcher:
         self._queue: queue.Queue = queue.Queue(maxsize=buffer_size)
         self._stop = threading.Event()
         self._done = False
+        self._orphan: Any = None  # a result made while stopping, kept for drain()
         self._thread = threading.Thread(target=self._run, name="jreplicate-prefetch",
                                         daemon=True)
         _live.add(self)
@@ -99,6 +101,7 @@ class Prefetcher:
                 return True
             except queue.Full:
                 continue
+        self._orphan = item
         return False
 
     def _run(self) -> None:
@@ -136,6 +139,24 @@ class Prefetcher:
                 raise err
             raise StopIteration
         return item
+
+    def drain(self) -> list[tuple[Any, BaseException | None]]:
+        """Stops the thread once the read in progress is done and returns, in order, the
+        results not yet taken: ``(result, None)``, or ``(END, error or None)`` for the
+        end of the stream. Nothing read is lost."""
+        self._stop.set()
+        self._thread.join()
+        items = []
+        while True:
+            try:
+                items.append(self._queue.get_nowait())
+            except queue.Empty:
+                break
+        if self._orphan is not None:
+            items.append(self._orphan)
+            self._orphan = None
+        _live.discard(self)
+        return items
 
     def close(self, *, wait: bool = False) -> None:
         """Stops the background thread and drops buffered results.
