@@ -202,34 +202,36 @@ def test_three_sync_groups_of_two_train_asynchronously():
     np.testing.assert_allclose(s.parameters(), np.ones(4), atol=0.05)
 
 
-def _others_rate(stats, t0, slow):
-    times = [t for w, ts in enumerate(stats["finish_times"]) if w != slow for t in ts]
-    return len(times) / (max(times) - t0)
+def _others_step_time(stats, slow):
+    """The median time between two consecutive steps of one worker, over the workers
+    other than ``slow`` (robust to a burst of load from other processes)."""
+    gaps = [b - a for w, ts in enumerate(stats["finish_times"]) if w != slow
+            for a, b in zip(ts[:-1], ts[1:])]
+    return float(np.median(gaps))
 
 
 def test_a_5x_straggler_does_not_slow_the_others():
-    rates = {}
+    step_time = {}
     for straggle in (False, True):
         s, rep, w, opt, step = _linear(num_workers=4)
         for k in range(4):
             s.set_worker_delay(k, 0.03)
-        rep.run(step, None, w, opt)
-        rep.join()  # compiled on one worker; warm the others below
-        for _ in range(4):
+        for _ in range(8):
             rep.run(step, None, w, opt)
-        rep.join()
+        rep.join()  # compiled on every worker
         if straggle:
             s.set_worker_delay(3, 0.15)
-        t0 = time.monotonic()
-        for _ in range(48):
+        for _ in range(60):
             rep.run(step, None, w, opt)
         rep.join()
-        rates[straggle] = _others_rate(s.stats(), t0, slow=3)
+        step_time[straggle] = _others_step_time(s.stats(), slow=3)
         hist = s.staleness_histogram()
-        assert sum(hist.values()) == 53 == s.ledger()[0]["applied"]
-    ratio = rates[True] / rates[False]
+        assert sum(hist.values()) == 68 == s.ledger()[0]["applied"]
+        if straggle:
+            assert s.stats()["completed_by"][3] <= 8 + 60 // 10
+    ratio = step_time[False] / step_time[True]
     print(f"others' throughput with a 5x straggler / without: {ratio:.3f}")
-    assert ratio >= 0.95, rates
+    assert ratio >= 0.95, step_time
 
 
 def test_max_staleness_bounds_the_clock_gap():

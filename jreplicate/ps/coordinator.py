@@ -24,9 +24,11 @@ the minimum; an idle worker taking work catches its clock up).
 
 from __future__ import annotations
 
+import atexit
 import collections
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -38,6 +40,16 @@ from jreplicate.ps.remote import (
 )
 from jreplicate.ps.shard import ShardClosedError
 from jreplicate.ps.worker import ApplicationError, Closure
+
+_LIVE: weakref.WeakSet = weakref.WeakSet()
+
+
+@atexit.register
+def _stop_all() -> None:
+    """At interpreter exit, stops every coordinator's threads before Python finalises
+    (a daemon thread inside a JAX call during finalisation aborts the process)."""
+    for c in list(_LIVE):
+        c.shutdown(wait=2.0)
 
 
 class Coordinator:
@@ -67,6 +79,7 @@ class Coordinator:
         self._alive = [True] * len(runners)
         self.clock = [0] * len(runners)
         self.max_clock_gap = 0
+        self._progress = 0  # token waits ended and steps finished
         self.rescheduled = 0
         self.scheduled = 0
         self.completed = 0
@@ -76,6 +89,7 @@ class Coordinator:
         self._fatal: BaseException | None = None
         self._stopping = False
         self._threads: list[threading.Thread | None] = [None] * len(runners)
+        _LIVE.add(self)
         with self._cond:
             self._start_threads()
 
@@ -119,13 +133,20 @@ class Coordinator:
           RuntimeError: steps wait for tokens no running step can produce.
         """
         end = None if timeout is None else time.monotonic() + timeout
+        starved_since, progress = None, -1
         with self._cond:
             while self._queue or self._inflight:
                 if self._fatal is not None:
                     break
                 if not self._queue and self._inflight and \
                         set(self._inflight) <= self._token_waiting:
-                    self._cancel_starved()
+                    # Held for a second with no progress: not a token just handed out.
+                    if starved_since is None or progress != self._progress:
+                        starved_since, progress = time.monotonic(), self._progress
+                    elif time.monotonic() - starved_since > 1.0:
+                        self._cancel_starved()
+                else:
+                    starved_since = None
                 if self._fatal is not None:
                     break
                 if not any(self._alive) and self._queue:
@@ -164,11 +185,18 @@ class Coordinator:
             "gradients that step needs. Schedule steps in multiples of the number of "
             "workers, or lower replicas_to_aggregate.")
 
-    def shutdown(self) -> None:
+    def shutdown(self, wait: float = 0.0) -> None:
+        """Cancels queued steps and stops the threads (waiting up to ``wait`` seconds
+        for running steps to end)."""
         with self._cond:
             self._stopping = True
             self._fail_queue(StepCancelledError("the strategy shut down before this step ran"))
             self._cond.notify_all()
+            threads = [t for t in self._threads if t is not None]
+        self._interrupt()
+        end = time.monotonic() + wait
+        for t in threads:
+            t.join(max(0.0, end - time.monotonic()))
 
     def kill(self, worker: int) -> None:
         with self._cond:
@@ -213,6 +241,7 @@ class Coordinator:
     def _token_wait(self, w: int, waiting: bool) -> None:
         with self._cond:
             (self._token_waiting.add if waiting else self._token_waiting.discard)(w)
+            self._progress += 1
             self._cond.notify_all()
 
     def _loop(self, w: int) -> None:
@@ -244,6 +273,7 @@ class Coordinator:
                 error: BaseException | None = None) -> None:
         with self._cond:
             self._inflight.pop(w, None)
+            self._progress += 1
             rv = self._values.pop(c.step_id)
             if error is None:
                 self.clock[w] += 1

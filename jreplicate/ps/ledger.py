@@ -72,16 +72,16 @@ class Ledger:
 
     # -- checkpoints -------------------------------------------------------------------
     def to_arrays(self) -> dict[str, np.ndarray]:
-        """The ledger as fixed-shape int64 arrays (see :meth:`from_arrays`)."""
-        hist = np.zeros(HISTOGRAM_BINS, np.int64)
+        """The ledger as fixed-shape int32 arrays (see :meth:`from_arrays`)."""
+        hist = np.zeros(HISTOGRAM_BINS, np.int32)
         for s, n in self.staleness.items():
             hist[min(max(s, 0), HISTOGRAM_BINS - 1)] += n
         above = sorted(self._decided)[-WINDOW:]
-        window = np.full(WINDOW, -1, np.int64)
+        window = np.full(WINDOW, -1, np.int32)
         window[:len(above)] = above
-        counts = np.array([self.counts[k] for k in KINDS], np.int64)
+        counts = np.array([self.counts[k] for k in KINDS], np.int32)
         return {"counts": counts, "staleness": hist,
-                "watermark": np.array(self._watermark, np.int64), "window": window}
+                "watermark": np.array(self._watermark, np.int32), "window": window}
 
     @classmethod
     def from_arrays(cls, arrays: dict[str, Any]) -> Ledger:

@@ -100,14 +100,17 @@ class PSShard:
             (lambda t: jax.tree.map(jax.numpy.asarray, t))
         self._put = put
         self._params = put(params)
-        self._opt_state = put(opt_state) if opt_state is not None else put(
-            tx.init(self._params))
+        # A shard without parameters (more shards than leaves) keeps only its ledger.
+        self.empty = not params
+        self._opt_state = None if self.empty else put(opt_state) if opt_state is not None \
+            else put(tx.init(self._params))
         self.token_gated = _is_sync(self._opt_state)
         self._step = int(step)
         self.ledger = ledger or Ledger()
         self._cond = threading.Condition(threading.Lock())
         self._closed: str | None = None
         self._interrupts = 0
+        self._k: int | None = None  # replicas_to_aggregate, learnt at the first update
         # Token-gated, shards > 0: accepted pushes waiting for their step's turn.
         self._pending: dict[int, dict[int, dict[str, np.ndarray]]] = {}
         self._complete_count: dict[int, int] = {}
@@ -138,8 +141,8 @@ class PSShard:
             params, opt, step = self._params, self._opt_state, self._step
             ledger = self.ledger.to_arrays()
         return {"params": jax.tree.map(np.asarray, params),
-                "opt_state": jax.tree.map(np.asarray, opt),
-                "step": np.array(step, np.int64), "ledger": ledger}
+                "opt_state": jax.tree.map(np.asarray, opt) if opt is not None else {},
+                "step": np.array(step, np.int32), "ledger": ledger}
 
     # -- pushing ---------------------------------------------------------------------
     def push(self, push_id: int, worker: int, fetched_step: int,
@@ -163,6 +166,11 @@ class PSShard:
             if self.ledger.seen(push_id):
                 self.ledger.record(push_id, "duplicate")
                 return self.ledger.decisions.get(push_id, Decision("duplicate", self._step))
+            if self.empty:
+                self.ledger.record(push_id, "applied", None if decision else 0)
+                if decision is None or decision.completes:
+                    self._step += 1
+                return decision or Decision("applied", self._step - 1)
             if not self.token_gated:
                 return self._push_async(push_id, fetched_step, grads)
             if self.index == 0:
@@ -202,6 +210,7 @@ class PSShard:
         else:
             d = Decision("applied", before[0], before[1], completes=gs > before[0])
         if d.completes:
+            self._k = d.index + 1
             self._params = optax.apply_updates(self._params, updates)
         self._opt_state = opt
         self._step = gs
@@ -245,7 +254,8 @@ class PSShard:
             del self._pending[gs], self._complete_count[gs]
 
     # -- tokens ----------------------------------------------------------------------
-    def take_token(self, deadline: float, *, skip_stale: bool = True) -> int:
+    def take_token(self, deadline: float, *, skip_stale: bool = True, min_step: int = 0,
+                   live_workers: int = 0) -> int:
         """Dequeues a token (shard 0, token-gated): the ``local_step`` of the caller's
         next gradient. Blocks until one is available or ``time.monotonic()`` passes
         ``deadline``.
@@ -255,10 +265,17 @@ class PSShard:
           skip_stale: drop tokens older than ``global_step`` (a gradient computed with
             one would be dropped as stale) and take the next one; False keeps
             TensorFlow's FIFO exactly.
+          min_step: with ``skip_stale``, wait until ``global_step >= min_step`` (the
+            caller's last gradient was accepted for step ``min_step - 1``: one gradient
+            per worker and step, so a fast worker does not take a slower worker's token
+            of the same step and turn that worker's gradient into a backup). Applied only
+            while ``live_workers`` is at least ``replicas_to_aggregate``.
+          live_workers: the workers alive (see ``min_step``).
 
         Raises:
           TokenTimeoutError: the deadline passed.
           ShardClosedError: the shard was closed while waiting (the end of training).
+          TokenWaitInterrupted: :meth:`interrupt` was called.
         """
         with self._cond:
             generation = self._interrupts
@@ -266,7 +283,9 @@ class PSShard:
                 self._check_open()
                 if self._interrupts != generation:
                     raise TokenWaitInterrupted("the token wait was cancelled")
-                while int(tokens_available(self._opt_state)) > 0:
+                wait_step = skip_stale and self._k is not None and live_workers >= self._k \
+                    and self._step < min_step
+                while not wait_step and int(tokens_available(self._opt_state)) > 0:
                     token, self._opt_state = take_token(self._opt_state)
                     token = int(token)
                     if not skip_stale or token >= self._step:

@@ -95,6 +95,8 @@ class PSWorker:
         self.delay = 0.0  # simulated extra seconds per step (stragglers in tests/benchmarks)
         self.kill_at: str | None = None  # "compute" or "push": die there on the next step
         self.steps_done = 0
+        self._min_step = 0  # after an accepted push for step s: s + 1 (token-gated)
+        self.live_workers: Callable[[], int] = lambda: 1
         client.between_shards = self._between_shards
 
     def _between_shards(self, i: int) -> None:
@@ -112,7 +114,8 @@ class PSWorker:
                 on_token_wait(True)
             try:
                 token = self.client.shards[0].take_token(
-                    time.monotonic() + self.token_timeout, skip_stale=self.skip_stale_tokens)
+                    time.monotonic() + self.token_timeout, skip_stale=self.skip_stale_tokens,
+                    min_step=self._min_step, live_workers=self.live_workers())
             except TokenWaitInterrupted as e:
                 raise StepCancelledError(str(e)) from None
             except TokenTimeoutError as e:
@@ -160,6 +163,7 @@ class PSWorker:
             raise WorkerLostError(f"worker {self.index} died computing step {c.step_id}")
         decision = self.client.push(c.step_id, self.index, fetched, grads)
         self.local_step = token
+        self._min_step = decision.step + 1 if decision.kind == "applied" else 0
         return out, decision
 
     def _capturing(self, fn: Callable) -> Callable:

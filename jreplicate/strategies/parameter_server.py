@@ -243,7 +243,7 @@ class ParameterServerStrategy(Strategy):
         :class:`jreplicate.CheckpointManager` (call after ``rep.join()``)."""
         ex = self._ex()
         return {"shards": [ex.call_shard(i, "state") for i in range(self.num_ps)],
-                "next_step_id": np.array(ex.next_id, np.int64)}
+                "next_step_id": np.array(ex.next_id, np.int32)}
 
     def restore(self, state: dict[str, Any]) -> None:
         """Loads :meth:`state`'s output (e.g. from a checkpoint) into the shards."""
@@ -316,6 +316,7 @@ class ParameterServerExecutor(Executor):
             self._carrier.runners, max_staleness=s.max_staleness,
             max_attempts=s.max_attempts, is_shard_failure=self._carrier.is_shard_failure,
             interrupt=self._carrier.interrupt)
+        self._carrier.set_live_workers(lambda: sum(self.coordinator.alive))
 
     def call_shard(self, i: int, what: str) -> Any:
         return self._carrier.call_shard(i, what)
@@ -451,6 +452,10 @@ class EmbeddedCarrier:
 
     def set_worker(self, w: int, attr: str, value: Any) -> None:
         setattr(self.workers[w], attr, value)
+
+    def set_live_workers(self, fn: Callable[[], int]) -> None:
+        for w in self.workers:
+            w.live_workers = fn
 
     def kill_shard(self, i: int) -> None:
         self.shards[i].close("lost (killed)")
