@@ -26,6 +26,10 @@ STRATEGY_FACTORIES = {
     # 4 replicas x 2 logical devices: the step is manual over "replica" only.
     "mirrored-4x2": lambda: jr.MirroredStrategy(logical_devices_per_replica=2),
     "tpu-8": lambda: jr.TPUStrategy(devices=jax.devices()),  # laid out as on a TPU
+    # Parameter servers (tests/test_conformance.py marks the SPMD-only checks): one
+    # worker (sequential, so equal to one device), and 3 sync groups of 2 devices.
+    "ps-1": lambda: jr.ParameterServerStrategy(num_ps=2, num_workers=1),
+    "ps-3x2": lambda: jr.ParameterServerStrategy(num_ps=2, num_replicas_in_sync=2),
 }
 
 

@@ -10,7 +10,18 @@ import jreplicate as jr
 from tests._models import init_mlp, mlp, per_example_loss
 
 
+def _spmd_only(strategy, why):
+    """Skips a check of SPMD semantics under ParameterServerStrategy, saying why."""
+    if isinstance(strategy, jr.ParameterServerStrategy):
+        pytest.skip(f"ParameterServerStrategy: {why}")
+
+
+_SCHEDULED = ("run schedules the step on a worker and returns a RemoteValue (TF2 "
+              "ClusterCoordinator), so outputs are not global arrays; see "
+              "tests/test_ps_embedded.py")
+
 def test_run_overloads(strategy):
+    _spmd_only(strategy, _SCHEDULED)
     rep = jr.Replicator(strategy)
     n = rep.num_replicas
     assert rep.num_replicas_in_sync == n
@@ -31,6 +42,7 @@ def test_run_overloads(strategy):
 
 
 def test_outputs_replicated_or_per_replica(strategy):
+    _spmd_only(strategy, _SCHEDULED)
     rep = jr.Replicator(strategy)
     n = rep.num_replicas
 
@@ -66,6 +78,8 @@ def test_outputs_replicated_or_per_replica(strategy):
 
 
 def test_per_replica_args_roundtrip(strategy):
+    _spmd_only(strategy, "a PerReplica value belongs to one worker's sync group, which "
+               "a later step may not run on")
     rep = jr.Replicator(strategy)
     ids = rep.run(lambda ctx: ctx.replica_id * 2)
     doubled = rep.run(lambda ctx, x: x + ctx.replica_id, None, ids)
@@ -73,6 +87,8 @@ def test_per_replica_args_roundtrip(strategy):
 
 
 def test_compiled_once_and_retraced_only_on_new_signature(strategy):
+    _spmd_only(strategy, "each worker compiles the step for its own devices (once per "
+               "worker and signature), and a step must push gradients")
     rep = jr.Replicator(strategy)
     traces = []
 
@@ -105,7 +121,11 @@ def test_training_matches_single_device(strategy):
     rng = np.random.default_rng(0)
     xs = rng.normal(size=(5, gb, 16)).astype(np.float32)
     ys = rng.integers(0, 10, size=(5, gb)).astype(np.int32)
-    tx = optax.sgd(0.1, momentum=0.9)
+    if isinstance(strategy, jr.ParameterServerStrategy) and strategy.num_ps_workers > 1:
+        pytest.skip("ParameterServerStrategy: several asynchronous workers apply their "
+                    "gradients in arrival order, not as one step; one worker (ps-1) is "
+                    "sequential and checked here")
+    tx = jr.pushable(optax.sgd(0.1, momentum=0.9))  # the same step under every strategy
     params = init_mlp(jax.random.key(1))
     ref_p, ref_o = params, tx.init(params)
     for s in range(5):
@@ -131,12 +151,19 @@ def test_training_matches_single_device(strategy):
     inputs = rep.prepare_input(input_fn, replication_mode=jr.InputReplicationMode.SINGLE,
                                enforce_ordering=True)
     for _ in range(5):
-        p, o = rep.run(step, inputs, p, o)
+        out = rep.run(step, inputs, p, o)
+        if not isinstance(out, jr.RemoteValue):
+            p, o = out
+    rep.join()  # scheduled steps (ParameterServerStrategy) finish here
+    if isinstance(strategy, jr.ParameterServerStrategy):
+        p = strategy.parameters()  # the shards hold the trained parameters
     for a, b in zip(jax.tree.leaves(p), jax.tree.leaves(ref_p)):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
 
 
 def test_scope_places_state_replicated(strategy):
+    _spmd_only(strategy, "state created in scope lives on the PS shards "
+               "(strategy.parameters()), not replicated on a mesh")
     rep = jr.Replicator(strategy)
     with rep.scope():
         with rep.scope():  # re-entrant
@@ -151,6 +178,8 @@ def test_scope_places_state_replicated(strategy):
 
 
 def test_scope_places_nnx_modules_and_run_places_stray_arguments(strategy):
+    _spmd_only(strategy, "Flax NNX modules are not supported as PS step arguments yet "
+               "(pass state pytrees)")
     from flax import nnx
 
     rep = jr.Replicator(strategy)
@@ -170,6 +199,7 @@ def test_scope_places_nnx_modules_and_run_places_stray_arguments(strategy):
 
 
 def test_per_replica_outputs_indexable_under_an_outer_jit(strategy):
+    _spmd_only(strategy, "a scheduled step cannot run inside an outer jax.jit")
     rep = jr.Replicator(strategy)
     n = rep.num_replicas
 
@@ -184,6 +214,7 @@ def test_per_replica_outputs_indexable_under_an_outer_jit(strategy):
 
 
 def test_randomness_same_unless_replica_id_folded_in(strategy):
+    _spmd_only(strategy, _SCHEDULED)
     rep = jr.Replicator(strategy)
     key = jax.random.key(0)
     same = rep.run(lambda ctx, k: jax.random.normal(k, (2,)), None, key)
@@ -194,3 +225,36 @@ def test_randomness_same_unless_replica_id_folded_in(strategy):
     assert isinstance(per, jr.PerReplica)
     for r, v in enumerate(per):
         np.testing.assert_array_equal(v, jax.random.normal(jax.random.fold_in(key, r), (2,)))
+
+
+def test_parameter_server_run_overloads_and_group_collectives(strategy):
+    """What the SPMD checks above say for ParameterServerStrategy: run(fn, inputs, *args)
+    and run(fn, None, *args) schedule the same step, collectives reduce over the
+    worker's sync group, per-replica input reaches each replica of the group."""
+    if not isinstance(strategy, jr.ParameterServerStrategy):
+        pytest.skip("ParameterServerStrategy only (the SPMD strategies are checked above)")
+    rep = jr.Replicator(strategy)
+    g = rep.num_replicas_in_sync
+    assert rep.num_replicas == g * strategy.num_ps_workers
+    with rep.scope():
+        w = jnp.zeros(3)
+        tx = jr.pushable(optax.sgd(1.0))
+        opt = tx.init(w)
+
+    def step(ctx, batch, w, opt):
+        grads = jax.grad(lambda w: jnp.sum(w) * ctx.all_sum(1.0) / ctx.num_replicas)(w)
+        u, opt = tx.update(grads, opt, w)
+        return optax.apply_updates(w, u), opt, batch + ctx.replica_id, ctx.all_sum(1)
+
+    inputs = rep.prepare_input(lambda ctx: iter([np.full((2,), 10 * ctx.input_pipeline_id)] * 3),
+                               replication_mode=jr.InputReplicationMode.PER_REPLICA)
+    scheduled = rep.run(step, inputs, w, opt)
+    no_input = rep.run(lambda ctx, w, opt: step(ctx, jnp.zeros(2, jnp.int32), w, opt)[:2],
+                       None, w, opt)
+    assert isinstance(scheduled, jr.RemoteValue) and isinstance(no_input, jr.RemoteValue)
+    rep.join()
+    _, _, per_replica, count = scheduled.fetch()
+    assert int(count) == g
+    np.testing.assert_array_equal(per_replica, [[11 * r] * 2 for r in range(g)])
+    np.testing.assert_allclose(strategy.parameters(), np.full(3, -2.0))  # two pushes of 1
+    assert rep.local_results(scheduled)[0][3] == g
