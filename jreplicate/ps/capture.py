@@ -56,6 +56,9 @@ class PushableTransformation(optax.GradientTransformationExtraArgs):
         object.__setattr__(self, "_inner", inner)
         return self
 
+    def __reduce__(self):
+        return (PushableTransformation, (self.init, self.update, self._inner))
+
     @property
     def inner(self) -> optax.GradientTransformationExtraArgs:
         return self._inner
@@ -84,25 +87,34 @@ def pushable(tx: optax.GradientTransformation) -> PushableTransformation:
             "pushable(tx): tx must be an optax.GradientTransformation (e.g. "
             f"optax.adam(1e-3)), got {type(tx).__name__}.")
     inner = optax.with_extra_args_support(tx)
-    holder: list = []
 
     def init(params):
         state = inner.init(params)
-        registry = REGISTRY.get()
+        registry = active_registry()
         if registry is not None:
-            registry.register(holder[0], params, state)
+            registry.register(inner, params, state)
         return state
 
     def update(grads, state, params=None, **extra):
-        sink = getattr(_TRACE, "sink", None)
+        sink = active_sink()
         if sink is not None:
             sink.append(grads)
             return jax.tree.map(jnp.zeros_like, grads), state
         return inner.update(grads, state, params, **extra)
 
-    out = PushableTransformation(init, update, inner)
-    holder.append(out)
-    return out
+    return PushableTransformation(init, update, inner)
+
+
+# Module-level accessors: the closures above reach the thread-local and the context
+# variable through them, so that cloudpickle (Ray) pickles them by reference.
+def active_registry() -> Any:
+    """The parameter-server executor whose scope is active on this thread, or None."""
+    return REGISTRY.get()
+
+
+def active_sink() -> list | None:
+    """The list capturing gradients on this thread (a PS worker tracing), or None."""
+    return getattr(_TRACE, "sink", None)
 
 
 @contextlib.contextmanager

@@ -57,6 +57,7 @@ class Closure:
     args: tuple
     param_index: int
     opt_index: int | None
+    fn_key: int = -1  # the same function has the same key (Ray sends it once per worker)
 
 
 class ApplicationError(Exception):
@@ -65,6 +66,9 @@ class ApplicationError(Exception):
     def __init__(self, error: BaseException):
         super().__init__(str(error))
         self.error = error
+
+    def __reduce__(self):  # crosses Ray with the original error
+        return (ApplicationError, (self.error,))
 
 
 class PSWorker:

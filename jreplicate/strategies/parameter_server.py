@@ -35,6 +35,7 @@ process on distinct local devices (8 devices, ``num_ps=2``: 2 shards + 6 workers
 from __future__ import annotations
 
 import contextlib
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -225,9 +226,12 @@ class ParameterServerStrategy(Strategy):
 
     def kill_worker(self, worker: int, when: str = "compute") -> None:
         """Fault injection: worker ``worker`` dies during its next step, after computing
-        (``"compute"``) or between its pushes to shard 0 and shard 1 (``"push"``)."""
-        if when not in ("compute", "push"):
-            raise ValueError(f"kill_worker(when={when!r}) must be 'compute' or 'push'.")
+        (``"compute"``) or between its pushes to shard 0 and shard 1 (``"push"``); with
+        ``carrier="ray"``, ``"process"`` kills its actor now (``ray.kill``)."""
+        allowed = ("compute", "push", "process") if self.carrier == "ray" else \
+            ("compute", "push")
+        if when not in allowed:
+            raise ValueError(f"kill_worker(when={when!r}) must be one of {allowed}.")
         self._ex().set_worker(worker, "kill_at", when)
 
     def set_worker_delay(self, worker: int, seconds: float) -> None:
@@ -274,6 +278,8 @@ class ParameterServerExecutor(Executor):
         self._opt_ids: tuple | None = None
         self._tx = None
         self._carrier = None
+        self._fn_keys: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        self._next_key = 0
 
     # -- registration (tx.init inside scope) -------------------------------------------
     @contextlib.contextmanager
@@ -306,10 +312,10 @@ class ParameterServerExecutor(Executor):
         s = self.strategy
         if s.carrier == "ray":
             from jreplicate.ps.ray_carrier import RayCarrier
-            self._carrier = RayCarrier(s, self._tx.inner, self.placement, pieces, opt_host,
+            self._carrier = RayCarrier(s, self._tx, self.placement, pieces, opt_host,
                                        restored)
         else:
-            self._carrier = EmbeddedCarrier(s, self._tx.inner, self.placement, pieces,
+            self._carrier = EmbeddedCarrier(s, self._tx, self.placement, pieces,
                                             opt_host, restored)
         self.client = self._carrier.client
         self.coordinator = Coordinator(
@@ -386,7 +392,11 @@ class ParameterServerExecutor(Executor):
             batch = jax.tree.map(lambda x: np.asarray(x.array) if isinstance(
                 x, PerReplica) else np.asarray(x), batch,
                 is_leaf=lambda x: isinstance(x, PerReplica))
-        c = Closure(self.next_id, fn, has_batch, batch, args, p_idx, o_idx)
+        key = self._fn_keys.get(fn)
+        if key is None:
+            key = self._fn_keys[fn] = self._next_key
+            self._next_key += 1
+        c = Closure(self.next_id, fn, has_batch, batch, args, p_idx, o_idx, key)
         self.next_id += 1
         return self.coordinator.schedule(c)
 

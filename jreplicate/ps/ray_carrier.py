@@ -1,0 +1,239 @@
+"""The Ray carrier of :class:`jreplicate.ParameterServerStrategy` (``carrier="ray"``).
+
+The same shard state machine (:class:`jreplicate.ps.shard.PSShard`) and worker
+(:class:`jreplicate.ps.worker.PSWorker`) run inside Ray actors; Ray carries the calls
+(no home-made transport) and detects failures:
+
+* each shard is a threaded actor with two concurrency groups: ``"tokens"`` for the
+  blocking :meth:`PSShard.take_token` and ``"io"`` for pulls and pushes, so token waits
+  never block the pushes that would satisfy them;
+* each worker is an actor owning ``num_replicas_in_sync`` devices (CPU actors get that
+  many simulated devices; with GPUs, ``num_gpus=num_replicas_in_sync``); it calls the
+  shard actors directly;
+* the coordinator (this process) calls ``worker.run.remote(closure)``: a dead worker
+  actor (``RayActorError``) has its step rescheduled elsewhere; a dead shard actor
+  (seen by a worker as ``RayActorError`` inside its task) stops training with
+  :class:`jreplicate.ParameterServerError`.
+
+Call ``ray.init(...)`` (e.g. ``ray.init(address="auto")`` on a cluster) before creating
+the strategy's parameters; otherwise a local Ray instance is started. Actors ask for no
+CPUs (``num_cpus=0``) so that shards and workers fit any cluster; pin them with Ray's
+resources if needed. Limits: token-gated starvation is detected by the token deadline
+(``token_timeout``) only; a step's outputs come back as numpy.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Any
+
+import jax
+import numpy as np
+
+from jreplicate.context import PerReplica
+from jreplicate.ps.client import ShardClient
+from jreplicate.ps.ledger import Ledger
+from jreplicate.ps.placement import Placement
+from jreplicate.ps.remote import StepCancelledError, WorkerLostError
+from jreplicate.ps.shard import PSShard, ShardClosedError
+from jreplicate.ps.worker import ApplicationError, PSWorker
+
+_ACTORS: dict[str, Any] = {}
+
+
+def _ray():
+    try:
+        import ray
+    except ImportError as e:
+        raise ImportError(
+            "ParameterServerStrategy(carrier='ray') needs Ray: pip install "
+            "'jreplicate[ray]' (or pip install 'ray>=2.40'), or use carrier='embedded'."
+        ) from e
+    return ray
+
+
+class _ShardLost(RuntimeError):
+    """A worker found a shard actor dead."""
+
+
+def _actor_classes():
+    """The actor classes, defined on first use (Ray is imported only then)."""
+    if _ACTORS:
+        return _ACTORS["shard"], _ACTORS["worker"]
+    ray = _ray()
+
+    @ray.remote(num_cpus=0, concurrency_groups={"io": 8, "tokens": 64})
+    class ShardActor:
+        def __init__(self, index, params, tx, restored):
+            r = restored or {}
+            ledger = Ledger.from_arrays(r["ledger"]) if "ledger" in r else None
+            self.shard = PSShard(index, params, tx, opt_state=r.get("opt_state"),
+                                 step=r.get("step", 0), ledger=ledger)
+
+        @ray.method(concurrency_group="io")
+        def call(self, name, *args):
+            if name == "summary":
+                with self.shard._cond:
+                    return self.shard.ledger.summary()
+            if name == "step":
+                return self.shard.step
+            return getattr(self.shard, name)(*args)
+
+        @ray.method(concurrency_group="tokens")
+        def take_token(self, seconds, skip_stale, min_step, live_workers):
+            return self.shard.take_token(time.monotonic() + seconds, skip_stale=skip_stale,
+                                         min_step=min_step, live_workers=live_workers)
+
+    @ray.remote(num_cpus=0)
+    class WorkerActor:
+        def __init__(self, index, shards, placement, token_gated, opt_host, g,
+                     token_timeout, skip_stale):
+            proxies = [_ShardProxy(a) for a in shards]
+            client = ShardClient(proxies, placement, token_gated)
+            self.worker = PSWorker(index, jax.local_devices()[:g], client, opt_host,
+                                   token_timeout=token_timeout, skip_stale_tokens=skip_stale)
+            self.fns = {}
+
+        def run(self, closure, live_workers):
+            if closure.fn is None:  # sent before: one function object, compiled once
+                closure = dataclasses.replace(closure, fn=self.fns[closure.fn_key])
+            else:
+                closure = dataclasses.replace(
+                    closure, fn=self.fns.setdefault(closure.fn_key, closure.fn))
+            self.worker.live_workers = lambda: live_workers
+            out, _ = self.worker.run(closure)
+            return jax.tree.map(lambda x: np.asarray(x.array if isinstance(
+                x, PerReplica) else x), out, is_leaf=lambda x: isinstance(x, PerReplica))
+
+        def set_attr(self, name, value):
+            setattr(self.worker, name, value)
+
+        def ready(self):
+            return len(self.worker.layout.devices)
+
+    _ACTORS.update(shard=ShardActor, worker=WorkerActor)
+    return ShardActor, WorkerActor
+
+
+class _ShardProxy:
+    """A shard actor seen as a :class:`PSShard` (blocking calls through ``ray.get``)."""
+
+    def __init__(self, actor):
+        self.actor = actor
+
+    def _get(self, ref, timeout=None):
+        ray = _ray()
+        try:
+            return ray.get(ref, timeout=timeout)
+        except ray.exceptions.RayActorError as e:
+            raise _ShardLost(f"a parameter-server shard actor died: {e}") from None
+
+    def pull(self):
+        return self._get(self.actor.call.remote("pull"))
+
+    def push(self, *args):
+        return self._get(self.actor.call.remote("push", *args))
+
+    def record(self, *args):
+        return self._get(self.actor.call.remote("record", *args))
+
+    def return_token(self, token):
+        return self._get(self.actor.call.remote("return_token", token))
+
+    def take_token(self, deadline, *, skip_stale=True, min_step=0, live_workers=0):
+        left = max(deadline - time.monotonic(), 0.0)
+        return self._get(self.actor.take_token.remote(left, skip_stale, min_step,
+                                                      live_workers), timeout=left + 30.0)
+
+
+class RayCarrier:
+    """Shards and workers as Ray actors (see the module docstring)."""
+
+    def __init__(self, s: Any, tx: Any, placement: Placement, pieces: list, opt_host: Any,
+                 restored: list | None):
+        ray = _ray()
+        if not ray.is_initialized():
+            ray.init(include_dashboard=False, log_to_driver=False)
+        ShardActor, WorkerActor = _actor_classes()
+        g = s.num_replicas_in_sync
+        self.shards = [ShardActor.remote(i, pieces[i], tx, _host_restored(restored, i))
+                       for i in range(s.num_ps)]
+        gated = bool(ray.get(self.shards[0].call.remote("__getattribute__", "token_gated")))
+        platform = s.worker_devices[0][0].platform
+        if platform == "cpu":
+            opts = {"runtime_env": {"env_vars": {
+                "JAX_PLATFORMS": "cpu",
+                "XLA_FLAGS": f"--xla_force_host_platform_device_count={g}"}}}
+        else:
+            opts = {"num_gpus": g} if platform == "gpu" else {}
+        self.workers = [WorkerActor.options(**opts).remote(
+            w, self.shards, placement, gated, opt_host, g, s.token_timeout,
+            s.skip_stale_tokens) for w in range(s.num_ps_workers)]
+        ray.get([w.ready.remote() for w in self.workers])
+        self.client = ShardClient([_ShardProxy(a) for a in self.shards], placement, gated)
+        self._live = lambda: len(self.workers)
+        self.runners = [self._runner(w) for w in range(len(self.workers))]
+
+    def _runner(self, w: int):
+        ray = _ray()
+
+        sent: set = set()
+
+        def run(closure, on_token_wait):
+            send = closure
+            if closure.fn_key in sent:
+                send = dataclasses.replace(closure, fn=None)
+            try:
+                out = ray.get(self.workers[w].run.remote(send, self._live()))
+                sent.add(closure.fn_key)
+                return out
+            except ray.exceptions.RayTaskError as e:
+                cause = getattr(e, "cause", None)
+                if isinstance(cause, (ApplicationError, StepCancelledError,
+                                      ShardClosedError, _ShardLost)):
+                    raise cause from None
+                raise WorkerLostError(f"worker {w}: {type(cause).__name__}: {cause}") from e
+            # RayActorError (the worker's process died) propagates: a worker failure.
+
+        return run
+
+    def is_shard_failure(self, e: BaseException) -> bool:
+        return isinstance(e, _ShardLost)
+
+    def set_live_workers(self, fn) -> None:
+        self._live = fn
+
+    def interrupt(self) -> None:
+        try:
+            self.shards[0].call.remote("interrupt")
+        except Exception:  # the actor is gone: nothing waits on it
+            pass
+
+    def call_shard(self, i: int, what: str) -> Any:
+        return _ray().get(self.shards[i].call.remote(what), timeout=60)
+
+    def set_worker(self, w: int, attr: str, value: Any) -> None:
+        ray = _ray()
+        if attr == "kill_at" and value == "process":
+            ray.kill(self.workers[w], no_restart=True)
+            return
+        ray.get(self.workers[w].set_attr.remote(attr, value), timeout=60)
+
+    def kill_shard(self, i: int) -> None:
+        _ray().kill(self.shards[i], no_restart=True)
+
+    def close(self) -> None:
+        ray = _ray()
+        for a in self.workers + self.shards:
+            try:
+                ray.kill(a, no_restart=True)
+            except Exception:  # already gone
+                pass
+
+
+def _host_restored(restored: list | None, i: int) -> dict | None:
+    if not restored:
+        return None
+    r = restored[i]
+    return {"opt_state": r["opt_state"], "step": r["step"], "ledger": r["ledger"].to_arrays()}

@@ -1,0 +1,97 @@
+"""ParameterServerStrategy on Ray (carrier="ray"): shards and workers as Ray actors.
+
+One local Ray instance for the module, with its temporary and session files under the
+test's own temporary directory; every wait is bounded. Skipped only where Ray is not
+installed (the `test` extra installs it).
+"""
+
+import os
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import jreplicate as jr
+
+ray = pytest.importorskip("ray", reason="Ray is not installed: pip install 'jreplicate[ray]'")
+
+
+@pytest.fixture(scope="module")
+def local_ray(tmp_path_factory):
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # no token file in the home dir
+    tmp = tmp_path_factory.mktemp("ray")
+    ray.init(num_cpus=2, _temp_dir=str(tmp), include_dashboard=False,
+             log_to_driver=False, configure_logging=False)
+    yield tmp
+    ray.shutdown()
+
+
+def _job(tx_fn, **kw):
+    s = jr.ParameterServerStrategy(num_ps=2, carrier="ray", **kw)
+    rep = jr.Replicator(s)
+    with rep.scope():
+        w = jnp.zeros(4)
+        tx = jr.pushable(tx_fn())
+        opt = tx.init(w)
+
+    def step(ctx, w, opt):
+        g = jax.grad(lambda w: jnp.sum(w))(w)
+        u, opt = tx.update(g, opt, w)
+        return optax.apply_updates(w, u), opt, jnp.sum(w)
+
+    return s, rep, w, opt, step
+
+
+def _invariant(s, scheduled=None):
+    for led in s.ledger():
+        assert led["pushes"] == led["applied"] + led["stale"] + led["backup"] + \
+            led["duplicate"], led
+        if scheduled is not None:
+            assert led["applied"] == scheduled, led
+
+
+def test_async_on_ray_with_a_worker_killed_at_40_percent(local_ray):
+    assert any(local_ray.iterdir())  # Ray's session files are under the test's tmp dir
+    s, rep, w, opt, step = _job(lambda: optax.sgd(0.01), num_workers=4)
+    v = rep.run(step, None, w, opt)
+    rep.join()
+    assert isinstance(v.fetch()[2], np.ndarray)
+    for k in range(4):
+        s.set_worker_delay(k, 0.01)
+    values = [rep.run(step, None, w, opt) for _ in range(30)]
+    end = time.monotonic() + 60
+    while s.stats()["completed"] < 1 + 12 and time.monotonic() < end:
+        time.sleep(0.005)
+    s.kill_worker(2, when="process")  # ray.kill: Ray's failure detection reports it
+    s._executor.coordinator.join(timeout=120)
+    st = s.stats()
+    assert st["alive"][2] is False and st["completed"] == 31
+    assert all(v.done() for v in values)
+    _invariant(s, scheduled=31)
+    np.testing.assert_allclose(s.parameters(), np.full(4, -0.01 * 31), rtol=1e-5)
+    # A lost shard actor: a clear error, at once.
+    for _ in range(100):
+        rep.run(step, None, w, opt)
+    t0 = time.monotonic()
+    s.kill_shard(1)
+    with pytest.raises(jr.ParameterServerError, match="shard"):
+        s._executor.coordinator.join(timeout=60)
+    print(f"Ray: lost shard surfaced by join after {time.monotonic() - t0:.3f} s")
+    assert time.monotonic() - t0 < 30
+    s.shutdown()
+
+
+def test_token_gated_on_ray(local_ray):
+    s, rep, w, opt, step = _job(lambda: jr.sync_replicas(
+        optax.sgd(0.1), replicas_to_aggregate=2, total_num_replicas=3), num_workers=3)
+    for _ in range(18):
+        rep.run(step, None, w, opt)
+    s._executor.coordinator.join(timeout=120)
+    _invariant(s)
+    gs = s.global_step
+    assert gs >= 4 and s._executor.call_shard(1, "step") == gs
+    np.testing.assert_allclose(s.parameters(), np.full(4, -0.1 * gs), rtol=1e-5)
+    s.shutdown()
