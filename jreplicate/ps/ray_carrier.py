@@ -95,6 +95,7 @@ def _actor_classes():
                                    token_timeout=token_timeout, skip_stale_tokens=skip_stale)
             self.fns = {}
 
+        @ray.method(num_returns=2)
         def run(self, closure, live_workers):
             if closure.fn is None:  # sent before: one function object, compiled once
                 closure = dataclasses.replace(closure, fn=self.fns[closure.fn_key])
@@ -103,7 +104,8 @@ def _actor_classes():
                     closure, fn=self.fns.setdefault(closure.fn_key, closure.fn))
             self.worker.live_workers = lambda: live_workers
             out, _ = self.worker.run(closure)
-            return jax.tree.map(lambda x: np.asarray(x.array if isinstance(
+            # The outputs stay in Ray's object store until RemoteValue.fetch asks.
+            return True, jax.tree.map(lambda x: np.asarray(x.array if isinstance(
                 x, PerReplica) else x), out, is_leaf=lambda x: isinstance(x, PerReplica))
 
         def set_attr(self, name, value):
@@ -114,6 +116,16 @@ def _actor_classes():
 
     _ACTORS.update(shard=ShardActor, worker=WorkerActor)
     return ShardActor, WorkerActor
+
+
+class LazyRef:
+    """A step's outputs left in Ray's object store (fetched by RemoteValue.fetch)."""
+
+    def __init__(self, ref):
+        self.ref = ref
+
+    def resolve(self) -> Any:
+        return _ray().get(self.ref, timeout=300)
 
 
 class _ShardProxy:
@@ -185,9 +197,10 @@ class RayCarrier:
             if closure.fn_key in sent:
                 send = dataclasses.replace(closure, fn=None)
             try:
-                out = ray.get(self.workers[w].run.remote(send, self._live()))
+                done, out = self.workers[w].run.remote(send, self._live())
+                ray.get(done)
                 sent.add(closure.fn_key)
-                return out
+                return LazyRef(out)
             except ray.exceptions.RayTaskError as e:
                 cause = getattr(e, "cause", None)
                 if isinstance(cause, (ApplicationError, StepCancelledError,

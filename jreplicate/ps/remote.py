@@ -70,6 +70,8 @@ class RemoteValue:
                                f"within {timeout} s; call rep.join() to wait for all steps.")
         if self._error is not None:
             raise self._error
+        if hasattr(self._value, "resolve"):  # Ray: outputs still in the object store
+            self._value = self._value.resolve()
         return jax.tree.map(_to_numpy, self._value, is_leaf=lambda x: isinstance(x, PerReplica))
 
     get = fetch
