@@ -11,6 +11,7 @@ COLAB = pathlib.Path(__file__).parent.parent / "colab"
 NOTEBOOKS = sorted(COLAB.glob("*.ipynb"))
 QUICKSTART = COLAB / "quickstart.ipynb"
 MODEL_PARALLEL = COLAB / "model_parallel_and_device_loops.ipynb"
+PARAMETER_SERVER = COLAB / "parameter_server.ipynb"
 # Every notebook on 8 simulated CPU devices; those that must run unchanged on any device
 # count also on 1 (their first cell reads JREPLICATE_NOTEBOOK_DEVICES).
 CASES = [(path, 8) for path in NOTEBOOKS] + [(QUICKSTART, 1), (MODEL_PARALLEL, 1)]
@@ -41,6 +42,11 @@ def test_notebook_runs(path, devices, monkeypatch):
         assert f"{devices // m} replicas x {m} logical devices" in text, text
         for claim in ("tensor-parallel == 1 device", "two stages == 1 device",
                       "10 steps in one loop == 10 run calls, bit for bit", "K =  50"):
+            assert claim in text, text
+    if path == PARAMETER_SERVER:
+        text = "\n".join(_outputs(nb))
+        for claim in ("staleness histogram (shard 0):", "updates of 5 gradients each",
+                      "exactly once: every shard applied each of the 300 steps once"):
             assert claim in text, text
     if path == QUICKSTART:
         text = "\n".join(_outputs(nb))
