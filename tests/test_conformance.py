@@ -178,8 +178,9 @@ def test_scope_places_state_replicated(strategy):
 
 
 def test_scope_places_nnx_modules_and_run_places_stray_arguments(strategy):
-    _spmd_only(strategy, "Flax NNX modules are not supported as PS step arguments yet "
-               "(pass state pytrees)")
+    _spmd_only(strategy, "NNX modules created in scope stay on the coordinator (the "
+               "shards hold their parameters); NNX steps under the PS are checked in "
+               "tests/test_ps_embedded.py")
     from flax import nnx
 
     rep = jr.Replicator(strategy)

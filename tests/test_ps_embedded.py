@@ -247,3 +247,41 @@ def test_max_staleness_bounds_the_clock_gap():
     # Bounded: the straggler does a fair share instead of being left behind.
     assert st["completed_by"][2] >= 6, st["completed_by"]
     assert max(s.staleness_histogram()) <= 4
+
+
+def test_nnx_optimizer_update_becomes_a_push():
+    """The NNX step (nnx.value_and_grad, optimizer.update(model, grads)) under the PS with
+    one worker equals the same step under MirroredStrategy on one device."""
+    from flax import nnx
+
+    from tests._models import NnxMLP
+
+    x = np.random.default_rng(0).normal(size=(5, 8, 16)).astype(np.float32)
+    y = np.random.default_rng(1).integers(0, 10, size=(5, 8)).astype(np.int32)
+
+    def step(ctx, batch, model, optimizer):
+        xb, yb = batch
+
+        def loss_fn(m):
+            return jr.compute_average_loss(per_example_loss(m(xb), yb), 8)
+
+        loss, grads = nnx.value_and_grad(loss_fn)(model)
+        optimizer.update(model, grads)
+        return ctx.all_sum(loss)
+
+    trained, losses = {}, {}
+    for name, strategy in (("ps", jr.ParameterServerStrategy(num_ps=2, num_workers=1)),
+                           ("mirrored", jr.MirroredStrategy(devices=[0]))):
+        rep = jr.Replicator(strategy)
+        with rep.scope():
+            model = NnxMLP(rngs=nnx.Rngs(0))
+            optimizer = nnx.Optimizer(model, jr.pushable(optax.adam(1e-2)), wrt=nnx.Param)
+        inputs = rep.prepare_input(lambda ctx: [(x[i], y[i]) for i in range(5)])
+        out = [rep.run(step, inputs, model, optimizer) for _ in range(5)]
+        rep.join()
+        losses[name] = [float(v.fetch() if isinstance(v, jr.RemoteValue) else v) for v in out]
+        trained[name] = strategy.parameters() if name == "ps" else \
+            nnx.as_pure(nnx.state(model, nnx.Param))
+    np.testing.assert_allclose(losses["ps"], losses["mirrored"], rtol=1e-5)
+    for a, b in zip(jax.tree.leaves(trained["ps"]), jax.tree.leaves(trained["mirrored"])):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)

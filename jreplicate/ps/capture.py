@@ -20,11 +20,16 @@ so the step's transformation is wrapped once, where it is created:
   state unchanged; the worker pushes the recorded gradients once per step, and the
   shards apply them with ``tx``.
 
+Flax NNX: ``nnx.Optimizer(model, jr.pushable(tx), wrt=...)`` created in the scope
+registers ``nnx.state(model, wrt)``; ``run(step, inputs, model, optimizer)`` recognises
+the model by the identity of those arrays, and each worker step runs on a fresh copy of
+both (built from their graph and state) with the pulled parameters written into the
+model; ``optimizer.update(model, grads)`` calls ``tx.update``, which records the push.
+
 Limits: one ``pushable`` transformation per step (a GAN's two optimizers are not
 supported under the PS yet); the step's state outputs under the PS are the worker's
-snapshot (read trained parameters with ``strategy.parameters()``); Flax NNX modules and
-``nnx.Optimizer`` are not supported as PS step arguments yet (pass
-``nnx.split``-style state pytrees).
+snapshot, and NNX arguments on the coordinator are not updated (read the trained
+parameters with ``strategy.parameters()``).
 """
 
 from __future__ import annotations

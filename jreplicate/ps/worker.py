@@ -60,6 +60,19 @@ class Closure:
     fn_key: int = -1  # the same function has the same key (Ray sends it once per worker)
 
 
+@dataclasses.dataclass
+class NnxArg:
+    """A Flax NNX argument (a model, an ``nnx.Optimizer``) shipped to a worker as its
+    graph definition and numpy state; each step runs on a fresh copy."""
+
+    graphdef: Any
+    state: Any
+
+    def build(self) -> Any:
+        from flax import nnx
+        return nnx.merge(self.graphdef, self.state)
+
+
 class ApplicationError(Exception):
     """The step function itself raised (not retried: TF's application errors)."""
 
@@ -144,8 +157,12 @@ class PSWorker:
             fetched = [token]
         else:
             fetched = steps
-        args = list(c.args)
-        args[c.param_index] = params
+        args = [a.build() if isinstance(a, NnxArg) else a for a in c.args]
+        if isinstance(c.args[c.param_index], NnxArg):  # an NNX model: its params pulled
+            from flax import nnx
+            nnx.update(args[c.param_index], params)
+        else:
+            args[c.param_index] = params
         if c.opt_index is not None:
             if self._opt is None:
                 self._opt = self.executor.place(self._opt_host)

@@ -35,6 +35,7 @@ process on distinct local devices (8 devices, ``num_ps=2``: 2 shards + 6 workers
 from __future__ import annotations
 
 import contextlib
+import sys
 import weakref
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -51,7 +52,7 @@ from jreplicate.ps.ledger import Ledger
 from jreplicate.ps.placement import POLICIES, Placement, place_parameters
 from jreplicate.ps.remote import RemoteValue
 from jreplicate.ps.shard import PSShard
-from jreplicate.ps.worker import Closure, HostBatch, PSWorker
+from jreplicate.ps.worker import Closure, HostBatch, NnxArg, PSWorker
 from jreplicate.strategies.base import Strategy
 from jreplicate.strategies.layout import MODEL_AXIS, REPLICA_AXIS, Layout, replica_mesh
 
@@ -280,6 +281,7 @@ class ParameterServerExecutor(Executor):
         self._carrier = None
         self._fn_keys: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self._next_key = 0
+        self._nnx_cache: dict[int, tuple] = {}
 
     # -- registration (tx.init inside scope) -------------------------------------------
     @contextlib.contextmanager
@@ -299,6 +301,10 @@ class ParameterServerExecutor(Executor):
                 "transformation was initialised inside rep.scope(). Use one (e.g. "
                 "optax.multi_transform for parts of the parameters).")
         s = self.strategy
+        if "flax.nnx" in sys.modules:  # nnx.Optimizer passes a State of Variables
+            from flax import nnx
+            if isinstance(params, nnx.State):
+                params = nnx.as_pure(params)
         host = jax.tree.map(np.asarray, params)
         self.placement = place_parameters(host, s.num_ps, s.placement_policy,
                                           min_slice_bytes=s.min_slice_bytes)
@@ -374,7 +380,12 @@ class ParameterServerExecutor(Executor):
                 "yet. Create them and the optimizer inside rep.scope(): tx = "
                 "jr.pushable(optax.adam(...)); opt_state = tx.init(params).")
         p_idx = o_idx = None
+        nnx_pos = self._nnx_positions(args)
         for i, a in enumerate(args):
+            if i in nnx_pos:
+                if nnx_pos[i] == "model":
+                    p_idx = i
+                continue
             ids = tuple(id(x) for x in jax.tree.leaves(a))
             if ids == self._param_ids and p_idx is None:
                 p_idx = i
@@ -385,7 +396,8 @@ class ParameterServerExecutor(Executor):
                 "Replicator.run under ParameterServerStrategy: none of the step's arguments "
                 "is the params passed to tx.init inside rep.scope(). Pass those params "
                 "(the shards hold their current values; the worker substitutes them).")
-        args = tuple(None if i in (p_idx, o_idx) else a for i, a in enumerate(args))
+        args = tuple(self._nnx_arg(a) if i in nnx_pos else None if i in (p_idx, o_idx)
+                     else a for i, a in enumerate(args))
         if isinstance(batch, HostBatch) or batch is None:
             pass
         else:
@@ -399,6 +411,38 @@ class ParameterServerExecutor(Executor):
         c = Closure(self.next_id, fn, has_batch, batch, args, p_idx, o_idx, key)
         self.next_id += 1
         return self.coordinator.schedule(c)
+
+    def _nnx_positions(self, args: tuple) -> dict[int, str]:
+        """Flax NNX arguments: ``{index: "model"}`` for the module whose parameters the
+        shards hold (found by identity), ``"other"`` for the rest (an ``nnx.Optimizer``)."""
+        if "flax.nnx" not in sys.modules:
+            return {}
+        from flax import nnx
+        out: dict[int, str] = {}
+        wrt = nnx.Param
+        for a in args:
+            if isinstance(a, nnx.Optimizer):
+                wrt = a.wrt
+        for i, a in enumerate(args):
+            if not nnx.graph.is_graph_node(a):
+                continue
+            out[i] = "other"
+            if not isinstance(a, nnx.Optimizer):
+                ids = tuple(id(x) for x in jax.tree.leaves(nnx.as_pure(nnx.state(a, wrt))))
+                if ids == self._param_ids:
+                    out[i] = "model"
+        return out
+
+    def _nnx_arg(self, node: Any) -> NnxArg:
+        """The node's graph and numpy state (cached: on the coordinator an NNX argument
+        does not change, the shards hold the training state)."""
+        hit = self._nnx_cache.get(id(node))
+        if hit is None or hit[0] is not node:
+            from flax import nnx
+            graphdef, state = nnx.split(node)
+            hit = (node, NnxArg(graphdef, jax.tree.map(np.asarray, state)))
+            self._nnx_cache[id(node)] = hit
+        return hit[1]
 
     def reduce(self, reduce_op: str, value: Any) -> Any:
         if isinstance(value, RemoteValue):
