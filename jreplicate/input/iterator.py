@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import collections
 import pickle
+import threading
 import warnings
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -82,6 +83,7 @@ class InputIterator:
         self._chunk: int | None = None
         self._leftover: collections.deque = collections.deque()
         self._closed = False
+        self._producing = threading.local()  # the prefetch thread's warnings, per read
 
     @property
     def replication_mode(self) -> InputReplicationMode:
@@ -121,28 +123,41 @@ class InputIterator:
         if self._leftover:
             kind, payload = self._leftover[0]
             if kind == "end":  # stays at the front: the end stays the end
-                if payload is not None:
-                    raise payload
-                raise StopIteration
+                self._leftover[0] = ("end", None)  # its warnings are given once
+                return self._end(payload)
             self._leftover.popleft()
-            return payload
-        return self._prefetcher.get()
+            return self._take(payload)
+        try:
+            return self._take(self._prefetcher.get())
+        except _End as e:
+            return self._end(e)
+
+    def _end(self, err: BaseException | None) -> Any:
+        """Raises what the end of the prefetched input is: StopIteration (after its
+        warnings), or the error that ended it."""
+        if isinstance(err, _End):
+            self._take((None, err.notes))
+        elif err is not None:
+            raise err
+        raise StopIteration
 
     def _restart_prefetch(self, k: int | None) -> None:
         items = list(self._leftover)
         self._leftover.clear()
         if self._prefetcher is not None:
-            for item, err in self._prefetcher.drain():
-                if item is prefetch_mod.END:
+            for got, err in self._prefetcher.drain():
+                if got is prefetch_mod.END:
                     items.append(("end", err))
                 else:
-                    items.append(("single" if self._chunk is None else "chunk", item))
+                    items.append(("single" if self._chunk is None else "chunk", got))
         singles: list = []  # consecutive single steps, joined into loops of up to k
 
         def flush():
             for i in range(0, len(singles), k or 1):
                 part = singles[i:i + k]
-                self._leftover.append(("chunk", (_stack_steps(part), len(part))))
+                batch = _stack_steps([b for b, _ in part])
+                notes = [m for _, ms in part for m in ms]
+                self._leftover.append(("chunk", ((batch, len(part)), notes)))
             singles.clear()
 
         for kind, payload in items:
@@ -151,14 +166,46 @@ class InputIterator:
                 continue
             flush()
             if kind == "chunk" and k is None:  # a loop -> its single steps
-                batch, n = payload
-                self._leftover.extend(("single", _step_of(batch, i)) for i in range(n))
+                (batch, n), notes = payload
+                self._leftover.extend(("single", (_step_of(batch, i), notes if i == n - 1
+                                                   else [])) for i in range(n))
             elif kind != "end" or not self._leftover or self._leftover[-1][0] != "end":
                 self._leftover.append((kind, payload))  # a loop of another length: as is
         flush()
         self._chunk = k
-        self._prefetcher = Prefetcher(self._produce if k is None else self._produce_chunk,
-                                      self._buffer)
+        self._prefetcher = Prefetcher(self._produce_noted, self._buffer)
+
+    def _warn(self, what: str | None) -> None:
+        """Warns that ``what`` was dropped: at once on the calling thread, or, on the
+        prefetch thread, with the item it belongs to (when the caller takes it)."""
+        if what is None:
+            return
+        # The sweep number makes each sweep's warning a new one: Python shows a warning
+        # once per message and location.
+        message = (f"jreplicate: dropped {what} on sweep {self._sweep} of the input; the "
+                   "input iterator is exhausted.")
+        notes = getattr(self._producing, "notes", None)
+        if notes is not None:
+            notes.append(message)
+        else:
+            warnings.warn(message, stacklevel=4)
+
+    def _produce_noted(self) -> tuple[Any, list]:
+        """The prefetch thread's read: the item and the warnings it raised."""
+        self._producing.notes = notes = []
+        try:
+            item = self._produce() if self._chunk is None else self._produce_chunk()
+        except StopIteration:
+            raise _End(notes) from None
+        finally:
+            self._producing.notes = None
+        return item, notes
+
+    def _take(self, got: tuple[Any, list]) -> Any:
+        item, notes = got
+        for message in notes:
+            warnings.warn(message, stacklevel=5)
+        return item
 
     def _put_back(self, batch: Any, steps: int | None) -> None:
         """Keeps ``batch`` (one step's, or a device loop's ``(batch, k)`` for ``steps``)
@@ -174,8 +221,13 @@ class InputIterator:
     def reinitialize(self) -> list:
         """Restarts every pipeline from its beginning; returns ``[]`` (eager mode).
 
-        Pipelines built from parameter-less callables are unaffected.
+        Pipelines built from parameter-less callables are unaffected, and what was
+        already read from them (prefetched) stays to be taken.
         """
+        if not self._closed and self._pipelines and all(
+                p.kind == "callable" for p in self._pipelines):
+            self._sweep += 1
+            return []
         if self._prefetcher is not None:
             self._prefetcher.close(wait=True)  # no read may race the restarted sources
             self._prefetcher = None  # restarted by the next read
@@ -211,7 +263,7 @@ class InputIterator:
                     got.append(take(k))
                 except StopIteration:
                     if not self._pad:
-                        _warn_dropped(len(got), n, self._sweep)
+                        self._warn(_dropped_message(len(got), n))
                         raise
                     got.append(padding.ENDED)  # padded below while others have data
             if got and all(e is padding.ENDED for e in got):
@@ -231,7 +283,7 @@ class InputIterator:
             if all(v is padding.ENDED for v, _ in results):
                 raise StopIteration
         if any(isinstance(e, StopIteration) for e in errors):
-            _warn_dropped(sum(e is None for e in errors), n, self._sweep)
+            self._warn(_dropped_message(sum(e is None for e in errors), n))
             raise StopIteration
         for e in errors:
             if e is not None:
@@ -259,7 +311,7 @@ class InputIterator:
             flat, treedef = self._check(elements, self._strategy.local_replica_ids)
         except _PartialBatch as e:
             self._exhausted = True
-            _warn_partial(str(e), self._sweep, stacklevel=5)  # to get_next's caller
+            self._warn(f"a final partial batch ({e})")
             raise StopIteration from None
         return [leaves for leaves, _, _ in flat], treedef
 
@@ -363,13 +415,10 @@ class InputIterator:
         if ended:
             self._exhausted = True
             if any(s == "partial" or sp is not None for s, _, sp in reports):
-                warnings.warn(
-                    "jreplicate: dropped the last step's input: "
-                    + "; ".join(f"process {p} " + (f"had a partial batch ({reports[p][1]})"
-                                                   if reports[p][0] == "partial"
-                                                   else "ran out of input") for p in ended)
-                    + f" on sweep {self._sweep} of the input; the input iterator is "
-                    "exhausted.", stacklevel=5)
+                self._warn("the last step's input: " + "; ".join(
+                    f"process {p} " + (f"had a partial batch ({reports[p][1]})"
+                                       if reports[p][0] == "partial" else "ran out of input")
+                    for p in ended))
             raise StopIteration
         specs = [(p, sp) for p, (_, _, sp) in enumerate(reports) if sp is not None]
         if any(sp != specs[0][1] for _, sp in specs):
@@ -493,17 +542,20 @@ def _spec_str(spec: tuple) -> str:
     return f"{shapes} in {treedef}" if treedef.num_nodes > 1 else shapes
 
 
-def _warn_partial(reason: str, sweep: int, stacklevel: int) -> None:
-    # The sweep number makes each sweep's warning a new one: Python shows a warning once
-    # per message and location.
-    warnings.warn(f"jreplicate: dropped a final partial batch ({reason}) on sweep {sweep} "
-                  "of the input; the input iterator is exhausted.", stacklevel=stacklevel)
+def _dropped_message(read: int, n: int) -> str | None:
+    if not read:
+        return None
+    return (f"a final partial batch (an input pipeline ran out after {read} of {n} "
+            "replicas got an element)")
 
 
-def _warn_dropped(read: int, n: int, sweep: int) -> None:
-    if read:
-        _warn_partial(f"an input pipeline ran out after {read} of {n} replicas got an "
-                      "element", sweep, stacklevel=7)  # to get_next's caller
+class _End(Exception):
+    """The end of the input, as the prefetch thread saw it, with the warnings of the read
+    that found it (given to the caller that reaches the end)."""
+
+    def __init__(self, notes: list):
+        super().__init__("end of input")
+        self.notes = notes
 
 
 def _flatten(element: Any, replica_id: int) -> tuple[list[np.ndarray], Any, list]:

@@ -1,0 +1,174 @@
+"""Host overhead of a dispatch-bound step: jreplicate vs hand-written, plain and NNX.
+
+The tiny MLP 16-32-32-10 (global batch 256, SGD with momentum) on 8 simulated CPU
+devices, where a step is mostly host work. Six ways, interleaved rounds of 500 steps:
+
+* ``hand``: ``jax.jit(jax.shard_map(...))``, batch already on the devices;
+* ``hand+put``: the same plus one sharded ``jax.device_put`` of the stacked global batch
+  per step (the fair reference for input read every step);
+* ``run``: ``rep.run(step, batch, params, opt)`` with a batch of ``PerReplica``;
+* ``run+input``: ``rep.run(step, iterator, ...)``, the batch read through
+  ``prepare_input`` every step (prefetch on, the default), and ``run+input(no prefetch)``;
+* ``run nnx``: a Flax NNX model and ``nnx.Optimizer`` passed to ``run``.
+
+Prints median microseconds per step and the ratios the project tracks:
+run / hand (target <= 1.03), run+input / hand+put (<= 1.05), run nnx / run (<= 1.10).
+
+Run: ``python bench/host_overhead.py`` (about a minute on 2 cores) or ``--quick``.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ["XLA_FLAGS"] = (
+    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
+
+import argparse  # noqa: E402
+import statistics  # noqa: E402
+import sys  # noqa: E402
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import optax  # noqa: E402
+from flax import nnx  # noqa: E402
+from jax.sharding import NamedSharding  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(__file__))
+import _timing  # noqa: E402
+
+import jreplicate as jr  # noqa: E402
+
+SIZES = (16, 32, 32, 10)
+GB = 256
+TX = optax.sgd(0.05, momentum=0.9)
+CALLS = 500
+
+
+def mlp(p, x):
+    for layer in p[:-1]:
+        x = jax.nn.relu(x @ layer["w"] + layer["b"])
+    return x @ p[-1]["w"] + p[-1]["b"]
+
+
+def loss_of(logits, y):
+    return jr.compute_average_loss(
+        optax.softmax_cross_entropy_with_integer_labels(logits, y), GB)
+
+
+def init(rng):
+    return [{"w": (rng.normal(size=(a, b)) * 0.1).astype(np.float32),
+             "b": np.zeros(b, np.float32)} for a, b in zip(SIZES[:-1], SIZES[1:])]
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rounds", type=int, default=9, help="interleaved rounds (default 9)")
+    ap.add_argument("--quick", action="store_true", help="3 rounds")
+    args = ap.parse_args(argv)
+    rounds = 3 if args.quick else args.rounds
+    rep = jr.Replicator(jr.MirroredStrategy())
+    n, mesh = rep.num_replicas, rep.mesh
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(n, GB // n, SIZES[0])).astype(np.float32)
+    y = rng.integers(0, 10, (n, GB // n)).astype(np.int32)
+    per = NamedSharding(mesh, P("replica"))
+    xd, yd = jax.device_put(x, per), jax.device_put(y, per)
+
+    def step(ctx, batch, p, o):
+        xb, yb = batch
+        g = jax.grad(lambda p: loss_of(mlp(p, xb), yb))(p)
+        u, o = TX.update(g, o, p)
+        return optax.apply_updates(p, u), o
+
+    body = jax.shard_map(lambda p, o, xb, yb: step(None, (xb[0], yb[0]), p, o), mesh=mesh,
+                         in_specs=(P(), P(), P("replica"), P("replica")),
+                         out_specs=(P(), P()))
+    hand_step = jax.jit(body)
+
+    def state():
+        with rep.scope():
+            p = jax.tree.map(jnp.asarray, init(np.random.default_rng(1)))
+            return [p, TX.init(p)]
+
+    s_hand, s_put, s_run, s_in, s_in0 = state(), state(), state(), state(), state()
+
+    def hand():
+        for _ in range(CALLS):
+            s_hand[0], s_hand[1] = hand_step(*s_hand, xd, yd)
+        return s_hand[0]
+
+    def hand_put():
+        for _ in range(CALLS):
+            xb, yb = jax.device_put((x, y), per)
+            s_put[0], s_put[1] = hand_step(*s_put, xb, yb)
+        return s_put[0]
+
+    batch = (jr.PerReplica(xd, mesh), jr.PerReplica(yd, mesh))
+
+    def run():
+        for _ in range(CALLS):
+            s_run[0], s_run[1] = rep.run(step, batch, *s_run)
+        return s_run[0]
+
+    def input_fn(ctx):
+        b = ctx.get_per_replica_batch_size(GB)
+        while True:
+            yield x[0, :b], y[0, :b]
+
+    it_on = rep.prepare_input(input_fn)
+    it_off = rep.prepare_input(input_fn, prefetch_on_device=False)
+
+    def run_input():
+        for _ in range(CALLS):
+            s_in[0], s_in[1] = rep.run(step, it_on, *s_in)
+        return s_in[0]
+
+    def run_input_off():
+        for _ in range(CALLS):
+            s_in0[0], s_in0[1] = rep.run(step, it_off, *s_in0)
+        return s_in0[0]
+
+    class MLP(nnx.Module):
+        def __init__(self, rngs):
+            self.layers = nnx.List([nnx.Linear(a, b, rngs=rngs)
+                                    for a, b in zip(SIZES[:-1], SIZES[1:])])
+
+        def __call__(self, x):
+            for layer in self.layers[:-1]:
+                x = nnx.relu(layer(x))
+            return self.layers[-1](x)
+
+    with rep.scope():
+        model = MLP(nnx.Rngs(0))
+        opt = nnx.Optimizer(model, TX, wrt=nnx.Param)
+
+    def nnx_step(ctx, batch, model, opt):
+        xb, yb = batch
+        g = nnx.grad(lambda m: loss_of(m(xb), yb))(model)
+        opt.update(model, g)
+
+    def run_nnx():
+        for _ in range(CALLS):
+            rep.run(nnx_step, batch, model, opt)
+        return model.layers[0].kernel[...]
+
+    impls = {"hand": (hand, 1), "hand+put": (hand_put, 1), "run": (run, 1),
+             "run+input": (run_input, 1), "run+input(no prefetch)": (run_input_off, 1),
+             "run nnx": (run_nnx, 1)}
+    times = _timing.interleaved(impls, rounds, warmup=1)
+    print(f"tiny MLP {'-'.join(map(str, SIZES))}, {n} cpu devices, {rounds} rounds of "
+          f"{CALLS} steps")
+    for name, t in times.items():
+        print(f"{name:24s} {statistics.median(t) / CALLS * 1e6:8.0f} us/step")
+    for a, b, target in (("run", "hand", 1.03), ("run+input", "hand+put", 1.05),
+                         ("run+input(no prefetch)", "hand+put", 1.05),
+                         ("run nnx", "run", 1.10)):
+        print(f"{a:24s} / {b:9s} {_timing.paired_ratio(times, a, b):6.3f}  "
+              f"(target <= {target})")
+
+
+if __name__ == "__main__":
+    main()
