@@ -9,7 +9,7 @@ An MLP 64-256-256-10 (the digits' input size) with adam, global batch 64 per ste
   3 of 4 (one backup);
 * embedded vs Ray (4 workers, asynchronous; skipped without Ray).
 
-    python bench/parameter_server.py [--steps 120] [--no-ray]
+    python bench/parameter_server.py [--steps 120] [--no-ray] [--hidden 256]
 
 Updates/s counts the updates the shards applied (token-gated: aggregated updates,
 ``global_step``) over the wall time of ``steps`` scheduled steps after a warm-up that
@@ -37,8 +37,11 @@ import optax  # noqa: E402
 
 import jreplicate as jr  # noqa: E402
 
+SIZES = [64, 256, 256, 10]
 
-def init(key, sizes=(64, 256, 256, 10)):
+
+def init(key, sizes=None):
+    sizes = sizes or SIZES
     return [{"w": jax.random.normal(jax.random.fold_in(key, i), (a, b)) / np.sqrt(a),
              "b": jnp.zeros(b)} for i, (a, b) in enumerate(zip(sizes[:-1], sizes[1:]))]
 
@@ -100,7 +103,10 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=120)
     parser.add_argument("--no-ray", action="store_true")
+    parser.add_argument("--hidden", type=int, default=256,
+                        help="hidden width of the MLP (a larger one makes compute dominate)")
     args = parser.parse_args()
+    SIZES[1] = SIZES[2] = args.hidden
     adam = lambda: optax.adam(1e-3)  # noqa: E731
     rows = []
     for n in (1, 2, 4, 6):
@@ -128,7 +134,7 @@ def main() -> int:
             ray.shutdown()
         except ImportError:
             print("(Ray not installed: pip install 'jreplicate[ray]'; Ray row skipped)")
-    print(f"\nupdates/s (MLP 64-256-256-10, adam, batch 64; one step of one worker ~ "
+    print(f"\nupdates/s (MLP {'-'.join(map(str, SIZES))}, adam, batch 64; one step of one worker ~ "
           f"{one * 1e3:.1f} ms with 4 busy)\n")
     print(f"| {'configuration':<50} | updates/s |")
     print(f"|{'-' * 52}|-----------|")

@@ -23,8 +23,8 @@ class ShardClient:
       shards: one object per shard with :class:`PSShard`'s methods.
       placement: how the parameters are split over the shards.
       token_gated: whether shard 0 decides which pushes count (token-gated mode).
-      between_shards: called after each shard's push except the last (a test hook to
-        simulate a worker dying mid-push).
+      between_shards: called with 1 after shard 0's push, before the others' (a test
+        hook to simulate a worker dying mid-push).
     """
 
     def __init__(self, shards: Sequence[Any], placement: Placement, token_gated: bool,
@@ -34,9 +34,16 @@ class ShardClient:
         self.token_gated = token_gated
         self.between_shards = between_shards
 
+    def _fan(self, calls: list[tuple[Any, str, tuple]]) -> list:
+        """Calls ``getattr(shard, name)(*args)`` for each call; concurrently where the
+        shards are remote (proxies with ``submit`` and ``gather``, e.g. Ray actors)."""
+        if calls and hasattr(calls[0][0], "submit"):
+            return calls[0][0].gather([s.submit(name, *args) for s, name, args in calls])
+        return [getattr(s, name)(*args) for s, name, args in calls]
+
     def pull(self) -> tuple[list[int], Any]:
         """``(step of each shard, parameters as a numpy pytree)``."""
-        got = [s.pull() for s in self.shards]
+        got = self._fan([(s, "pull", ()) for s in self.shards])
         return [g[0] for g in got], self.placement.join([g[1] for g in got])
 
     def push(self, push_id: int, worker: int, fetched: Sequence[int], grads: Any) -> Decision:
@@ -52,16 +59,19 @@ class ShardClient:
         """
         pieces = self.placement.split(grads)
         first = self.shards[0].push(push_id, worker, int(fetched[0]), pieces[0])
+        if len(self.shards) > 1 and self.between_shards is not None:
+            self.between_shards(1)
+        calls = []
         for i in range(1, len(self.shards)):
-            if self.between_shards is not None:
-                self.between_shards(i)
             shard = self.shards[i]
             if not self.token_gated:
-                shard.push(push_id, worker, int(fetched[i]), pieces[i])
+                calls.append((shard, "push", (push_id, worker, int(fetched[i]), pieces[i])))
             elif first.kind == "applied":
-                shard.push(push_id, worker, int(fetched[0]), pieces[i], first)
+                calls.append((shard, "push", (push_id, worker, int(fetched[0]), pieces[i],
+                                              first)))
             else:
-                shard.record(push_id, first)
+                calls.append((shard, "record", (push_id, first)))
+        self._fan(calls)
         return first
 
 

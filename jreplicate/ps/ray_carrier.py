@@ -141,6 +141,12 @@ class _ShardProxy:
         except ray.exceptions.RayActorError as e:
             raise _ShardLost(f"a parameter-server shard actor died: {e}") from None
 
+    def submit(self, name, *args):
+        return self.actor.call.remote(name, *args)
+
+    def gather(self, refs):
+        return self._get(refs)
+
     def pull(self):
         return self._get(self.actor.call.remote("pull"))
 
