@@ -294,3 +294,20 @@ def test_nnx_optimizer_update_becomes_a_push():
     np.testing.assert_allclose(losses["ps"], losses["mirrored"], rtol=1e-5)
     for a, b in zip(jax.tree.leaves(trained["ps"]), jax.tree.leaves(trained["mirrored"])):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
+
+
+def test_a_dead_worker_leaves_the_bounded_delay_minimum():
+    """max_staleness=0 with a worker killed mid-training: the others do not wait for
+    its clock, and every step completes."""
+    s, rep, w, opt, step = _linear(num_workers=3, max_staleness=0)
+    for k in range(3):
+        s.set_worker_delay(k, 0.005)
+    s.kill_worker(2, when="compute")
+    for _ in range(20):
+        rep.run(step, None, w, opt)
+    t0 = time.monotonic()
+    s._executor.coordinator.join(timeout=30)
+    assert time.monotonic() - t0 < 30
+    st = s.stats()
+    assert st["alive"] == [True, True, False] and st["completed"] == 20
+    assert s.ledger()[0]["applied"] == 20 and st["max_clock_gap"] == 0

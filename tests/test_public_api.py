@@ -33,7 +33,9 @@ def test_submodules_import():
     for name in ("replicator", "context", "losses", "demo", "input.sources",
                  "input.prefetch", "strategies.mirrored", "strategies.layout", "execution.program",
                  "execution.nnx_args", "_jax_compat", "strategies.multi_worker",
-                 "launch", "checkpoint", "sync_replicas"):
+                 "launch", "checkpoint", "sync_replicas", "strategies.parameter_server",
+                 "ps.placement", "ps.shard", "ps.ledger", "ps.client", "ps.capture",
+                 "ps.worker", "ps.coordinator", "ps.remote", "ps.ray_carrier"):
         importlib.import_module(f"jreplicate.{name}")
 
 

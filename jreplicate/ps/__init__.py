@@ -4,4 +4,11 @@
 * :mod:`jreplicate.ps.shard`: one shard as a plain state machine (push, pull, tokens).
 * :mod:`jreplicate.ps.ledger`: each shard's record of what became of every push.
 * :mod:`jreplicate.ps.client`: a worker's pull and push over all shards.
+* :mod:`jreplicate.ps.capture`: :func:`jreplicate.pushable`, how a step's optimizer
+  update becomes a push.
+* :mod:`jreplicate.ps.worker`: a worker running scheduled steps on its devices.
+* :mod:`jreplicate.ps.coordinator`: TF2 ``ClusterCoordinator`` scheduling, faults,
+  bounded delay.
+* :mod:`jreplicate.ps.remote`: :class:`jreplicate.RemoteValue` and the errors.
+* :mod:`jreplicate.ps.ray_carrier`: shards and workers as Ray actors.
 """

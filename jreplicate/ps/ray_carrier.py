@@ -199,7 +199,7 @@ class RayCarrier:
         sent: set = set()
 
         def run(closure, on_token_wait):
-            send = closure
+            send, out = closure, None
             if closure.fn_key in sent:
                 send = dataclasses.replace(closure, fn=None)
             try:
@@ -208,6 +208,10 @@ class RayCarrier:
                 sent.add(closure.fn_key)
                 return LazyRef(out)
             except ray.exceptions.RayTaskError as e:
+                try:  # the outputs' ref holds the error too: fetch it, or Ray logs it
+                    ray.get(out, timeout=5)
+                except Exception:
+                    pass
                 cause = getattr(e, "cause", None)
                 if isinstance(cause, (ApplicationError, StepCancelledError,
                                       ShardClosedError, _ShardLost)):
