@@ -134,7 +134,7 @@ def _call(fn: Callable, ctx: ReplicaContext, sig: Signature, batch: Any, plain: 
     if sig.graphdef is None:
         return out, None
     nnx_args.check_static_unchanged(sig.graphdef, state, nodes, sig.node_pos)
-    return out, nnx_args.state_of(nodes)
+    return out, nnx_args.state_of(nodes, sig.graphdef)
 
 
 def _loop(fn: Callable, ctx: ReplicaContext, sig: Signature, batch: Any, plain: tuple,

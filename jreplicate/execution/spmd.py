@@ -135,9 +135,10 @@ class SPMDExecutor(Executor):
             self._send_home(outs, homes, split[0], program)
         result = jax.tree.unflatten(program.out_tree, outs[:program.num_out])
         if split[1]:
-            _, node_pos, state = split
-            new_state = jax.tree.unflatten(jax.tree.structure(state), outs[program.num_out:])
-            nnx_args.write_back(args, node_pos, new_state)
+            _, node_pos, state, variables = split
+            new_state = outs[program.num_out:] if variables is not None else \
+                jax.tree.unflatten(jax.tree.structure(state), outs[program.num_out:])
+            nnx_args.write_back(args, node_pos, new_state, variables)
         return result
 
     def compiled(self, fn: Callable, has_batch: bool, batch: Any, args: tuple, *,
@@ -151,10 +152,10 @@ class SPMDExecutor(Executor):
     def _prepare(self, fn, has_batch, batch, args, steps, donate_argnums):
         """The program for this call's signature (built on first use) and its inputs."""
         node_pos = self._node_positions(args)
-        graphdef = state = None
+        graphdef = state = variables = None
         plain = args
         if node_pos:
-            graphdef, state, plain = nnx_args.split(args, node_pos)
+            graphdef, state, plain, variables = nnx_args.split(args, node_pos)
         leaves, treedef = jax.tree.flatten((batch, plain, state), is_leaf=_is_per_replica)
         homes: list = []
         arrays, kinds, traced = self._place(leaves, treedef, node_pos, homes)
@@ -162,12 +163,12 @@ class SPMDExecutor(Executor):
                 tuple((a.shape, a.dtype, getattr(a, "weak_type", False)) for a in arrays))
         program = self._programs.get(fn, rest)
         if program is None:
-            if node_pos:
+            if node_pos and variables is None:
                 nnx_args.check_writable(args, node_pos, state)
             donate = _donated_leaves(treedef, node_pos, donate_argnums, len(args))
             sig = Signature(has_batch, treedef, graphdef, node_pos, kinds, steps, donate)
             program = self._programs.put(fn, rest, lambda f: Program(f, sig, self.layout))
-        return program, arrays, (treedef, node_pos, state), homes, traced
+        return program, arrays, (treedef, node_pos, state, variables), homes, traced
 
     def _place(self, leaves: list, treedef: Any, node_pos: tuple,
                homes: list) -> tuple[list, tuple, bool]:
