@@ -58,3 +58,19 @@ def test_shared_and_unshared_modules_train_like_one_device():
             np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
         results.append(got)
     assert results[0] != results[1]
+
+
+def test_a_plain_step_never_imports_flax():
+    import subprocess
+    import sys
+    code = (
+        "import os; os.environ['XLA_FLAGS'] = '--xla_force_host_platform_device_count=2'\n"
+        "import sys, numpy as np, jreplicate as jr\n"
+        "rep = jr.Replicator(jr.MirroredStrategy())\n"
+        "it = rep.prepare_input(lambda ctx: iter([np.ones(2)] * 3))\n"
+        "rep.run(lambda ctx, b, w: (w + ctx.all_sum(b.sum()),), it, np.float32(0))\n"
+        "print('flax' in sys.modules)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120, env={**__import__("os").environ, "JAX_PLATFORMS": "cpu"})
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().splitlines()[-1] == "False"
