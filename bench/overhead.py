@@ -42,6 +42,7 @@ os.environ["KERAS_BACKEND"] = "jax"
 
 import argparse  # noqa: E402
 import statistics  # noqa: E402
+import sys  # noqa: E402
 import time  # noqa: E402
 from collections.abc import Callable  # noqa: E402
 
@@ -54,6 +55,9 @@ from jax.sharding import AxisType, NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import jreplicate as jr  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(__file__))
+from _timing import time_block  # noqa: E402
 
 SIZES = (784, 1024, 1024, 10)
 TINY_SIZES = (16, 32, 32, 10)  # compute-free: the step time is framework overhead
@@ -238,15 +242,6 @@ def check_losses(impls: dict[str, Impl], steps: int) -> None:
         tol = 1e-6 if name.startswith("jreplicate") else 1e-3
         np.testing.assert_allclose(t, ref, rtol=tol, err_msg=name)
     print("  check passed (jreplicate rtol 1e-6, keras rtol 1e-3 vs hand-written)\n")
-
-
-def time_block(run: Callable[[], object], steps: int) -> float:
-    t0 = time.perf_counter()
-    out = None
-    for _ in range(steps):
-        out = run()
-    jax.block_until_ready(out)
-    return (time.perf_counter() - t0) / steps
 
 
 def bench(sizes, rounds: int, steps: int, distribution) -> None:

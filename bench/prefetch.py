@@ -71,16 +71,20 @@ def make_input_fn(mode: str, latency: float):
     return input_fn
 
 
+def fresh_state(rep):
+    with rep.scope():
+        keys = jax.random.split(jax.random.key(0), len(SIZES) - 1)
+        p = [{"w": jax.random.normal(k, (a, b)) * 0.05, "b": jnp.zeros(b)}
+             for k, a, b in zip(keys, SIZES[:-1], SIZES[1:])]
+        return [p, TX.init(p)]
+
+
 def build(rep, mode, latency, prefetch):
     replication = (jr.InputReplicationMode.PER_REPLICA if mode == "per-replica"
                    else jr.InputReplicationMode.PER_WORKER)
     inputs = rep.prepare_input(make_input_fn(mode, latency), replication,
                                prefetch_on_device=prefetch)
-    with rep.scope():
-        keys = jax.random.split(jax.random.key(0), len(SIZES) - 1)
-        p = [{"w": jax.random.normal(k, (a, b)) * 0.05, "b": jnp.zeros(b)}
-             for k, a, b in zip(keys, SIZES[:-1], SIZES[1:])]
-        state = [p, TX.init(p)]
+    state = fresh_state(rep)
 
     def train():
         for _ in range(STEPS):
@@ -103,14 +107,9 @@ def main(argv=None) -> None:
     args = ap.parse_args(argv)
     rounds = 2 if args.quick else args.rounds
     rep = jr.Replicator(jr.MirroredStrategy())
-    fixed, _, _ = build(rep, "fast", 0.0, False)
     it = rep.prepare_input(make_input_fn("fast", 0.0))
     batch = it.get_next()
-    with rep.scope():
-        keys = jax.random.split(jax.random.key(0), len(SIZES) - 1)
-        p = [{"w": jax.random.normal(k, (a, b)) * 0.05, "b": jnp.zeros(b)}
-             for k, a, b in zip(keys, SIZES[:-1], SIZES[1:])]
-        st = [p, TX.init(p)]
+    st = fresh_state(rep)
 
     def step_alone():
         for _ in range(STEPS):

@@ -101,6 +101,18 @@ def check_logical_devices_per_replica(value: object, where: str) -> int:
     return int(value)
 
 
+def check_factors(n: int, m: int, where: str, what: str, note: str = "") -> None:
+    """Raises when ``n`` devices (``what``) do not split into replicas of ``m``."""
+    if n % m:
+        fits = [k for k in range(1, n + 1) if n % k == 0]
+        raise ValueError(
+            f"{where}: {n} {what} do not factor into replicas of "
+            f"logical_devices_per_replica={m} devices each{note}. Use a divisor of {n} "
+            f"({', '.join(map(str, fits))}), or pass devices=... with a multiple of {m} "
+            "devices."
+        )
+
+
 def replica_mesh(devices: Sequence[jax.Device], logical_devices_per_replica: int,
                  where: str) -> Mesh:
     """A ``(REPLICA_AXIS, MODEL_AXIS)`` mesh over ``devices`` in replica order: replica
@@ -112,13 +124,6 @@ def replica_mesh(devices: Sequence[jax.Device], logical_devices_per_replica: int
     """
     m = logical_devices_per_replica
     n = len(devices)
-    if n % m:
-        fits = [k for k in range(1, n + 1) if n % k == 0]
-        raise ValueError(
-            f"{where}: {n} devices do not factor into replicas of "
-            f"logical_devices_per_replica={m} devices each. Use a divisor of {n} "
-            f"({', '.join(map(str, fits))}), or pass devices=... with a multiple of {m} "
-            "devices."
-        )
+    check_factors(n, m, where, "devices")
     grid = np.array(list(devices), dtype=object).reshape(n // m, m)
     return Mesh(grid, (REPLICA_AXIS, MODEL_AXIS), axis_types=(AxisType.Auto, AxisType.Auto))

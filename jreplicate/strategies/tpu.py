@@ -18,6 +18,7 @@ from jreplicate.strategies.layout import (
     MODEL_AXIS,
     REPLICA_AXIS,
     Layout,
+    check_factors,
     check_logical_devices_per_replica,
     mesh_layout,
 )
@@ -132,13 +133,8 @@ def tpu_mesh(devices: Sequence, logical_devices_per_replica: int) -> Mesh:
             sum(getattr(d, "slice_index", 0) == s for d in devices) != per_slice for s in slices):
         raise ValueError(f"TPUStrategy: the {len(slices)} slices hold different numbers of "
                          "the given devices; use the same number of devices on every slice.")
-    if per_slice % m:
-        fits = [k for k in range(1, per_slice + 1) if per_slice % k == 0]
-        raise ValueError(
-            f"TPUStrategy: {per_slice} devices per slice do not factor into replicas of "
-            f"logical_devices_per_replica={m} devices each (a replica stays on one slice). "
-            f"Use one of {fits}."
-        )
+    check_factors(per_slice, m, "TPUStrategy", "devices per slice",
+                  " (a replica stays on one slice)")
     if len(slices) > 1:
         grid = mesh_utils.create_hybrid_device_mesh(
             (per_slice // m, m), (len(slices), 1), devices=list(devices))
