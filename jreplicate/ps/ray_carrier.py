@@ -28,18 +28,11 @@ import dataclasses
 import time
 from typing import Any
 
-import jax
-import numpy as np
-
-from jreplicate.context import PerReplica
 from jreplicate.ps.client import ShardClient
-from jreplicate.ps.ledger import Ledger
 from jreplicate.ps.placement import Placement
 from jreplicate.ps.remote import StepCancelledError, WorkerLostError
-from jreplicate.ps.shard import PSShard, ShardClosedError
-from jreplicate.ps.worker import ApplicationError, PSWorker
-
-_ACTORS: dict[str, Any] = {}
+from jreplicate.ps.shard import ShardClosedError
+from jreplicate.ps.worker import ApplicationError
 
 
 def _ray():
@@ -58,64 +51,9 @@ class _ShardLost(RuntimeError):
 
 
 def _actor_classes():
-    """The actor classes, defined on first use (Ray is imported only then)."""
-    if _ACTORS:
-        return _ACTORS["shard"], _ACTORS["worker"]
-    ray = _ray()
-
-    @ray.remote(num_cpus=0, concurrency_groups={"io": 8, "tokens": 64})
-    class ShardActor:
-        def __init__(self, index, params, tx, restored):
-            r = restored or {}
-            ledger = Ledger.from_arrays(r["ledger"]) if "ledger" in r else None
-            self.shard = PSShard(index, params, tx, opt_state=r.get("opt_state"),
-                                 step=r.get("step", 0), ledger=ledger)
-
-        @ray.method(concurrency_group="io")
-        def call(self, name, *args):
-            if name == "summary":
-                with self.shard._cond:
-                    return self.shard.ledger.summary()
-            if name == "step":
-                return self.shard.step
-            return getattr(self.shard, name)(*args)
-
-        @ray.method(concurrency_group="tokens")
-        def take_token(self, seconds, skip_stale, min_step, live_workers):
-            return self.shard.take_token(time.monotonic() + seconds, skip_stale=skip_stale,
-                                         min_step=min_step, live_workers=live_workers)
-
-    @ray.remote(num_cpus=0)
-    class WorkerActor:
-        def __init__(self, index, shards, placement, token_gated, opt_host, g,
-                     token_timeout, skip_stale):
-            proxies = [_ShardProxy(a) for a in shards]
-            client = ShardClient(proxies, placement, token_gated)
-            self.worker = PSWorker(index, jax.local_devices()[:g], client, opt_host,
-                                   token_timeout=token_timeout, skip_stale_tokens=skip_stale)
-            self.fns = {}
-
-        @ray.method(num_returns=2)
-        def run(self, closure, live_workers):
-            if closure.fn is None:  # sent before: one function object, compiled once
-                closure = dataclasses.replace(closure, fn=self.fns[closure.fn_key])
-            else:
-                closure = dataclasses.replace(
-                    closure, fn=self.fns.setdefault(closure.fn_key, closure.fn))
-            self.worker.live_workers = lambda: live_workers
-            out, _ = self.worker.run(closure)
-            # The outputs stay in Ray's object store until RemoteValue.fetch asks.
-            return True, jax.tree.map(lambda x: np.asarray(x.array if isinstance(
-                x, PerReplica) else x), out, is_leaf=lambda x: isinstance(x, PerReplica))
-
-        def set_attr(self, name, value):
-            setattr(self.worker, name, value)
-
-        def ready(self):
-            return len(self.worker.layout.devices)
-
-    _ACTORS.update(shard=ShardActor, worker=WorkerActor)
-    return ShardActor, WorkerActor
+    """The actor classes (their module imports Ray, so it is imported only here)."""
+    from jreplicate.ps import _ray_actors
+    return _ray_actors.ShardActor, _ray_actors.WorkerActor
 
 
 class LazyRef:
@@ -177,7 +115,7 @@ class RayCarrier:
         g = s.num_replicas_in_sync
         self.shards = [ShardActor.remote(i, pieces[i], tx, _host_restored(restored, i))
                        for i in range(s.num_ps)]
-        gated = bool(ray.get(self.shards[0].call.remote("__getattribute__", "token_gated")))
+        gated = bool(ray.get(self.shards[0].call.remote("token_gated"), timeout=300))
         platform = s.worker_devices[0][0].platform
         if platform == "cpu":
             opts = {"runtime_env": {"env_vars": {
@@ -188,7 +126,7 @@ class RayCarrier:
         self.workers = [WorkerActor.options(**opts).remote(
             w, self.shards, placement, gated, opt_host, g, s.token_timeout,
             s.skip_stale_tokens) for w in range(s.num_ps_workers)]
-        ray.get([w.ready.remote() for w in self.workers])
+        ray.get([w.ready.remote() for w in self.workers], timeout=300)
         self.client = ShardClient([_ShardProxy(a) for a in self.shards], placement, gated)
         self._live = lambda: len(self.workers)
         self.runners = [self._runner(w) for w in range(len(self.workers))]
