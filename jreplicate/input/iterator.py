@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import functools
 import pickle
 import threading
 import warnings
@@ -12,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 import jax
 import numpy as np
 
-from jreplicate._tree import check_fits, flatten_arrays, path_str
+from jreplicate._tree import check_fits, is_array_like, path_str
 from jreplicate.context import PerReplica
 from jreplicate.input import padding
 from jreplicate.input import prefetch as prefetch_mod
@@ -558,17 +559,28 @@ class _End(Exception):
         self.notes = notes
 
 
-def _flatten(element: Any, replica_id: int) -> tuple[list[np.ndarray], Any, list]:
-    pairs, treedef = flatten_arrays(element, lambda path, x: (
-        f"input element of replica {replica_id} has a {type(x).__name__} at "
-        f"{path_str(path) or 'the root'}; elements must be pytrees of arrays "
-        "(numpy arrays or Python numbers). Convert it, or drop it in input_fn."))
-    leaves = []
-    for path, x in pairs:
+def _flatten(element: Any, replica_id: int) -> tuple[list[np.ndarray], Any, tuple]:
+    leaves, treedef = jax.tree.flatten(element)
+    paths = _paths_of(treedef)
+    out = []
+    for x, path in zip(leaves, paths):
+        if not is_array_like(x):
+            raise TypeError(
+                f"input element of replica {replica_id} has a {type(x).__name__} at "
+                f"{path_str(path) or 'the root'}; elements must be pytrees of arrays "
+                "(numpy arrays or Python numbers). Convert it, or drop it in input_fn.")
         x = np.asarray(x)
-        check_fits(x, f"input element of replica {replica_id} at {path_str(path) or 'the root'}")
-        leaves.append(x)
-    return leaves, treedef, [path for path, _ in pairs]
+        check_fits(x, lambda path=path: f"input element of replica {replica_id} at "
+                   f"{path_str(path) or 'the root'}")
+        out.append(x)
+    return out, treedef, paths
+
+
+@functools.lru_cache(maxsize=256)
+def _paths_of(treedef: Any) -> tuple:
+    """The key path of each leaf of ``treedef`` (computed once per structure)."""
+    dummy = jax.tree.unflatten(treedef, list(range(treedef.num_leaves)))
+    return tuple(p for p, _ in jax.tree_util.tree_flatten_with_path(dummy)[0])
 
 
 def _make_pipelines(strategy: Strategy, input_fn: Callable, mode: InputReplicationMode):
