@@ -5,7 +5,12 @@ from jreplicate.context import PerReplica, ReplicaContext
 from jreplicate.input import InputContext, InputIterator, InputReplicationMode
 from jreplicate.losses import compute_average_loss
 from jreplicate.ps.capture import pushable
-from jreplicate.ps.remote import ParameterServerError, RemoteValue, WorkerLostError
+from jreplicate.ps.remote import (
+    ParameterServerError,
+    RemoteValue,
+    StepCancelledError,
+    WorkerLostError,
+)
 from jreplicate.replicator import Replicator
 from jreplicate.strategies import (
     MODEL_AXIS,
@@ -52,6 +57,7 @@ __all__ = [
     "RemoteValue",
     "ReplicaContext",
     "Replicator",
+    "StepCancelledError",
     "Strategy",
     "SyncReplicasState",
     "TPUStrategy",

@@ -108,11 +108,32 @@ def test_token_waits_that_nothing_can_satisfy_end_with_a_clear_error():
         shard0.take_token(time.monotonic() + 1)
     values = [rep.run(step, None, w, opt) for _ in range(2)]
     t0 = time.monotonic()
-    with pytest.raises(RuntimeError, match="cannot go on"):
+    with pytest.raises(jr.StepCancelledError, match="cannot go on"):
         rep.join()
     assert time.monotonic() - t0 < 5
     assert all(v.done() for v in values) and not s._executor.coordinator._inflight
     assert s.stats()["alive"] == [True, True]
+
+
+def test_token_gated_goes_on_when_a_worker_is_lost():
+    """2 gradients per update, 2 workers, one dies: the survivor pushes both gradients
+    of each step (its token waits learn that one worker is left), well before the
+    token deadline."""
+    s, rep, w, opt, step = _job(lambda: jr.sync_replicas(
+        optax.sgd(0.1), replicas_to_aggregate=2, total_num_replicas=2), num_workers=2,
+        delay=0.01, token_timeout=30)
+    for _ in range(6):
+        rep.run(step, None, w, opt)
+    rep.join()
+    g0 = s.global_step
+    s.kill_worker(1, when="compute")
+    t0 = time.monotonic()
+    for _ in range(12):
+        rep.run(step, None, w, opt)
+    rep.join()
+    assert time.monotonic() - t0 < 15
+    assert s.stats()["alive"] == [True, False] and s.global_step >= g0 + 4
+    _invariant(s)
 
 
 def test_token_wait_deadline():

@@ -65,9 +65,11 @@ class Coordinator:
     def __init__(self, runners: list[Callable], *, max_staleness: int | None = None,
                  max_attempts: int = 4,
                  is_shard_failure: Callable[[BaseException], bool] | None = None,
-                 interrupt: Callable[[], None] | None = None):
+                 interrupt: Callable[[], None] | None = None,
+                 on_worker_lost: Callable[[int], None] | None = None):
         self._runners = runners
         self._interrupt = interrupt or (lambda: None)
+        self._on_worker_lost = on_worker_lost or (lambda alive: None)
         self._tau = max_staleness
         self._max_attempts = max_attempts
         self._is_shard_failure = is_shard_failure or (lambda e: False)
@@ -298,6 +300,10 @@ class Coordinator:
             return self._fatal
 
     def _worker_lost(self, w: int, c: Closure, e: BaseException) -> None:
+        try:
+            self._on_worker_lost(sum(self._alive) - (1 if self._alive[w] else 0))
+        except Exception:  # a lost shard shows up on the next push or pull
+            pass
         with self._cond:
             self._alive[w] = False
             self._inflight.pop(w, None)

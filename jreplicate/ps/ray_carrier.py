@@ -165,6 +165,9 @@ class RayCarrier:
     def set_live_workers(self, fn) -> None:
         self._live = fn
 
+    def workers_alive(self, n: int) -> None:
+        _ray().get(self.shards[0].call.remote("set_live_workers", n), timeout=60)
+
     def interrupt(self) -> None:
         try:
             self.shards[0].call.remote("interrupt")

@@ -111,6 +111,7 @@ class PSShard:
         self._closed: str | None = None
         self._interrupts = 0
         self._k: int | None = None  # replicas_to_aggregate, learnt at the first update
+        self._live: int | None = None  # workers alive, as the coordinator last said
         # Token-gated, shards > 0: accepted pushes waiting for their step's turn.
         self._pending: dict[int, dict[int, dict[str, np.ndarray]]] = {}
         self._complete_count: dict[int, int] = {}
@@ -283,7 +284,8 @@ class PSShard:
                 self._check_open()
                 if self._interrupts != generation:
                     raise TokenWaitInterrupted("the token wait was cancelled")
-                wait_step = skip_stale and self._k is not None and live_workers >= self._k \
+                live = live_workers if self._live is None else min(live_workers, self._live)
+                wait_step = skip_stale and self._k is not None and live >= self._k \
                     and self._step < min_step
                 while not wait_step and int(tokens_available(self._opt_state)) > 0:
                     token, self._opt_state = take_token(self._opt_state)
@@ -312,6 +314,13 @@ class PSShard:
                     lambda x: s._replace(tokens=new_q) if isinstance(x, SyncReplicasState)
                     else x, self._opt_state, is_leaf=lambda x: isinstance(x, SyncReplicasState))
                 self._cond.notify_all()
+
+    def set_live_workers(self, n: int) -> None:
+        """The coordinator's count of live workers (a worker died): token waits that
+        held one gradient per worker and step re-check whether enough workers remain."""
+        with self._cond:
+            self._live = int(n)
+            self._cond.notify_all()
 
     def interrupt(self) -> None:
         """Makes every current token wait raise :class:`TokenWaitInterrupted`."""

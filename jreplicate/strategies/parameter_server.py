@@ -327,7 +327,7 @@ class ParameterServerExecutor(Executor):
         self.coordinator = Coordinator(
             self._carrier.runners, max_staleness=s.max_staleness,
             max_attempts=s.max_attempts, is_shard_failure=self._carrier.is_shard_failure,
-            interrupt=self._carrier.interrupt)
+            interrupt=self._carrier.interrupt, on_worker_lost=self._carrier.workers_alive)
         self._carrier.set_live_workers(lambda: sum(self.coordinator.alive))
 
     def call_shard(self, i: int, what: str) -> Any:
@@ -510,6 +510,9 @@ class EmbeddedCarrier:
     def set_live_workers(self, fn: Callable[[], int]) -> None:
         for w in self.workers:
             w.live_workers = fn
+
+    def workers_alive(self, n: int) -> None:
+        self.shards[0].set_live_workers(n)
 
     def kill_shard(self, i: int) -> None:
         self.shards[i].close("lost (killed)")
