@@ -85,6 +85,11 @@ def test_nnx_state_is_donated_by_default_and_the_module_stays_usable():
 
 def test_donate_argnums_errors_name_the_fix():
     rep = jr.Replicator(jr.MirroredStrategy(devices=jax.local_devices()[:2]))
+    w = rep.replicate(jnp.ones(3))
+    with pytest.raises(ValueError, match=r"argument \[0\] is donated.*also passed as "
+                                         r"argument \[1\].*jnp.copy"):
+        rep.run(lambda ctx, a, b: (a + b,), None, w, w, donate_argnums=(0,))
+    assert not w.is_deleted()
     for bad in (5, (0, 3), ("a",), (True,), -1):
         with pytest.raises(ValueError, match=r"donate_argnums=.*positions must be ints"):
             rep.run(lambda ctx, a, b: a, None, jnp.ones(2), jnp.ones(2), donate_argnums=bad)

@@ -65,6 +65,7 @@ class Program:
             specs=self.specs)
         options = _jax_compat.compiler_options(layout.devices[0].platform, partial)
         self.jitted = jax.jit(call, donate_argnums=sig.donate, compiler_options=options)
+        self.jitted_donate = sig.donate  # flat input indices donated
         # Under an outer jax.jit, whose compilation options are the caller's.
         self.jitted_nested = jax.jit(call, donate_argnums=sig.donate) if options \
             else self.jitted

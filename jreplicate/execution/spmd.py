@@ -168,6 +168,8 @@ class SPMDExecutor(Executor):
             donate = _donated_leaves(treedef, node_pos, donate_argnums, len(args))
             sig = Signature(has_batch, treedef, graphdef, node_pos, kinds, steps, donate)
             program = self._programs.put(fn, rest, lambda f: Program(f, sig, self.layout))
+        if donate_argnums:
+            _check_donated_once(arrays, program.jitted_donate, treedef, node_pos)
         return program, arrays, (treedef, node_pos, state, variables), homes, traced
 
     def _place(self, leaves: list, treedef: Any, node_pos: tuple,
@@ -367,6 +369,23 @@ def _donated_leaves(treedef: Any, node_pos: tuple, donate_argnums: tuple[int, ..
         start += sizes[k]
     donated.extend(range(start, start + state_t.num_leaves))
     return tuple(donated)
+
+
+def _check_donated_once(arrays: list, donated: tuple[int, ...], treedef: Any,
+                        node_pos: tuple) -> None:
+    """A donated array must not also be passed elsewhere in the same call (XLA would
+    fail in the middle of the call)."""
+    ids = {id(arrays[i]): i for i in donated}
+    for j, x in enumerate(arrays):
+        i = ids.get(id(x))
+        if i is not None and i != j:
+            paths = _leaf_paths(treedef, node_pos)
+            raise ValueError(
+                f"Replicator.run: {paths[i]} is donated (donate_argnums), but the same array "
+                f"is also passed as {paths[j]}. A buffer can be donated only if nothing else "
+                "in the call reads it: drop it from donate_argnums, or pass a copy "
+                "(jnp.copy(x)) in one of the places."
+            )
 
 
 def _deleted_error(where: str) -> ValueError:
