@@ -35,7 +35,8 @@ def test_submodules_import():
                  "execution.nnx_args", "_jax_compat", "strategies.multi_worker",
                  "launch", "checkpoint", "sync_replicas", "strategies.parameter_server",
                  "ps.placement", "ps.shard", "ps.ledger", "ps.client", "ps.capture",
-                 "ps.worker", "ps.coordinator", "ps.remote", "ps.ray_carrier"):
+                 "ps.worker", "ps.coordinator", "ps.remote", "ps.ray_carrier",
+                 "ps.executor", "ps.embedded"):
         importlib.import_module(f"jreplicate.{name}")
 
 

@@ -10,5 +10,8 @@
 * :mod:`jreplicate.ps.coordinator`: TF2 ``ClusterCoordinator`` scheduling, faults,
   bounded delay.
 * :mod:`jreplicate.ps.remote`: :class:`jreplicate.RemoteValue` and the errors.
+* :mod:`jreplicate.ps.executor`: the strategy's executor (registration, scheduling).
+* :mod:`jreplicate.ps.embedded`: shards and workers as objects and threads of this
+  process (the default carrier).
 * :mod:`jreplicate.ps.ray_carrier`: shards and workers as Ray actors.
 """

@@ -11,7 +11,6 @@ import time
 
 import jax
 import numpy as np
-import ray
 
 from jreplicate.context import PerReplica
 from jreplicate.ps.client import ShardClient
@@ -20,60 +19,66 @@ from jreplicate.ps.ray_carrier import _ShardProxy
 from jreplicate.ps.shard import PSShard
 from jreplicate.ps.worker import PSWorker
 
-
-@ray.remote(num_cpus=0, concurrency_groups={"io": 8, "tokens": 64})
-class ShardActor:
-    """A :class:`PSShard` in its own process: pulls and pushes in the ``"io"`` group,
-    blocking token waits in ``"tokens"``, so neither blocks the other."""
-
-    def __init__(self, index, params, tx, restored):
-        r = restored or {}
-        ledger = Ledger.from_arrays(r["ledger"]) if "ledger" in r else None
-        self.shard = PSShard(index, params, tx, opt_state=r.get("opt_state"),
-                             step=r.get("step", 0), ledger=ledger)
-
-    @ray.method(concurrency_group="io")
-    def call(self, name, *args):
-        if name == "summary":
-            with self.shard._cond:
-                return self.shard.ledger.summary()
-        if name in ("step", "token_gated"):
-            return getattr(self.shard, name)
-        return getattr(self.shard, name)(*args)
-
-    @ray.method(concurrency_group="tokens")
-    def take_token(self, seconds, skip_stale, min_step, live_workers):
-        return self.shard.take_token(time.monotonic() + seconds, skip_stale=skip_stale,
-                                     min_step=min_step, live_workers=live_workers)
+try:
+    import ray
+except ImportError:  # only used with Ray; importing the module without it does nothing
+    ray = None
 
 
-@ray.remote(num_cpus=0)
-class WorkerActor:
-    """A :class:`PSWorker` in its own process, calling the shard actors directly."""
+if ray is not None:
+    @ray.remote(num_cpus=0, concurrency_groups={"io": 8, "tokens": 64})
+    class ShardActor:
+        """A :class:`PSShard` in its own process: pulls and pushes in the ``"io"`` group,
+        blocking token waits in ``"tokens"``, so neither blocks the other."""
 
-    def __init__(self, index, shards, placement, token_gated, opt_host, g, token_timeout,
-                 skip_stale):
-        proxies = [_ShardProxy(a) for a in shards]
-        client = ShardClient(proxies, placement, token_gated)
-        self.worker = PSWorker(index, jax.local_devices()[:g], client, opt_host,
-                               token_timeout=token_timeout, skip_stale_tokens=skip_stale)
-        self.fns = {}
+        def __init__(self, index, params, tx, restored):
+            r = restored or {}
+            ledger = Ledger.from_arrays(r["ledger"]) if "ledger" in r else None
+            self.shard = PSShard(index, params, tx, opt_state=r.get("opt_state"),
+                                 step=r.get("step", 0), ledger=ledger)
 
-    @ray.method(num_returns=2)
-    def run(self, closure, live_workers):
-        if closure.fn is None:  # sent before: one function object, compiled once
-            closure = dataclasses.replace(closure, fn=self.fns[closure.fn_key])
-        else:
-            closure = dataclasses.replace(
-                closure, fn=self.fns.setdefault(closure.fn_key, closure.fn))
-        self.worker.live_workers = lambda: live_workers
-        out, _ = self.worker.run(closure)
-        # The outputs stay in Ray's object store until RemoteValue.fetch asks.
-        return True, jax.tree.map(lambda x: np.asarray(x.array if isinstance(
-            x, PerReplica) else x), out, is_leaf=lambda x: isinstance(x, PerReplica))
+        @ray.method(concurrency_group="io")
+        def call(self, name, *args):
+            if name == "summary":
+                with self.shard._cond:
+                    return self.shard.ledger.summary()
+            if name in ("step", "token_gated"):
+                return getattr(self.shard, name)
+            return getattr(self.shard, name)(*args)
 
-    def set_attr(self, name, value):
-        setattr(self.worker, name, value)
+        @ray.method(concurrency_group="tokens")
+        def take_token(self, seconds, skip_stale, min_step, live_workers):
+            return self.shard.take_token(time.monotonic() + seconds, skip_stale=skip_stale,
+                                         min_step=min_step, live_workers=live_workers)
 
-    def ready(self):
-        return len(self.worker.layout.devices)
+
+    @ray.remote(num_cpus=0)
+    class WorkerActor:
+        """A :class:`PSWorker` in its own process, calling the shard actors directly."""
+
+        def __init__(self, index, shards, placement, token_gated, opt_host, g, token_timeout,
+                     skip_stale):
+            proxies = [_ShardProxy(a) for a in shards]
+            client = ShardClient(proxies, placement, token_gated)
+            self.worker = PSWorker(index, jax.local_devices()[:g], client, opt_host,
+                                   token_timeout=token_timeout, skip_stale_tokens=skip_stale)
+            self.fns = {}
+
+        @ray.method(num_returns=2)
+        def run(self, closure, live_workers):
+            if closure.fn is None:  # sent before: one function object, compiled once
+                closure = dataclasses.replace(closure, fn=self.fns[closure.fn_key])
+            else:
+                closure = dataclasses.replace(
+                    closure, fn=self.fns.setdefault(closure.fn_key, closure.fn))
+            self.worker.live_workers = lambda: live_workers
+            out, _ = self.worker.run(closure)
+            # The outputs stay in Ray's object store until RemoteValue.fetch asks.
+            return True, jax.tree.map(lambda x: np.asarray(x.array if isinstance(
+                x, PerReplica) else x), out, is_leaf=lambda x: isinstance(x, PerReplica))
+
+        def set_attr(self, name, value):
+            setattr(self.worker, name, value)
+
+        def ready(self):
+            return len(self.worker.layout.devices)

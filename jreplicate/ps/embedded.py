@@ -1,0 +1,67 @@
+"""The embedded carrier of :class:`jreplicate.ParameterServerStrategy` (the default):
+shards and workers are objects of this process, each shard on its own device, each
+worker on its own devices and run by a thread of the :class:`Coordinator`."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from jreplicate.ps.client import ShardClient
+from jreplicate.ps.placement import Placement
+from jreplicate.ps.shard import PSShard
+from jreplicate.ps.worker import PSWorker
+
+if TYPE_CHECKING:
+    from jreplicate.strategies.parameter_server import ParameterServerStrategy
+
+
+class EmbeddedCarrier:
+    """Shards and workers as objects of this process; each worker runs on a thread of
+    the :class:`Coordinator` with its own devices."""
+
+    def __init__(self, s: ParameterServerStrategy, tx: Any, placement: Placement,
+                 pieces: list, opt_host: Any, restored: list | None):
+        self.shards = []
+        for i in range(s.num_ps):
+            r = restored[i] if restored else {}
+            self.shards.append(PSShard(i, pieces[i], tx, device=s.shard_devices[i],
+                                       opt_state=r.get("opt_state"), step=r.get("step", 0),
+                                       ledger=r.get("ledger")))
+        gated = self.shards[0].token_gated
+        self.workers = [PSWorker(w, list(grp), ShardClient(self.shards, placement, gated),
+                                 opt_host, token_timeout=s.token_timeout,
+                                 skip_stale_tokens=s.skip_stale_tokens)
+                        for w, grp in enumerate(s.worker_devices)]
+        self.client = ShardClient(self.shards, placement, gated)
+        self.runners = [lambda c, on_wait, w=w: w.run(c, on_wait)[0] for w in self.workers]
+
+    def is_shard_failure(self, e: BaseException) -> bool:
+        return False
+
+    def interrupt(self) -> None:
+        self.shards[0].interrupt()
+
+    def call_shard(self, i: int, what: str) -> Any:
+        sh = self.shards[i]
+        if what == "summary":
+            with sh._cond:
+                return sh.ledger.summary()
+        return sh.step if what == "step" else sh.state()
+
+    def set_worker(self, w: int, attr: str, value: Any) -> None:
+        setattr(self.workers[w], attr, value)
+
+    def set_live_workers(self, fn: Callable[[], int]) -> None:
+        for w in self.workers:
+            w.live_workers = fn
+
+    def workers_alive(self, n: int) -> None:
+        self.shards[0].set_live_workers(n)
+
+    def kill_shard(self, i: int) -> None:
+        self.shards[i].close("lost (killed)")
+
+    def close(self) -> None:
+        for sh in self.shards:
+            sh.close("shut down")

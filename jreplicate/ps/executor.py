@@ -1,0 +1,234 @@
+"""The executor of :class:`jreplicate.ParameterServerStrategy`: registration of the
+parameters (``tx.init`` inside ``rep.scope()``), scheduling of steps as closures, and
+the carrier (embedded or Ray) holding shards and workers."""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+import weakref
+from collections.abc import Callable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any
+
+import jax
+import numpy as np
+
+from jreplicate.context import PerReplica
+from jreplicate.execution.base import Executor
+from jreplicate.ps import capture
+from jreplicate.ps.client import ShardClient
+from jreplicate.ps.coordinator import Coordinator
+from jreplicate.ps.embedded import EmbeddedCarrier
+from jreplicate.ps.ledger import Ledger
+from jreplicate.ps.placement import Placement, place_parameters
+from jreplicate.ps.remote import RemoteValue
+from jreplicate.ps.worker import Closure, HostBatch, NnxArg
+
+if TYPE_CHECKING:
+    from jreplicate.strategies.parameter_server import ParameterServerStrategy
+
+
+class ParameterServerExecutor(Executor):
+    """Schedules steps on the workers of a :class:`ParameterServerStrategy`."""
+
+    def __init__(self, strategy: ParameterServerStrategy):
+        super().__init__(strategy.layout)
+        self.strategy = strategy
+        self.client: ShardClient | None = None
+        self.placement: Placement | None = None
+        self.coordinator: Coordinator | None = None
+        self.next_id = 0
+        self._param_ids: tuple | None = None
+        self._opt_ids: tuple | None = None
+        self._tx = None
+        self._carrier = None
+        self._fn_keys: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        self._next_key = 0
+        self._nnx_cache: dict[int, tuple] = {}
+
+    # -- registration (tx.init inside scope) -------------------------------------------
+    @contextlib.contextmanager
+    def scope(self) -> Iterator[None]:
+        token = capture.REGISTRY.set(self)
+        try:
+            yield
+        finally:
+            capture.REGISTRY.reset(token)
+
+    def register(self, tx: Any, params: Any, opt_state: Any) -> None:
+        if self._tx is not None:
+            if tx is self._tx:
+                return
+            raise ValueError(
+                "ParameterServerStrategy holds one optimizer: a second jr.pushable "
+                "transformation was initialised inside rep.scope(). Use one (e.g. "
+                "optax.multi_transform for parts of the parameters).")
+        s = self.strategy
+        if "flax.nnx" in sys.modules:  # nnx.Optimizer passes a State of Variables
+            from flax import nnx
+            if isinstance(params, nnx.State):
+                params = nnx.as_pure(params)
+        host = jax.tree.map(np.asarray, params)
+        self.placement = place_parameters(host, s.num_ps, s.placement_policy,
+                                          min_slice_bytes=s.min_slice_bytes)
+        self._tx = tx
+        self._param_ids = tuple(id(x) for x in jax.tree.leaves(params))
+        self._opt_ids = tuple(id(x) for x in jax.tree.leaves(opt_state))
+        self._opt_keep = (params, opt_state)  # ids stay valid while held
+        self._build(self.placement.split(host), jax.tree.map(np.asarray, opt_state))
+
+    def _build(self, pieces: list, opt_host: Any, restored: list | None = None) -> None:
+        s = self.strategy
+        if s.carrier == "ray":
+            from jreplicate.ps.ray_carrier import RayCarrier
+            self._carrier = RayCarrier(s, self._tx, self.placement, pieces, opt_host,
+                                       restored)
+        else:
+            self._carrier = EmbeddedCarrier(s, self._tx, self.placement, pieces,
+                                            opt_host, restored)
+        self.client = self._carrier.client
+        self.coordinator = Coordinator(
+            self._carrier.runners, max_staleness=s.max_staleness,
+            max_attempts=s.max_attempts, is_shard_failure=self._carrier.is_shard_failure,
+            interrupt=self._carrier.interrupt, on_worker_lost=self._carrier.workers_alive)
+        self._carrier.set_live_workers(lambda: sum(self.coordinator.alive))
+
+    def call_shard(self, i: int, what: str) -> Any:
+        return self._carrier.call_shard(i, what)
+
+    def set_worker(self, w: int, attr: str, value: Any) -> None:
+        if not 0 <= w < self.strategy.num_ps_workers:
+            raise ValueError(f"worker={w} is not in [0, {self.strategy.num_ps_workers}).")
+        self._carrier.set_worker(w, attr, value)
+
+    def kill_shard(self, i: int) -> None:
+        if not 0 <= i < self.strategy.num_ps:
+            raise ValueError(f"shard={i} is not in [0, {self.strategy.num_ps}).")
+        self._carrier.kill_shard(i)
+
+    def restore(self, state: dict[str, Any]) -> None:
+        if self.coordinator is None:
+            raise ValueError("restore: create the optimizer state inside rep.scope() first.")
+        self.coordinator.join()
+        shards = state["shards"]
+        if len(shards) != self.strategy.num_ps:
+            raise ValueError(f"restore: the state has {len(shards)} shards, this strategy "
+                             f"{self.strategy.num_ps}; restore with the same num_ps.")
+        self.coordinator.shutdown()
+        self._carrier.close()
+        restored = [{"params": jax.tree.map(np.asarray, sh["params"]),
+                     "opt_state": jax.tree.map(np.asarray, sh["opt_state"]),
+                     "step": int(np.asarray(sh["step"])),
+                     "ledger": Ledger.from_arrays(sh["ledger"])} for sh in shards]
+        self.next_id = int(np.asarray(state["next_step_id"]))
+        self._build([r["params"] for r in restored],
+                    jax.tree.map(np.asarray, self._opt_keep[1]), restored)
+
+    # -- the executor protocol ---------------------------------------------------------
+    def place(self, tree: Any) -> Any:
+        return tree
+
+    def assemble(self, elements: Sequence[Sequence[np.ndarray]], treedef: Any) -> Any:
+        return HostBatch([list(e) for e in elements], treedef)
+
+    def run(self, fn: Callable, has_batch: bool, batch: Any, args: tuple, *,
+            steps: int | None, donate_argnums: tuple[int, ...]) -> RemoteValue:
+        if steps is not None:
+            raise ValueError(
+                "Replicator.run(..., steps=K) under ParameterServerStrategy: device loops "
+                "are not supported (each step is one push); call run once per step.")
+        if self.coordinator is None:
+            raise ValueError(
+                "ParameterServerStrategy: the parameters are not on the parameter servers "
+                "yet. Create them and the optimizer inside rep.scope(): tx = "
+                "jr.pushable(optax.adam(...)); opt_state = tx.init(params).")
+        p_idx = o_idx = None
+        nnx_pos = self._nnx_positions(args)
+        for i, a in enumerate(args):
+            if i in nnx_pos:
+                if nnx_pos[i] == "model":
+                    p_idx = i
+                continue
+            ids = tuple(id(x) for x in jax.tree.leaves(a))
+            if ids == self._param_ids and p_idx is None:
+                p_idx = i
+            elif ids == self._opt_ids and o_idx is None:
+                o_idx = i
+        if p_idx is None:
+            raise ValueError(
+                "Replicator.run under ParameterServerStrategy: none of the step's arguments "
+                "is the params passed to tx.init inside rep.scope(). Pass those params "
+                "(the shards hold their current values; the worker substitutes them).")
+        args = tuple(self._nnx_arg(a) if i in nnx_pos else None if i in (p_idx, o_idx)
+                     else a for i, a in enumerate(args))
+        if isinstance(batch, HostBatch) or batch is None:
+            pass
+        else:
+            batch = jax.tree.map(lambda x: np.asarray(x.array) if isinstance(
+                x, PerReplica) else np.asarray(x), batch,
+                is_leaf=lambda x: isinstance(x, PerReplica))
+        key = self._fn_keys.get(fn)
+        if key is None:
+            key = self._fn_keys[fn] = self._next_key
+            self._next_key += 1
+        c = Closure(self.next_id, fn, has_batch, batch, args, p_idx, o_idx, key)
+        self.next_id += 1
+        return self.coordinator.schedule(c)
+
+    def _nnx_positions(self, args: tuple) -> dict[int, str]:
+        """Flax NNX arguments: ``{index: "model"}`` for the module whose parameters the
+        shards hold (found by identity), ``"other"`` for the rest (an ``nnx.Optimizer``)."""
+        if "flax.nnx" not in sys.modules:
+            return {}
+        from flax import nnx
+        out: dict[int, str] = {}
+        wrt = nnx.Param
+        for a in args:
+            if isinstance(a, nnx.Optimizer):
+                wrt = a.wrt
+        for i, a in enumerate(args):
+            if not nnx.graph.is_graph_node(a):
+                continue
+            out[i] = "other"
+            if not isinstance(a, nnx.Optimizer):
+                ids = tuple(id(x) for x in jax.tree.leaves(nnx.as_pure(nnx.state(a, wrt))))
+                if ids == self._param_ids:
+                    out[i] = "model"
+        return out
+
+    def _nnx_arg(self, node: Any) -> NnxArg:
+        """The node's graph and numpy state (cached: on the coordinator an NNX argument
+        does not change, the shards hold the training state)."""
+        hit = self._nnx_cache.get(id(node))
+        if hit is None or hit[0] is not node:
+            from flax import nnx
+            graphdef, state = nnx.split(node)
+            hit = (node, NnxArg(graphdef, jax.tree.map(np.asarray, state)))
+            self._nnx_cache[id(node)] = hit
+        return hit[1]
+
+    def reduce(self, reduce_op: str, value: Any) -> Any:
+        if isinstance(value, RemoteValue):
+            value.fetch()
+            value = value._value
+        g = self.layout.num_replicas_in_sync
+
+        def red(x):
+            if isinstance(x, PerReplica):
+                a = np.asarray(x.array)
+                return a.sum(0) if reduce_op == "sum" else a.mean(0)
+            return np.asarray(x) * (g if reduce_op == "sum" else 1)
+
+        return jax.tree.map(red, value, is_leaf=lambda x: isinstance(x, PerReplica))
+
+    def local_results(self, value: Any) -> list[Any]:
+        return [value.fetch() if isinstance(value, RemoteValue) else value]
+
+    def join(self) -> None:
+        if self.coordinator is not None:
+            self.coordinator.join()
+
+    def shutdown(self) -> None:
+        if self.coordinator is not None:
+            self.coordinator.shutdown()
+            self._carrier.close()
