@@ -234,3 +234,30 @@ def test_a_lost_shard_is_a_clear_error_within_bounded_time():
     assert took < 3
     with pytest.raises(jr.ParameterServerError):
         rep.run(step, None, w, opt)
+
+
+def test_token_gated_state_and_ledger_survive_a_checkpoint(tmp_path):
+    def make():
+        return _job(lambda: jr.sync_replicas(optax.sgd(0.1), replicas_to_aggregate=2,
+                                             total_num_replicas=2), num_workers=2)
+
+    s, rep, w, opt, step = make()
+    for _ in range(8):
+        rep.run(step, None, w, opt)
+    rep.join()
+    with jr.CheckpointManager(tmp_path, rep) as mngr:
+        mngr.save(8, s.state())
+    gs, ledgers, params = s.global_step, s.ledger(), s.parameters()
+    s.shutdown()
+    s2, rep2, w2, opt2, step2 = make()
+    with jr.CheckpointManager(tmp_path, rep2) as mngr:
+        _, state = mngr.restore_or_initialize(s2.state)
+    s2.restore(state)
+    assert s2.global_step == gs and s2.ledger() == ledgers
+    np.testing.assert_array_equal(s2.parameters(), params)
+    for _ in range(6):
+        rep2.run(step2, None, w2, opt2)
+    rep2.join()
+    assert s2.global_step > gs
+    np.testing.assert_allclose(s2.parameters(), np.full(4, -0.1 * s2.global_step), rtol=1e-5)
+    _invariant(s2)
