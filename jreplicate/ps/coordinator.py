@@ -66,10 +66,17 @@ class Coordinator:
                  max_attempts: int = 4,
                  is_shard_failure: Callable[[BaseException], bool] | None = None,
                  interrupt: Callable[[], None] | None = None,
-                 on_worker_lost: Callable[[int], None] | None = None):
+                 on_worker_lost: Callable[[int], None] | None = None,
+                 on_relax: Callable[[bool], None] | None = None):
         self._runners = runners
         self._interrupt = interrupt or (lambda: None)
         self._on_worker_lost = on_worker_lost or (lambda alive: None)
+        # Token-gated: every running step waits for a token and nothing is queued, so
+        # no other worker can push; on_relax(True) lets the waiters take a second token
+        # of the current step (one gradient per worker and step is only a preference),
+        # on_relax(False) restores that when new steps are scheduled.
+        self._on_relax = on_relax or (lambda relax: None)
+        self._relaxed = False
         self._tau = max_staleness
         self._max_attempts = max_attempts
         self._is_shard_failure = is_shard_failure or (lambda e: False)
@@ -124,7 +131,10 @@ class Coordinator:
             self.scheduled += 1
             self._start_threads()
             self._cond.notify_all()
-            return rv
+            restore, self._relaxed = self._relaxed, False
+        if restore:
+            self._on_relax(False)
+        return rv
 
     def join(self, timeout: float | None = None) -> None:
         """Waits until every scheduled step finished; re-raises the first error.
@@ -245,6 +255,16 @@ class Coordinator:
             (self._token_waiting.add if waiting else self._token_waiting.discard)(w)
             self._progress += 1
             self._cond.notify_all()
+        self._maybe_relax()
+
+    def _maybe_relax(self) -> None:
+        with self._cond:
+            stuck = not self._queue and bool(self._inflight) and \
+                set(self._inflight) <= self._token_waiting and not self._relaxed
+            if stuck:
+                self._relaxed = True
+        if stuck:
+            self._on_relax(True)
 
     def _loop(self, w: int) -> None:
         while True:
@@ -286,6 +306,7 @@ class Coordinator:
                 self._first_error = error
             rv._set(value, error)
             self._cond.notify_all()
+        self._maybe_relax()
 
     def _shard_lost(self, e: BaseException) -> ParameterServerError:
         with self._cond:

@@ -90,7 +90,9 @@ class ParameterServerExecutor(Executor):
         self.coordinator = Coordinator(
             self._carrier.runners, max_staleness=s.max_staleness,
             max_attempts=s.max_attempts, is_shard_failure=self._carrier.is_shard_failure,
-            interrupt=self._carrier.interrupt, on_worker_lost=self._carrier.workers_alive)
+            interrupt=self._carrier.interrupt, on_worker_lost=self._carrier.workers_alive,
+            on_relax=lambda relax: self._carrier.workers_alive(
+                0 if relax else sum(self.coordinator.alive)))
         self._carrier.set_live_workers(lambda: sum(self.coordinator.alive))
 
     def call_shard(self, i: int, what: str) -> Any:

@@ -19,7 +19,8 @@ Call ``ray.init(...)`` (e.g. ``ray.init(address="auto")`` on a cluster) before c
 the strategy's parameters; otherwise a local Ray instance is started. Actors ask for no
 CPUs (``num_cpus=0``) so that shards and workers fit any cluster; pin them with Ray's
 resources if needed. Limits: token-gated starvation is detected by the token deadline
-(``token_timeout``) only; a step's outputs come back as numpy.
+(``token_timeout``) only, and workers do not hold back to one gradient per step (the
+coordinator does not see their token waits); a step's outputs come back as numpy.
 """
 
 from __future__ import annotations
@@ -141,7 +142,9 @@ class RayCarrier:
             if closure.fn_key in sent:
                 send = dataclasses.replace(closure, fn=None)
             try:
-                done, out = self.workers[w].run.remote(send, self._live())
+                # live_workers=0: no "one gradient per worker and step" wait on Ray,
+                # where the coordinator does not see token waits to relax it.
+                done, out = self.workers[w].run.remote(send, 0)
                 ray.get(done)
                 sent.add(closure.fn_key)
                 return LazyRef(out)
