@@ -261,3 +261,29 @@ def test_token_gated_state_and_ledger_survive_a_checkpoint(tmp_path):
     assert s2.global_step > gs
     np.testing.assert_allclose(s2.parameters(), np.full(4, -0.1 * s2.global_step), rtol=1e-5)
     _invariant(s2)
+
+
+@pytest.mark.parametrize("group", [1, 2])
+def test_the_sync_replicas_step_of_mirrored_runs_token_gated_on_the_ps(group):
+    """The step written for MirroredStrategy with sync_replicas (each replica's own
+    gradient, jr.replica_value_and_grad) runs unchanged: a sync group pushes its mean."""
+    s = jr.ParameterServerStrategy(num_ps=2, num_workers=2, num_replicas_in_sync=group)
+    rep = jr.Replicator(s)
+    with rep.scope():
+        w = jnp.zeros(4)
+        tx = jr.pushable(jr.sync_replicas(optax.sgd(0.1), replicas_to_aggregate=2))
+        opt = tx.init(w)
+
+    def step(ctx, w, opt):
+        _, g = jr.replica_value_and_grad(lambda w: jnp.sum(w * (1.0 + ctx.replica_id)))(w)
+        u, opt = tx.update(g, opt, w)
+        return optax.apply_updates(w, u), opt
+
+    for _ in range(8):
+        rep.run(step, None, w, opt)
+    rep.join()
+    _invariant(s)
+    mean_grad = 1.0 if group == 1 else 1.5  # replica r's gradient is 1 + r
+    np.testing.assert_allclose(s.parameters(), np.full(4, -0.1 * mean_grad * s.global_step),
+                               rtol=1e-5)
+    assert s.global_step >= 2
