@@ -10,6 +10,7 @@ import pytest
 
 import jreplicate as jr
 from tests._models import init_mlp, mlp, per_example_loss
+from tests._ps_helpers import bounded_test  # noqa: F401 (autouse: every test bounded)
 
 
 def _linear(num_ps=2, **kw):

@@ -15,6 +15,7 @@ import optax
 import pytest
 
 import jreplicate as jr
+from tests._ps_helpers import bounded_test  # noqa: F401 (autouse: every test bounded)
 
 ray = pytest.importorskip("ray", reason="Ray is not installed: pip install 'jreplicate[ray]'")
 

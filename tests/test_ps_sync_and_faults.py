@@ -10,6 +10,7 @@ import optax
 import pytest
 
 import jreplicate as jr
+from tests._ps_helpers import bounded_test  # noqa: F401 (autouse: every test bounded)
 
 
 def _job(tx_fn, *, delay=0.0, **kw):
