@@ -33,6 +33,9 @@ class ShardClient:
         self.placement = placement
         self.token_gated = token_gated
         self.between_shards = between_shards
+        #: Push to shard 0 first, then call ``between_shards``, then the others (always
+        #: in token-gated mode; in asynchronous mode only when a test arms it).
+        self.ordered = False
 
     def _fan(self, calls: list[tuple[Any, str, tuple]]) -> list:
         """Calls ``getattr(shard, name)(*args)`` for each call; concurrently where the
@@ -58,6 +61,10 @@ class ShardClient:
           Shard 0's decision.
         """
         pieces = self.placement.split(grads)
+        if not self.token_gated and not self.ordered:  # no order needed: all at once
+            got = self._fan([(s, "push", (push_id, worker, int(fetched[i]), pieces[i]))
+                             for i, s in enumerate(self.shards)])
+            return got[0]
         first = self.shards[0].push(push_id, worker, int(fetched[0]), pieces[0])
         if len(self.shards) > 1 and self.between_shards is not None:
             self.between_shards(1)

@@ -182,6 +182,7 @@ class PSWorker:
             time.sleep(self.delay)
         if self.kill_at == "compute":
             raise WorkerLostError(f"worker {self.index} died computing step {c.step_id}")
+        self.client.ordered = self.kill_at == "push"
         decision = self.client.push(c.step_id, self.index, fetched, grads)
         self.local_step = token
         self._min_step = decision.step + 1 if decision.kind == "applied" else 0
