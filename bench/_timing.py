@@ -1,4 +1,5 @@
-"""Interleaved timing shared by the benchmarks: ratios measured side by side."""
+"""What the benchmarks share: interleaved timing (ratios measured side by side) and the
+MLP they time."""
 
 from __future__ import annotations
 
@@ -38,3 +39,10 @@ def interleaved(impls: dict[str, tuple[Callable[[], object], int]], rounds: int,
 def paired_ratio(times: dict[str, list[float]], a: str, b: str) -> float:
     """Median over rounds of ``a``'s time over ``b``'s in the same round."""
     return statistics.median(x / y for x, y in zip(times[a], times[b]))
+
+
+def mlp(params, x):
+    """An MLP over ``[{"w": ..., "b": ...}, ...]`` layers, ReLU between them."""
+    for layer in params[:-1]:
+        x = jax.nn.relu(x @ layer["w"] + layer["b"])
+    return x @ params[-1]["w"] + params[-1]["b"]

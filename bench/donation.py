@@ -16,11 +16,16 @@ import os
 os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
 
+import sys  # noqa: E402
+
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
 from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(__file__))
+import _timing  # noqa: E402
 
 import jreplicate as jr  # noqa: E402
 
@@ -29,16 +34,10 @@ GLOBAL_BATCH = 256
 TX = optax.adam(1e-3)
 
 
-def mlp(params, x):
-    for layer in params[:-1]:
-        x = jax.nn.relu(x @ layer["w"] + layer["b"])
-    return x @ params[-1]["w"] + params[-1]["b"]
-
-
 def step(ctx, batch, p, o):
     x, y = batch
     g = jax.grad(lambda p: jr.compute_average_loss(
-        optax.softmax_cross_entropy_with_integer_labels(mlp(p, x), y), GLOBAL_BATCH))(p)
+        optax.softmax_cross_entropy_with_integer_labels(_timing.mlp(p, x), y), GLOBAL_BATCH))(p)
     u, o = TX.update(g, o, p)
     return optax.apply_updates(p, u), o
 

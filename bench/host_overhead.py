@@ -47,12 +47,6 @@ TX = optax.sgd(0.05, momentum=0.9)
 CALLS = 500
 
 
-def mlp(p, x):
-    for layer in p[:-1]:
-        x = jax.nn.relu(x @ layer["w"] + layer["b"])
-    return x @ p[-1]["w"] + p[-1]["b"]
-
-
 def loss_of(logits, y):
     return jr.compute_average_loss(
         optax.softmax_cross_entropy_with_integer_labels(logits, y), GB)
@@ -79,7 +73,7 @@ def main(argv=None) -> None:
 
     def step(ctx, batch, p, o):
         xb, yb = batch
-        g = jax.grad(lambda p: loss_of(mlp(p, xb), yb))(p)
+        g = jax.grad(lambda p: loss_of(_timing.mlp(p, xb), yb))(p)
         u, o = TX.update(g, o, p)
         return optax.apply_updates(p, u), o
 

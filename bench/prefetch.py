@@ -42,16 +42,10 @@ STEPS = 20
 TX = optax.adam(1e-3)
 
 
-def mlp(p, x):
-    for layer in p[:-1]:
-        x = jax.nn.relu(x @ layer["w"] + layer["b"])
-    return x @ p[-1]["w"] + p[-1]["b"]
-
-
 def step(ctx, batch, p, o):
     x, y = batch
     g = jax.grad(lambda p: jr.compute_average_loss(
-        optax.softmax_cross_entropy_with_integer_labels(mlp(p, x), y), GLOBAL_BATCH))(p)
+        optax.softmax_cross_entropy_with_integer_labels(_timing.mlp(p, x), y), GLOBAL_BATCH))(p)
     u, o = TX.update(g, o, p)
     return optax.apply_updates(p, u), o
 

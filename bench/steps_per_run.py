@@ -37,12 +37,6 @@ KS = (1, 10, 100)
 STEPS_PER_ROUND = 200
 
 
-def _mlp(params, x):
-    for layer in params[:-1]:
-        x = jax.nn.relu(x @ layer["w"] + layer["b"])
-    return x @ params[-1]["w"] + params[-1]["b"]
-
-
 def _data(model: str):
     if model == "logreg-digits":
         x, y = load_digits(return_X_y=True)
@@ -74,7 +68,7 @@ def build(model: str, k: int):
     def step(ctx, batch, p, o):
         xb, yb = batch
         loss, g = jax.value_and_grad(lambda p: jr.compute_average_loss(
-            optax.softmax_cross_entropy_with_integer_labels(_mlp(p, xb), yb), gb))(p)
+            optax.softmax_cross_entropy_with_integer_labels(_timing.mlp(p, xb), yb), gb))(p)
         u, o = tx.update(g, o, p)
         return optax.apply_updates(p, u), o, ctx.all_sum(loss)
 
