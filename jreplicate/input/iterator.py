@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import collections
 import functools
 import pickle
-import threading
 import warnings
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -14,19 +12,18 @@ import jax
 import numpy as np
 
 from jreplicate._tree import check_fits, is_array_like, path_str
-from jreplicate.context import PerReplica
 from jreplicate.input import padding
-from jreplicate.input import prefetch as prefetch_mod
 from jreplicate.input.context import InputContext, InputReplicationMode
-from jreplicate.input.prefetch import Prefetcher, ReaderPool
+from jreplicate.input.prefetch import ReaderPool
 from jreplicate.input.sources import Pipeline
+from jreplicate.input.staging import PrefetchStaging
 from jreplicate.strategies.base import Strategy
 
 if TYPE_CHECKING:
     from jreplicate.execution.base import Executor
 
 
-class InputIterator:
+class InputIterator(PrefetchStaging):
     """Per-step input for :meth:`jreplicate.Replicator.run`, from
     :meth:`jreplicate.Replicator.prepare_input`.
 
@@ -78,13 +75,7 @@ class InputIterator:
         self._agreement = strategy.agreement("input") if strategy.num_workers > 1 else None
         if self._agreement is not None and replication_mode is InputReplicationMode.SINGLE:
             self._buffer = 0  # its broadcast is a collective: keep it on the main thread
-        # Started by the first read, which says what to prefetch: single steps, or
-        # device loops of self._chunk steps (see _prefetched).
-        self._prefetcher: Prefetcher | None = None
-        self._chunk: int | None = None
-        self._leftover: collections.deque = collections.deque()
-        self._closed = False
-        self._producing = threading.local()  # the prefetch thread's warnings, per read
+        self._init_staging()
 
     @property
     def replication_mode(self) -> InputReplicationMode:
@@ -108,74 +99,6 @@ class InputIterator:
             return self._prefetched(None)
         return self._produce()
 
-    def _prefetched(self, k: int | None) -> Any:
-        """The next prefetched item: one step's batch (``k`` None) or ``(batch, n)`` for a
-        device loop of ``k`` steps, the next of which is staged while this one runs. A
-        change between the two drains what was prefetched and converts it: nothing read
-        is lost or reordered."""
-        if self._closed:
-            raise RuntimeError(
-                "this input iterator was closed (Replicator.finalize() or "
-                "InputIterator.close()); call its reinitialize() to read from the start "
-                "again, or prepare_input for a new one."
-            )
-        if self._prefetcher is None or self._chunk != k:
-            self._restart_prefetch(k)
-        if self._leftover:
-            kind, payload = self._leftover[0]
-            if kind == "end":  # stays at the front: the end stays the end
-                self._leftover[0] = ("end", None)  # its warnings are given once
-                return self._end(payload)
-            self._leftover.popleft()
-            return self._take(payload)
-        try:
-            return self._take(self._prefetcher.get())
-        except _End as e:
-            return self._end(e)
-
-    def _end(self, err: BaseException | None) -> Any:
-        """Raises what the end of the prefetched input is: StopIteration (after its
-        warnings), or the error that ended it."""
-        if isinstance(err, _End):
-            self._take((None, err.notes))
-        elif err is not None:
-            raise err
-        raise StopIteration
-
-    def _restart_prefetch(self, k: int | None) -> None:
-        items = list(self._leftover)
-        self._leftover.clear()
-        if self._prefetcher is not None:
-            for got, err in self._prefetcher.drain():
-                if got is prefetch_mod.END:
-                    items.append(("end", err))
-                else:
-                    items.append(("single" if self._chunk is None else "chunk", got))
-        singles: list = []  # consecutive single steps, joined into loops of up to k
-
-        def flush():
-            for i in range(0, len(singles), k or 1):
-                part = singles[i:i + k]
-                batch = _stack_steps([b for b, _ in part])
-                notes = [m for _, ms in part for m in ms]
-                self._leftover.append(("chunk", ((batch, len(part)), notes)))
-            singles.clear()
-
-        for kind, payload in items:
-            if kind == "single" and k is not None:
-                singles.append(payload)
-                continue
-            flush()
-            if kind == "chunk" and k is None:  # a loop -> its single steps
-                (batch, n), notes = payload
-                self._leftover.extend(("single", (_step_of(batch, i), notes if i == n - 1
-                                                   else [])) for i in range(n))
-            elif kind != "end" or not self._leftover or self._leftover[-1][0] != "end":
-                self._leftover.append((kind, payload))  # a loop of another length: as is
-        flush()
-        self._chunk = k
-        self._prefetcher = Prefetcher(self._produce_noted, self._buffer)
-
     def _warn(self, what: str | None) -> None:
         """Warns that ``what`` was dropped: at once on the calling thread, or, on the
         prefetch thread, with the item it belongs to (when the caller takes it)."""
@@ -190,23 +113,6 @@ class InputIterator:
             notes.append(message)
         else:
             warnings.warn(message, stacklevel=4)
-
-    def _produce_noted(self) -> tuple[Any, list]:
-        """The prefetch thread's read: the item and the warnings it raised."""
-        self._producing.notes = notes = []
-        try:
-            item = self._produce() if self._chunk is None else self._produce_chunk()
-        except StopIteration:
-            raise _End(notes) from None
-        finally:
-            self._producing.notes = None
-        return item, notes
-
-    def _take(self, got: tuple[Any, list]) -> Any:
-        item, notes = got
-        for message in notes:
-            warnings.warn(message, stacklevel=5)
-        return item
 
     def _put_back(self, batch: Any, steps: int | None) -> None:
         """Keeps ``batch`` (one step's, or a device loop's ``(batch, k)`` for ``steps``)
@@ -467,38 +373,6 @@ class InputIterator:
                     "a smaller final batch is allowed, and it is dropped)."
                 )
 
-    # -- device loops ----------------------------------------------------------------
-    def _get_steps(self, k: int) -> tuple[Any, int]:
-        """The next ``k`` steps' inputs as one batch whose per-replica leaves have a
-        leading step axis, and the number of steps it holds (fewer than ``k`` at the
-        end of the input). Raises StopIteration when no step is left."""
-        if self._pending is not None and self._pending[0] is not None:
-            got, self._pending = self._pending[1], None
-            return got
-        if self._pending is not None:  # one step's batch, left by a failed run
-            batch, self._pending = self._pending[1], None
-            return _stack_steps([batch]), 1
-        if self._buffer:
-            return self._prefetched(k)
-        self._chunk = k
-        return self._produce_chunk()
-
-    def _produce_chunk(self) -> tuple[Any, int]:
-        """Up to ``self._chunk`` steps read on the host and placed with one transfer."""
-        hosts = []
-        for _ in range(self._chunk):
-            try:
-                hosts.append(self._produce_host())
-            except StopIteration:
-                break
-        if not hosts:
-            raise StopIteration
-        treedef = hosts[0][1]
-        stacked = [[np.stack([h[0][r][j] for h in hosts]) for j in range(len(hosts[0][0][r]))]
-                   for r in range(len(hosts[0][0]))]
-        return self._executor.assemble(stacked, treedef), len(hosts)
-
-
 class _PartialBatch(Exception):
     pass
 
@@ -519,24 +393,6 @@ def _structure_changed(first: tuple, treedef: Any, paths: list, rid: int) -> Val
     )
 
 
-def _step_of(batch: Any, i: int) -> Any:
-    """Step ``i`` of a device loop's batch (per-replica leaves ``[replicas, steps, ...]``)."""
-    return jax.tree.map(lambda x: PerReplica(x.array[:, i], x.mesh, x.axis_name), batch,
-                        is_leaf=lambda x: isinstance(x, PerReplica))
-
-
-@jax.jit
-def _stack_leaves(arrays: list) -> jax.Array:
-    return jax.numpy.stack(arrays, axis=1)  # [replicas, steps, ...], sharding kept
-
-
-def _stack_steps(batches: list) -> Any:
-    """Prefetched per-step batches (pytrees of PerReplica) stacked on a step axis."""
-    def stack(*xs):
-        return PerReplica(_stack_leaves([x.array for x in xs]), xs[0].mesh, xs[0].axis_name)
-    return jax.tree.map(stack, *batches, is_leaf=lambda x: isinstance(x, PerReplica))
-
-
 def _spec_str(spec: tuple) -> str:
     treedef, leaves = spec
     shapes = ", ".join(f"{dtype}{list(shape)}" for shape, dtype in leaves)
@@ -548,15 +404,6 @@ def _dropped_message(read: int, n: int) -> str | None:
         return None
     return (f"a final partial batch (an input pipeline ran out after {read} of {n} "
             "replicas got an element)")
-
-
-class _End(Exception):
-    """The end of the input, as the prefetch thread saw it, with the warnings of the read
-    that found it (given to the caller that reaches the end)."""
-
-    def __init__(self, notes: list):
-        super().__init__("end of input")
-        self.notes = notes
 
 
 def _flatten(element: Any, replica_id: int) -> tuple[list[np.ndarray], Any, tuple]:
