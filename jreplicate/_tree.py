@@ -29,6 +29,11 @@ def flatten_arrays(tree: Any, message: Callable[[tuple, Any], str]) -> tuple[lis
     return pairs, treedef
 
 
+def covers(index: tuple, shape: tuple) -> bool:
+    """Whether a shard's ``index`` (slices) spans the whole of each dimension of ``shape``."""
+    return all(s.start in (None, 0) and s.stop in (None, d) for s, d in zip(index, shape))
+
+
 def check_array_leaves(tree: Any, what: str) -> None:
     """Raises TypeError naming the first leaf of ``tree`` that is not array-like."""
     flatten_arrays(tree, lambda path, leaf: (

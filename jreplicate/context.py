@@ -13,7 +13,7 @@ from jax.sharding import Mesh
 
 from jreplicate._jax_compat import axis_bound
 from jreplicate._jax_compat import varying_axes as _varying
-from jreplicate._tree import check_array_leaves
+from jreplicate._tree import check_array_leaves, covers
 
 T = TypeVar("T")
 
@@ -310,8 +310,7 @@ class PerReplica:
             start = shard.index[0].start or 0 if shard.index else 0
             stop = shard.index[0].stop if shard.index and shard.index[0].stop is not None else n
             if start <= i < stop:
-                if all(s.start in (None, 0) and s.stop in (None, d) for s, d in zip(
-                        shard.index[1:], self.array.shape[1:])):
+                if covers(shard.index[1:], self.array.shape[1:]):
                     return shard.data[i - start]
                 # Split over a replica's logical devices: gather its pieces.
                 return self.array[i]

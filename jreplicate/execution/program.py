@@ -164,17 +164,24 @@ def _loop(fn: Callable, ctx: ReplicaContext, sig: Signature, batch: Any, plain: 
     return ys, state_f
 
 
-def _returns_args(out: Any, plain: tuple) -> bool:
-    """Whether ``out`` begins with values shaped like the plain arguments, in order (or,
-    for one argument, is its new value)."""
+def _carry_form(out: Any, plain: tuple) -> str | None:
+    """How ``out`` holds the plain arguments' new values: ``"prefix"`` (its first
+    ``len(plain)`` elements, in order), ``"whole"`` (one argument, returned alone), or
+    None (it does not; so also when there are no plain arguments)."""
     n = len(plain)
     if n == 0:
-        return False
+        return None
     structs = [jax.tree.structure(p) for p in plain]
     if isinstance(out, (tuple, list)) and len(out) >= n and all(
             jax.tree.structure(o) == s for o, s in zip(out[:n], structs)):
-        return True
-    return n == 1 and jax.tree.structure(out) == structs[0]
+        return "prefix"
+    return "whole" if n == 1 and jax.tree.structure(out) == structs[0] else None
+
+
+def _returns_args(out: Any, plain: tuple) -> bool:
+    """Whether ``out`` begins with values shaped like the plain arguments, in order (or,
+    for one argument, is its new value)."""
+    return _carry_form(out, plain) is not None
 
 
 def _strong(tree: Any) -> Any:
@@ -188,11 +195,10 @@ def _split_carry(out: Any, plain: tuple, node_pos: tuple) -> tuple[tuple, Any, b
     n = len(plain)
     if n == 0:
         return (), out, False
-    structs = [jax.tree.structure(p) for p in plain]
-    if isinstance(out, (tuple, list)) and len(out) >= n and all(
-            jax.tree.structure(o) == s for o, s in zip(out[:n], structs)):
+    form = _carry_form(out, plain)
+    if form == "prefix":
         return tuple(out[:n]), tuple(out[n:]), False
-    if n == 1 and jax.tree.structure(out) == structs[0]:
+    if form == "whole":
         return (out,), (), True
     got = (f"a tuple of {len(out)} elements" if isinstance(out, (tuple, list))
            else f"a {type(out).__name__}")

@@ -14,7 +14,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jreplicate._tree import check_fits, is_array_like, path_str
+from jreplicate._tree import check_fits, covers, is_array_like, path_str
 from jreplicate.context import PerReplica
 from jreplicate.execution import nnx_args
 from jreplicate.execution.base import Executor
@@ -45,8 +45,7 @@ class SPMDExecutor(Executor):
         self._logical = [_logical_submesh(self._mesh, i)
                          for i in range(layout.logical_devices_per_replica)]
         self._logical_index = {m: i for i, m in enumerate(self._logical)}
-        self._sharding_kinds: dict = {replicated_sharding: "c"
-                                      for replicated_sharding in (self._replicated,)}
+        self._sharding_kinds: dict = {self._replicated: "c"}  # see _kind_of
 
     # -- state -----------------------------------------------------------------------
     @contextlib.contextmanager
@@ -119,8 +118,7 @@ class SPMDExecutor(Executor):
         check_fits(host, f"Replicator.run(fn, inputs): inputs {where}")
         rows = shape[0] // n
         local = [[host[r * rows:(r + 1) * rows]] for r in self.layout.local_replica_ids]
-        leaf = self.assemble(local, jax.tree.structure(0))
-        return leaf
+        return self.assemble(local, jax.tree.structure(0))
 
     # -- running ---------------------------------------------------------------------
     def run(self, fn: Callable, has_batch: bool, batch: Any, args: tuple, *,
@@ -192,16 +190,13 @@ class SPMDExecutor(Executor):
                     raise _deleted_error(_leaf_paths(treedef, node_pos)[i])
                 else:
                     kind = self._sharding_kinds.get(x.sharding) or self._kind_of(x.sharding)
-                    if kind == "place":
-                        x = jax.device_put(x, replicated)
-                        kind = "c"
-                    elif kind != "c":
+                    if kind[0] in ("logical", "place"):
                         if kind[0] == "logical":
                             # Lives on one logical device: a copy to the others for the
                             # step; its new value goes back there afterwards.
                             homes.append((i, kind[1]))
-                            x = jax.device_put(x, replicated)
-                            kind = "c"
+                        x = jax.device_put(x, replicated)
+                        kind = "c"
                     arrays.append(x)
                     kinds.append(kind)
                     continue
@@ -226,14 +221,14 @@ class SPMDExecutor(Executor):
         """How ``run`` takes an argument with sharding ``s``: ``"c"`` as it is (replicated),
         ``("m", spec)`` as it is, split over the model axis (the step keeps the split on
         the argument's new value), ``("logical", i)`` from logical device ``i``, or
-        ``"place"``: copied replicated."""
+        ``("place",)``: copied replicated."""
         if isinstance(s, NamedSharding) and s.mesh == self._mesh:
             split = _spec_axes(s.spec) and self.layout.logical_devices_per_replica > 1
             kind = ("m", s.spec) if split else "c"
         elif isinstance(s, NamedSharding) and s.mesh in self._logical_index:
             kind = ("logical", self._logical_index[s.mesh])
         else:
-            kind = "place"
+            kind = ("place",)
         if len(self._sharding_kinds) < 1024:
             self._sharding_kinds[s] = kind
         return kind
@@ -312,8 +307,7 @@ class SPMDExecutor(Executor):
         devices = self.layout.replica_devices[r]
         on = {s.device: s for s in x.addressable_shards if s.device in devices}
         if len(on) < len(devices):  # on one device of the replica (one logical device)
-            whole = [s for s in on.values() if all(
-                i.start in (None, 0) and i.stop in (None, d) for i, d in zip(s.index, x.shape))]
+            whole = [s for s in on.values() if covers(s.index, x.shape)]
             return whole[0].data if whole else x
         if not isinstance(x.sharding, NamedSharding) \
                 or self._axis in _spec_axes(x.sharding.spec):
