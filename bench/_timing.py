@@ -46,3 +46,19 @@ def mlp(params, x):
     for layer in params[:-1]:
         x = jax.nn.relu(x @ layer["w"] + layer["b"])
     return x @ params[-1]["w"] + params[-1]["b"]
+
+
+def classifier_step(tx, global_batch: int):
+    """A step of ``mlp`` with softmax cross-entropy and the optax transform ``tx``, for
+    :meth:`jreplicate.Replicator.run` (``step(ctx, (x, y), params, opt_state)``)."""
+    import optax
+
+    import jreplicate as jr
+
+    def step(ctx, batch, p, o):
+        x, y = batch
+        g = jax.grad(lambda p: jr.compute_average_loss(
+            optax.softmax_cross_entropy_with_integer_labels(mlp(p, x), y), global_batch))(p)
+        u, o = tx.update(g, o, p)
+        return optax.apply_updates(p, u), o
+    return step

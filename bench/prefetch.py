@@ -42,12 +42,7 @@ STEPS = 20
 TX = optax.adam(1e-3)
 
 
-def step(ctx, batch, p, o):
-    x, y = batch
-    g = jax.grad(lambda p: jr.compute_average_loss(
-        optax.softmax_cross_entropy_with_integer_labels(_timing.mlp(p, x), y), GLOBAL_BATCH))(p)
-    u, o = TX.update(g, o, p)
-    return optax.apply_updates(p, u), o
+step = _timing.classifier_step(TX, GLOBAL_BATCH)
 
 
 def make_input_fn(mode: str, latency: float):
