@@ -130,6 +130,15 @@ def axis_bound(name: str) -> bool:
         return True
 
 
+def array_type() -> type | None:
+    """The class of concrete ``jax.Array`` values (None if this JAX hides it)."""
+    try:
+        from jax._src.array import ArrayImpl
+    except ImportError:
+        return None
+    return ArrayImpl
+
+
 # -- the distributed runtime -------------------------------------------------------
 def backends_are_initialized() -> bool:
     """Whether the JAX backend has started (after which jax.distributed can't start)."""

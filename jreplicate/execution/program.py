@@ -26,7 +26,7 @@ from jreplicate import _jax_compat
 from jreplicate._jax_compat import varying_axes
 from jreplicate._tree import flatten_arrays, path_str
 from jreplicate.context import MaskedBatch, ReplicaContext
-from jreplicate.execution import nnx_args
+from jreplicate.execution import fast, nnx_args
 from jreplicate.strategies.layout import Layout
 
 
@@ -82,6 +82,8 @@ def _body(fn: Callable, sig: Signature, layout: Layout, program: Program) -> Cal
     m = layout.logical_devices_per_replica
 
     def body(*blocks):
+        if fast.retrace_guarded():
+            raise fast.Retrace  # a steady-state call with a new signature: full path
         vals = [b[0] if k == "r" else b for b, k in zip(blocks, sig.kinds)]
         batch, plain, state = jax.tree.unflatten(sig.treedef, vals)
         ctx = ReplicaContext(axis_name=axis, num_replicas=layout.num_replicas,

@@ -16,7 +16,7 @@ from jax.sharding import PartitionSpec as P
 
 from jreplicate._tree import check_fits, covers, is_array_like, path_str
 from jreplicate.context import PerReplica
-from jreplicate.execution import nnx_args
+from jreplicate.execution import fast, nnx_args
 from jreplicate.execution.base import Executor
 from jreplicate.execution.cache import ProgramCache
 from jreplicate.execution.program import Program, Signature
@@ -46,6 +46,8 @@ class SPMDExecutor(Executor):
                          for i in range(layout.logical_devices_per_replica)]
         self._logical_index = {m: i for i, m in enumerate(self._logical)}
         self._sharding_kinds: dict = {self._replicated: "c"}  # see _kind_of
+        self._fast = fast.FastPath(self._mesh, self._axis,
+                                   check_shardings=layout.logical_devices_per_replica > 1)
 
     # -- state -----------------------------------------------------------------------
     @contextlib.contextmanager
@@ -123,9 +125,15 @@ class SPMDExecutor(Executor):
     # -- running ---------------------------------------------------------------------
     def run(self, fn: Callable, has_batch: bool, batch: Any, args: tuple, *,
             steps: int | None = None, donate_argnums: tuple[int, ...] = ()) -> Any:
+        result = self._fast.call(fn, has_batch, batch, args, steps, donate_argnums)
+        if result is not fast.MISS:
+            return result
         program, arrays, split, homes, traced = self._prepare(fn, has_batch, batch, args,
                                                               steps, donate_argnums)
         flat = (program.jitted_nested if traced else program.jitted)(*arrays)
+        if not (traced or homes) and (not split[1] or split[3] is not None):
+            self._fast.record(fn, has_batch, batch, args, steps, donate_argnums, program,
+                              arrays)
         mesh, axis = self._mesh, self._axis
         outs = [PerReplica(x, mesh, axis) if r else x
                 for x, r in zip(flat, program.outputs_per_replica())]

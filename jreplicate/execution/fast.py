@@ -1,0 +1,176 @@
+"""The steady-state path of ``run``: a call shaped like an earlier one skips the checks
+(private).
+
+A training loop calls ``run`` with the same step function and arguments of the same
+structure thousands of times. The first such call takes the full path
+(:meth:`SPMDExecutor._prepare`: NNX detection, placement, validation, program lookup)
+and, when every input is a concrete ``jax.Array`` already placed for the mesh and no
+Flax NNX module is among the arguments, records the program under ``(fn, pytree
+structure)``. Later calls with that structure flatten once (in C++), check the leaf
+types, and call the compiled program: ``jax.jit``'s own C++ dispatch then checks
+shapes, dtypes and weak types.
+
+What ``jax.jit`` alone would let through is sent back to the full path, so that the
+result is always the full path's:
+
+* a new shape, dtype or weak type makes ``jax.jit`` trace again; the step's body
+  raises :class:`Retrace` while the steady-state call is in progress (before anything
+  runs), and the full path builds the program for the new signature;
+* a NumPy array or Python number (its 64-bit values are checked on the full path), a
+  tracer, a deleted (donated) array, an array placed elsewhere: the full path;
+* an argument passed twice in a call that donates: the full path (which names it);
+* with several logical devices per replica, a leaf whose sharding differs from the
+  recorded one (the program keeps model shardings it was built for): the full path.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import jax
+
+from jreplicate._jax_compat import array_type
+from jreplicate.context import PerReplica
+
+_MAX_ENTRIES = 256
+_ARRAY = array_type()  # the concrete jax.Array class (None: never take this path)
+
+
+class Retrace(Exception):
+    """Raised by a step's body traced during a steady-state call."""
+
+
+_GUARD = threading.local()
+
+
+def retrace_guarded() -> bool:
+    """Whether a steady-state call is in progress on this thread (see :class:`Retrace`)."""
+    return getattr(_GUARD, "on", False)
+
+
+class _Entry:
+    __slots__ = ("fn", "program", "out_def", "donate", "shardings", "order", "num_plain")
+
+    def __init__(self, fn: Any, program: Any, out_def: Any, shardings: tuple | None,
+                 order: list[int] | None, num_plain: int):
+        self.fn, self.program, self.out_def = fn, program, out_def
+        self.donate, self.shardings = program.jitted_donate, shardings
+        # NNX arguments: the flat leaves in the program's order (plain leaves, then the
+        # Variables, whose values are read), and how many are plain.
+        self.order, self.num_plain = order, num_plain
+
+
+MISS = object()
+
+
+class FastPath:
+    """Programs of earlier calls by ``(fn, structure of (batch, args), options)``."""
+
+    def __init__(self, mesh: Any, axis: str, check_shardings: bool):
+        self._entries: dict = {}
+        self._mesh, self._axis = mesh, axis
+        self._check_shardings = check_shardings
+
+    def call(self, fn: Callable, has_batch: bool, batch: Any, args: tuple,
+             steps: int | None, donate_argnums: tuple[int, ...]) -> Any:
+        """The step's result, or :data:`MISS` when the full path must run."""
+        if _ARRAY is None:
+            return MISS
+        leaves, treedef = _flatten(batch, args)
+        entry = self._entries.get((id(fn), treedef, has_batch, steps, donate_argnums))
+        if entry is None or _deref(entry.fn) is not fn:
+            return MISS
+        variables = None
+        if entry.order is not None:
+            inputs = [leaves[i] for i in entry.order]
+            variables = inputs[entry.num_plain:]
+            if not all(map(_is_variable, variables)) \
+                    or len(set(map(id, variables))) != len(variables):
+                return MISS  # a Variable now shared, or replaced by another value
+            inputs[entry.num_plain:] = [v.get_value() for v in variables]
+        else:
+            inputs = leaves
+        for x in inputs:
+            if type(x) is not _ARRAY:
+                return MISS
+        if entry.donate and len(set(map(id, inputs))) != len(inputs):
+            return MISS
+        if entry.shardings is not None and any(
+                x.sharding != s for x, s in zip(inputs, entry.shardings)):
+            return MISS
+        _GUARD.on = True
+        try:
+            flat = entry.program.jitted(*inputs)
+        except Exception:  # noqa: BLE001 - the full path raises its own, clearer error
+            return MISS
+        finally:
+            _GUARD.on = False
+        num_out = entry.program.num_out
+        if variables is not None:
+            for v, x in zip(variables, flat[num_out:], strict=True):
+                v.set_value(x)
+            flat = flat[:num_out]
+        return jax.tree.unflatten(entry.out_def, flat)
+
+    def record(self, fn: Callable, has_batch: bool, batch: Any, args: tuple,
+               steps: int | None, donate_argnums: tuple[int, ...], program: Any,
+               arrays: list) -> None:
+        """Remembers ``program`` for calls shaped like this one, which the full path just
+        ran with the program inputs ``arrays``, if such calls can take the steady-state
+        path: the call's own leaves (and NNX Variables' values) were the program's
+        inputs, unchanged (nothing was placed or converted)."""
+        if _ARRAY is None:
+            return
+        leaves, treedef = _flatten(batch, args)
+        is_var = [_is_variable(x) for x in leaves]
+        order = None
+        inputs = leaves
+        if any(is_var):
+            order = [i for i, v in enumerate(is_var) if not v] + \
+                [i for i, v in enumerate(is_var) if v]
+            inputs = [leaves[i] for i in order]
+            inputs[len(leaves) - sum(is_var):] = [
+                x.get_value() for x in inputs[len(leaves) - sum(is_var):]]
+        if len(inputs) != len(arrays) or any(
+                type(x) is not _ARRAY or x is not a for x, a in zip(inputs, arrays)):
+            return
+        per = program.outputs_per_replica()[:program.num_out]
+        out_def = jax.tree.structure(jax.tree.unflatten(
+            program.out_tree,
+            [PerReplica(0, self._mesh, self._axis) if r else 0 for r in per]))
+        shardings = tuple(x.sharding for x in inputs) if self._check_shardings else None
+        if len(self._entries) >= _MAX_ENTRIES:
+            self._entries.clear()
+        self._entries[(id(fn), treedef, has_batch, steps, donate_argnums)] = _Entry(
+            _ref(fn), program, out_def, shardings, order, len(leaves) - sum(is_var))
+
+
+def _flatten(batch: Any, args: tuple) -> tuple[list, Any]:
+    """The leaves of ``(batch, args)``; NNX Variables as leaves when an argument is an
+    NNX object (one Python-level flatten; plain pytrees flatten in C++)."""
+    nnx = sys.modules.get("flax.nnx")
+    if nnx is not None:
+        base = getattr(nnx, "Pytree", None) or getattr(nnx, "Object", None)
+        if base is not None and any(isinstance(a, base) for a in args):
+            return jax.tree.flatten((batch, args), is_leaf=_is_variable)
+    return jax.tree.flatten((batch, args))
+
+
+def _is_variable(x: Any) -> bool:
+    nnx = sys.modules.get("flax.nnx")
+    return nnx is not None and isinstance(x, nnx.Variable)
+
+
+def _ref(fn: Callable) -> Any:
+    try:
+        return weakref.ref(fn)
+    except TypeError:  # not weakly referenceable: held (as jax.jit does)
+        return fn
+
+
+def _deref(ref: Any) -> Any:
+    return ref() if isinstance(ref, weakref.ref) else ref
