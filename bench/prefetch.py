@@ -7,9 +7,11 @@ source whose latency is set to S (a sleep, as for I/O: the data is ready after S
 * ``per-replica``: 8 pipelines, each S per element, read concurrently;
 * ``fast``: no latency (the source costs only the copy to the devices).
 
-For each, the time per step with ``prefetch_on_device`` off and on, against the ideal
-``max(step alone, input alone)`` ("input alone" reads and places batches without
-running steps). Interleaved rounds; medians. Target: prefetch on <= 1.1x the ideal.
+For each, the time per step with ``prefetch_on_device`` off, on, and left to its
+default (``auto``: reads on the calling thread until they are seen to take more than a
+tenth of the step cycle, then prefetch), against the ideal ``max(step alone, input
+alone)`` ("input alone" reads and places batches without running steps). Interleaved
+rounds; medians. Target: prefetch on (and auto, on a slow source) <= 1.1x the ideal.
 
 Run: ``python bench/prefetch.py`` (about a minute on 2 cores) or ``--quick``.
 """
@@ -110,18 +112,22 @@ def main(argv=None) -> None:
     print(f"{jax.device_count()} cpu devices; step alone {s * 1e3:.1f} ms; source latency "
           f"set to the step's; {rounds} rounds of {STEPS} steps")
     print(f"{'source':12s} {'input alone':>11s} {'ideal':>7s} {'off':>7s} {'on':>7s} "
-          f"{'off/ideal':>9s} {'on/ideal':>9s}")
+          f"{'auto':>7s} {'off/ideal':>9s} {'on/ideal':>9s} {'auto/ideal':>10s}")
     for mode in ("per-worker", "per-replica", "fast"):
         latency = 0.0 if mode == "fast" else s
         off_train, off_input, _ = build(rep, mode, latency, False)
         on_train, _, _ = build(rep, mode, latency, True)
+        auto_train, _, auto_inputs = build(rep, mode, latency, None)
         times = _timing.interleaved({"step": (step_alone, 1), "input": (off_input, 1),
-                                     "off": (off_train, 1), "on": (on_train, 1)}, rounds)
+                                     "off": (off_train, 1), "on": (on_train, 1),
+                                     "auto": (auto_train, 1)}, rounds)
         med = {k: statistics.median(v) / STEPS for k, v in times.items()}
         ideal = max(med["step"], med["input"])
         print(f"{mode:12s} {med['input'] * 1e3:9.1f}ms {ideal * 1e3:5.1f}ms "
               f"{med['off'] * 1e3:5.1f}ms {med['on'] * 1e3:5.1f}ms "
-              f"{med['off'] / ideal:9.2f} {med['on'] / ideal:9.2f}")
+              f"{med['auto'] * 1e3:5.1f}ms {med['off'] / ideal:9.2f} "
+              f"{med['on'] / ideal:9.2f} {med['auto'] / ideal:10.2f}"
+              f"  (auto {'prefetches' if auto_inputs.prefetching else 'reads in line'})")
 
 
 if __name__ == "__main__":

@@ -138,8 +138,12 @@ class Replicator:
             :class:`InputReplicationMode`.
           prefetch_on_device: read and copy the next batch (or the next device loop's
             batches) to the devices on a background thread while the current step runs.
-            ``None`` (default): on, as measured by ``bench/prefetch.py``; ``False`` reads
-            on the calling thread when ``run`` asks for the batch.
+            ``None`` (default): read on the calling thread, timed, and prefetch from the
+            step at which reads are seen to take more than a tenth of the time from one
+            step to the next (a slow source: ``bench/prefetch.py``; on a fast source
+            with a dispatch-bound step the thread costs more than it hides:
+            ``bench/host_overhead.py``); see :attr:`InputIterator.prefetching`.
+            ``True``: prefetch from the first step. ``False``: never.
           enforce_ordering: read pipelines strictly in replica-id order (replica 0
             before replica 1). Otherwise per-replica pipelines are read concurrently.
           prefetch_buffer_size: batches kept ready when prefetching (default 1).
@@ -160,15 +164,16 @@ class Replicator:
                 f"prepare_input(prefetch_buffer_size={prefetch_buffer_size!r}) must be an "
                 "int >= 1."
             )
-        if prefetch_on_device is None:
-            # On, everywhere: bench/prefetch.py measured a source as slow as the step at
-            # 1.03-1.07x max(step, input) with prefetch and 1.27-1.38x without, and a fast
-            # source at the same speed either way (8 CPU devices, 2 cores).
-            prefetch_on_device = True
+        if prefetch_on_device is not None and not isinstance(prefetch_on_device, bool):
+            raise TypeError(
+                f"prepare_input(prefetch_on_device={prefetch_on_device!r}) must be None "
+                "(prefetch once reads are seen to cost), True or False."
+            )
         it = InputIterator(
             self, self._strategy, self._executor, fn, replication_mode=replication_mode,
-            prefetch_buffer_size=prefetch_buffer_size if prefetch_on_device else 0,
-            enforce_ordering=bool(enforce_ordering), partial_batch=partial_batch)
+            prefetch_buffer_size=prefetch_buffer_size if prefetch_on_device is not False
+            else 0, enforce_ordering=bool(enforce_ordering), partial_batch=partial_batch,
+            auto_prefetch=prefetch_on_device is None)
         self._iterators.add(it)
         return it
 

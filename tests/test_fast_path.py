@@ -268,3 +268,23 @@ def test_model_sharded_argument_resharded_after_steady_state():
     assert w.sharding.is_fully_replicated
     np.testing.assert_allclose(np.asarray(w), np.full((4, 6), 1 + 4 * 32.0))
     assert float(s) == pytest.approx(4 * 2 * 6 * 4 * (1 + 3 * 32))
+
+
+def test_nnx_modules_inside_a_list_are_written_back_every_step(rep):
+    x = _per_replica(rep, np.ones((8, 2, 3), np.float32))
+
+    class Counter(nnx.Module):
+        def __init__(self):
+            self.n = nnx.Variable(jnp.zeros((), jnp.float32))
+
+    def step(ctx, x, plain, mods):
+        for m in mods:
+            m.n[...] = m.n[...] + 1.0
+        return plain
+
+    with rep.scope():
+        mods = [Counter(), Counter()]
+        plain = rep.replicate(jnp.ones(2))
+    for _ in range(5):
+        plain = rep.run(step, x, plain, mods)
+    assert [float(m.n[...]) for m in mods] == [5.0, 5.0]

@@ -135,6 +135,8 @@ class FastPath:
             inputs = [leaves[i] for i in order]
             inputs[len(leaves) - sum(is_var):] = [
                 x.get_value() for x in inputs[len(leaves) - sum(is_var):]]
+        if len(program.specs) - program.num_out != sum(is_var):
+            return  # NNX state not reached from a top-level module: the full path only
         if len(inputs) != len(arrays) or any(
                 type(x) is not _ARRAY or x is not a for x, a in zip(inputs, arrays)):
             return

@@ -13,6 +13,7 @@ import numpy as np
 
 from jreplicate._tree import check_fits, is_array_like, path_str
 from jreplicate.input import padding
+from jreplicate.input.auto import AutoPrefetch
 from jreplicate.input.context import InputContext, InputReplicationMode
 from jreplicate.input.prefetch import ReaderPool
 from jreplicate.input.sources import Pipeline
@@ -55,7 +56,8 @@ class InputIterator(PrefetchStaging):
     def __init__(self, owner: object, strategy: Strategy, executor: Executor,
                  input_fn: Callable[[InputContext], Any], *,
                  replication_mode: InputReplicationMode, prefetch_buffer_size: int,
-                 enforce_ordering: bool, partial_batch: str = "drop"):
+                 enforce_ordering: bool, partial_batch: str = "drop",
+                 auto_prefetch: bool = False):
         self._owner = owner
         self._strategy = strategy
         self._executor = executor
@@ -75,11 +77,24 @@ class InputIterator(PrefetchStaging):
         self._agreement = strategy.agreement("input") if strategy.num_workers > 1 else None
         if self._agreement is not None and replication_mode is InputReplicationMode.SINGLE:
             self._buffer = 0  # its broadcast is a collective: keep it on the main thread
+        # prefetch_on_device=None: read on the calling thread until reads are seen to
+        # cost (see jreplicate.input.auto); then prefetch with this buffer.
+        self._auto: AutoPrefetch | None = None
+        if auto_prefetch and self._buffer:
+            self._auto, self._auto_buffer, self._buffer = AutoPrefetch(), self._buffer, 0
         self._init_staging()
 
     @property
     def replication_mode(self) -> InputReplicationMode:
         return self._mode
+
+    @property
+    def prefetching(self) -> bool:
+        """Whether batches are read ahead on a background thread: always with
+        ``prefetch_on_device=True``, never with ``False``; with the default (None), from
+        the step at which reads were measured to cost more than a tenth of the time
+        from one step to the next."""
+        return bool(self._buffer)
 
     @property
     def num_input_pipelines(self) -> int:
@@ -97,7 +112,17 @@ class InputIterator(PrefetchStaging):
             return batch
         if self._buffer:
             return self._prefetched(None)
+        if self._auto is not None:
+            return self._auto_read(self._produce)
         return self._produce()
+
+    def _auto_read(self, produce: Callable[[], Any]) -> Any:
+        """A read on the calling thread, timed; prefetch from the next one on if reads
+        cost (see :mod:`jreplicate.input.auto`)."""
+        item = self._auto.read(produce)
+        if self._auto.wants_prefetch():
+            self._auto, self._buffer = None, self._auto_buffer
+        return item
 
     def _warn(self, what: str | None) -> None:
         """Warns that ``what`` was dropped: at once on the calling thread, or, on the
@@ -143,6 +168,8 @@ class InputIterator(PrefetchStaging):
         self._exhausted = False
         self._pending = None
         self._leftover.clear()
+        if self._auto is not None:
+            self._auto.restart()
         self._closed = False
         self._sweep += 1
         return []

@@ -25,8 +25,8 @@ from jreplicate.input.prefetch import Prefetcher
 class PrefetchStaging:
     """Mixin of :class:`InputIterator`: the prefetched items, single steps or loops.
 
-    Uses the iterator's ``_buffer``, ``_pending``, ``_executor``, ``_produce()`` and
-    ``_produce_host()``; keeps its own state (set up by :meth:`_init_staging`).
+    Uses the iterator's ``_buffer``, ``_pending``, ``_executor``, ``_auto``, ``_produce()``,
+    ``_auto_read()`` and ``_produce_host()``; keeps its own state (set up by :meth:`_init_staging`).
     """
 
     def _init_staging(self) -> None:
@@ -137,6 +137,8 @@ class PrefetchStaging:
         if self._buffer:
             return self._prefetched(k)
         self._chunk = k
+        if self._auto is not None:
+            return self._auto_read(self._produce_chunk)
         return self._produce_chunk()
 
     def _produce_chunk(self) -> tuple[Any, int]:
