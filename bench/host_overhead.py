@@ -1,7 +1,7 @@
 """Host overhead of a dispatch-bound step: jreplicate vs hand-written, plain and NNX.
 
 The tiny MLP 16-32-32-10 (global batch 256, SGD with momentum) on 8 simulated CPU
-devices, where a step is mostly host work. Six ways, interleaved rounds of 500 steps:
+devices, where a step is mostly host work. Six ways, interleaved rounds of 200 steps:
 
 * ``hand``: ``jax.jit(jax.shard_map(...))``, batch already on the devices;
 * ``hand+put``: the same plus one sharded ``jax.device_put`` of the stacked global batch
@@ -11,7 +11,9 @@ devices, where a step is mostly host work. Six ways, interleaved rounds of 500 s
   ``prepare_input`` every step with the default ``prefetch_on_device=None`` (which
   stays on the calling thread here: a read is a small share of the step), and
   ``run+input(prefetch)`` with ``prefetch_on_device=True``;
-* ``run nnx``: a Flax NNX model and ``nnx.Optimizer`` passed to ``run``.
+* ``run nnx``: a Flax NNX model and ``nnx.Optimizer`` passed to ``run``;
+* ``hand no-op`` / ``run no-op``: a step that returns its arguments: their difference is
+  the host time ``run`` adds per call.
 
 Prints median microseconds per step and the ratios the project tracks:
 run / hand (target <= 1.03), run+input / hand+put (<= 1.05), run nnx / run (<= 1.10).
@@ -46,7 +48,7 @@ import jreplicate as jr  # noqa: E402
 SIZES = (16, 32, 32, 10)
 GB = 256
 TX = optax.sgd(0.05, momentum=0.9)
-CALLS = 500
+CALLS = 200
 
 
 def loss_of(logits, y):
@@ -61,7 +63,7 @@ def init(rng):
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--rounds", type=int, default=9, help="interleaved rounds (default 9)")
+    ap.add_argument("--rounds", type=int, default=21, help="interleaved rounds (default 21)")
     ap.add_argument("--quick", action="store_true", help="3 rounds")
     args = ap.parse_args(argv)
     rounds = 3 if args.quick else args.rounds
@@ -151,9 +153,29 @@ def main(argv=None) -> None:
             rep.run(nnx_step, batch, model, opt)
         return model.layers[0].kernel[...]
 
+    # The host time run adds, alone: a step that does nothing but return its arguments.
+    hand_noop = jax.jit(jax.shard_map(lambda p, o, xb, yb: (p, o), mesh=mesh,
+                                      in_specs=(P(), P(), P("replica"), P("replica")),
+                                      out_specs=(P(), P())))
+    s_noop = state()
+
+    def noop(ctx, batch, p, o):
+        return p, o
+
+    def hand_nothing():
+        for _ in range(CALLS):
+            s_noop[0], s_noop[1] = hand_noop(*s_noop, xd, yd)
+        return s_noop[0]
+
+    def run_nothing():
+        for _ in range(CALLS):
+            s_noop[0], s_noop[1] = rep.run(noop, batch, *s_noop)
+        return s_noop[0]
+
     impls = {"hand": (hand, 1), "hand+put": (hand_put, 1), "run": (run, 1),
              "run+input": (run_input, 1), "run+input(prefetch)": (run_input_pre, 1),
-             "run nnx": (run_nnx, 1)}
+             "run nnx": (run_nnx, 1), "hand no-op": (hand_nothing, 1),
+             "run no-op": (run_nothing, 1)}
     times = _timing.interleaved(impls, rounds, warmup=1)
     print(f"tiny MLP {'-'.join(map(str, SIZES))}, {n} cpu devices, {rounds} rounds of "
           f"{CALLS} steps")
@@ -166,6 +188,8 @@ def main(argv=None) -> None:
                          ("run nnx", "run", 1.10)):
         print(f"{a:24s} / {b:9s} {_timing.paired_ratio(times, a, b):6.3f}  "
               f"(target <= {target})")
+    added = statistics.median(r - h for r, h in zip(times["run no-op"], times["hand no-op"]))
+    print(f"host time run adds per call (no-op step, run - hand): {added / CALLS * 1e6:.0f} us")
 
 
 if __name__ == "__main__":

@@ -138,11 +138,13 @@ class Replicator:
             :class:`InputReplicationMode`.
           prefetch_on_device: read and copy the next batch (or the next device loop's
             batches) to the devices on a background thread while the current step runs.
-            ``None`` (default): read on the calling thread, timed, and prefetch from the
-            step at which reads are seen to take more than a tenth of the time from one
-            step to the next (a slow source: ``bench/prefetch.py``; on a fast source
-            with a dispatch-bound step the thread costs more than it hides:
-            ``bench/host_overhead.py``); see :attr:`InputIterator.prefetching`.
+            ``None`` (default): read on the calling thread, timed; once reads take more
+            than a tenth of the time from one step to the next, prefetch for a trial of
+            a few steps, kept if the steps got more than 10 % faster (a slow source:
+            ``bench/prefetch.py``), else reading goes back in line (on a dispatch-bound
+            step with a fast source the thread costs more than it hides:
+            ``bench/host_overhead.py``). See :attr:`InputIterator.prefetching` and
+            :mod:`jreplicate.input.auto`.
             ``True``: prefetch from the first step. ``False``: never.
           enforce_ordering: read pipelines strictly in replica-id order (replica 0
             before replica 1). Otherwise per-replica pipelines are read concurrently.

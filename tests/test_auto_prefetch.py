@@ -1,5 +1,6 @@
-"""prefetch_on_device=None: read on the calling thread until reads are seen to cost,
-then prefetch; no batch lost, repeated or reordered across the switch."""
+"""prefetch_on_device=None: read on the calling thread; where reads cost, a trial of
+prefetch, kept if it makes steps faster; no batch lost, repeated or reordered across
+either switch."""
 
 import time
 
@@ -13,9 +14,9 @@ from jreplicate.input import auto
 N = 40
 
 
-def _source(delay):
+def _source(delay, n=N):
     def input_fn(ctx):
-        for i in range(N):
+        for i in range(n):
             if delay:
                 time.sleep(delay)
             yield np.full((2, 3), float(i), np.float32)
@@ -24,6 +25,12 @@ def _source(delay):
 
 def _step(ctx, x):
     return ctx.all_sum(jnp.sum(x))
+
+
+def _work():
+    """The rest of a training step on the host (as long as a slow read): what prefetch
+    overlaps the reads with."""
+    time.sleep(0.005)
 
 
 def _expected(i, n):
@@ -41,11 +48,13 @@ def test_a_slow_source_turns_prefetch_on_and_loses_nothing(rep):
     got, switched_at = [], None
     for i in range(N):
         got.append(float(rep.run(_step, it)))
+        _work()
         if switched_at is None and it.prefetching:
             switched_at = i
     with pytest.raises(StopIteration):
         rep.run(_step, it)
     assert switched_at is not None and switched_at <= auto.WARMUP + auto.WINDOW + 1
+    assert it.prefetching and it._auto is None  # the trial kept it
     assert got == [_expected(i, 8) for i in range(N)]
 
 
@@ -60,7 +69,7 @@ def test_a_fast_source_with_a_slower_loop_stays_on_the_calling_thread(rep):
 
 
 def test_device_loops_switch_too_and_keep_the_order(rep):
-    it = rep.prepare_input(_source(0.002), jr.InputReplicationMode.PER_REPLICA)
+    it = rep.prepare_input(_source(0.005), jr.InputReplicationMode.PER_REPLICA)
 
     def loop_step(ctx, x):
         return ctx.all_sum(jnp.sum(x))
@@ -69,10 +78,28 @@ def test_device_loops_switch_too_and_keep_the_order(rep):
     while True:
         try:
             got.extend(float(v) for v in rep.run(loop_step, it, steps=3))
+            _work()
         except StopIteration:
             break
     assert it.prefetching
     assert got == [_expected(i, 8) for i in range(N)]
+
+
+@pytest.mark.parametrize("steps", [None, 2])
+def test_a_trial_that_does_not_pay_goes_back_in_line_in_order(rep, monkeypatch, steps):
+    monkeypatch.setattr(auto, "GAIN", 1.0)  # no trial can pay
+    n = 2 * N if steps else N
+    it = rep.prepare_input(_source(0.003, n), jr.InputReplicationMode.PER_REPLICA)
+    got, seen_on = [], False
+    while True:
+        try:
+            out = rep.run(_step, it, steps=steps)
+        except StopIteration:
+            break
+        got.extend([float(out)] if steps is None else [float(v) for v in out])
+        seen_on = seen_on or it.prefetching
+    assert seen_on and not it.prefetching
+    assert got == [_expected(i, 8) for i in range(n)]
 
 
 def test_explicit_settings_are_kept(rep):
@@ -91,6 +118,7 @@ def test_a_sweep_after_the_switch_reads_from_the_start(rep):
     it = rep.prepare_input(_source(0.005), jr.InputReplicationMode.PER_REPLICA)
     for _ in range(N):
         rep.run(_step, it)
+        _work()
     assert it.prefetching
     it.reinitialize()
     got = [float(rep.run(_step, it)) for _ in range(N)]

@@ -77,13 +77,15 @@ class SPMDExecutor(Executor):
 
     # -- input -----------------------------------------------------------------------
     def assemble(self, elements: Sequence[Sequence[np.ndarray]], treedef: Any) -> Any:
-        out = []
-        for j in range(len(elements[0])):
-            local = np.stack([e[j] for e in elements])
-            shape = (self._num_replicas,) + local.shape[1:]
-            arr = jax.make_array_from_process_local_data(self._per_replica, local, shape)
-            out.append(PerReplica(arr, self._mesh, self._axis))
-        return jax.tree.unflatten(treedef, out)
+        stacked = [np.stack([e[j] for e in elements]) for j in range(len(elements[0]))]
+        if self.layout.num_workers == 1:  # every replica here: one batched transfer
+            arrays = jax.device_put(stacked, self._per_replica)
+        else:
+            arrays = [jax.make_array_from_process_local_data(
+                self._per_replica, local, (self._num_replicas,) + local.shape[1:])
+                for local in stacked]
+        mesh, axis = self._mesh, self._axis
+        return jax.tree.unflatten(treedef, [PerReplica(a, mesh, axis) for a in arrays])
 
     def split_batch(self, batch: Any) -> Any:
         leaves, treedef = jax.tree.flatten(batch, is_leaf=_is_per_replica)

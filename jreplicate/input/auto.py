@@ -1,14 +1,24 @@
-"""The default of ``prefetch_on_device``: prefetch once reads are seen to cost (private).
+"""The default of ``prefetch_on_device``: prefetch where it is measured to help (private).
 
 A prefetch thread hides a slow source behind the step, but on a host with few cores it
-also competes with the step's own dispatch: ``bench/host_overhead.py`` measured ~7 %
-on a dispatch-bound 1.6 ms step fed by a fast source, while ``bench/prefetch.py``
-measured a source as slow as the step going from 1.27-1.38x to 1.03-1.07x of the ideal
-with prefetch. So the default reads on the calling thread and times each read against
-the whole cycle from one read to the next (the read, the step's dispatch, the user's
-loop); once the median read over the last :data:`WINDOW` steps takes more than
-:data:`SHARE` of the median cycle, it starts the prefetch thread for the rest of the
-iteration. The first :data:`WARMUP` steps (compilation) are not counted.
+also competes with the step's own dispatch: ``bench/host_overhead.py`` measured a
+prefetch thread costing 5-7 % on a dispatch-bound 1.6 ms step fed by a fast source (2
+cores, 8 CPU devices), while ``bench/prefetch.py`` measured a source as slow as the step
+going from 1.3-1.5x to 1.1-1.2x of the ideal with prefetch. Neither the read's wall time
+nor its CPU time tells in advance which case a pipeline is in (on a busy host a read's
+wall time includes the time its thread waits for a core), so the default measures the
+outcome itself:
+
+1. Reads on the calling thread, timing each read and each cycle (from one batch handed
+   out to the next: the step's dispatch, the rest of the user's loop, the read).
+   The first :data:`WARMUP` steps (compilation) are not counted.
+2. Once the median read over the last :data:`WINDOW` steps takes more than
+   :data:`SHARE` of the median cycle, a trial: :data:`WINDOW` steps with the prefetch
+   thread (after one step to start it).
+3. Prefetch stays on if the trial's median cycle is more than :data:`GAIN` shorter than
+   the in-line one; otherwise reading goes back in line (what was prefetched is handed
+   out first, in order), and another trial is made only once reads take twice the share
+   they took at the failed one.
 """
 
 from __future__ import annotations
@@ -21,38 +31,67 @@ from typing import Any
 
 #: Steps not timed at the start (the first step compiles; the second may still).
 WARMUP = 2
-#: Steps over which the median read and cycle are taken.
-WINDOW = 8
-#: A read taking more than this share of the cycle turns prefetch on.
+#: Steps over which medians are taken, in line and in a trial.
+WINDOW = 10
+#: A read taking more than this share of the cycle starts a trial of prefetch.
 SHARE = 0.10
+#: Prefetch is kept if it shortens the median cycle by more than this fraction.
+GAIN = 0.10
+
+#: What :meth:`AutoPrefetch.step_done` asks of the iterator.
+TRY, KEEP, STOP = "try", "keep", "stop"
 
 
 class AutoPrefetch:
-    """Times the reads made on the calling thread; says when to prefetch instead."""
+    """Times reads and cycles, in line and in a prefetch trial; says what to do next."""
 
     def __init__(self) -> None:
+        self.trial = False  # prefetching for a trial
         self._reads: collections.deque = collections.deque(maxlen=WINDOW)
-        self._cycles: collections.deque = collections.deque(maxlen=WINDOW)
-        self._last_end: float | None = None
+        self._inline: collections.deque = collections.deque(maxlen=WINDOW)
+        self._trial: list[float] = []
+        self._share = SHARE  # the read share that starts a trial
+        self._read = 0.0
+        self._last: float | None = None
         self._seen = 0
 
     def read(self, produce: Callable[[], Any]) -> Any:
-        """``produce()``, timed."""
+        """``produce()`` on the calling thread, timed."""
         start = time.perf_counter()
         item = produce()
-        end = time.perf_counter()
-        self._seen += 1
-        if self._last_end is not None and self._seen > WARMUP:
-            self._reads.append(end - start)
-            self._cycles.append(end - self._last_end)
-        self._last_end = end
+        self._read = time.perf_counter() - start
         return item
 
     def restart(self) -> None:
         """Forgets the cycle in progress (the input was restarted, e.g. a new sweep)."""
-        self._last_end = None
+        self._last = None
 
-    def wants_prefetch(self) -> bool:
-        if len(self._reads) < WINDOW:
-            return False
-        return statistics.median(self._reads) > SHARE * statistics.median(self._cycles)
+    def step_done(self) -> str | None:
+        """Notes that a batch was handed out; returns :data:`TRY` (prefetch from the next
+        batch on, for a trial), :data:`KEEP` (prefetch for good), :data:`STOP` (back to
+        reading in line) or None (nothing to change)."""
+        now = time.perf_counter()
+        cycle = None if self._last is None else now - self._last
+        self._last = now
+        self._seen += 1
+        if cycle is None or self._seen <= WARMUP:
+            return None
+        if self.trial:
+            self._trial.append(cycle)
+            if len(self._trial) <= WINDOW:  # the first trial cycle starts the thread
+                return None
+            trial = statistics.median(self._trial[1:])
+            if trial < (1 - GAIN) * statistics.median(self._inline):
+                return KEEP
+            self.trial = False
+            self._share = 2 * statistics.median(self._reads) / statistics.median(self._inline)
+            self._inline.clear()
+            self._reads.clear()
+            return STOP
+        self._reads.append(self._read)
+        self._inline.append(cycle)
+        if len(self._inline) == WINDOW and \
+                statistics.median(self._reads) > self._share * statistics.median(self._inline):
+            self.trial, self._trial = True, []
+            return TRY
+        return None

@@ -77,8 +77,8 @@ class InputIterator(PrefetchStaging):
         self._agreement = strategy.agreement("input") if strategy.num_workers > 1 else None
         if self._agreement is not None and replication_mode is InputReplicationMode.SINGLE:
             self._buffer = 0  # its broadcast is a collective: keep it on the main thread
-        # prefetch_on_device=None: read on the calling thread until reads are seen to
-        # cost (see jreplicate.input.auto); then prefetch with this buffer.
+        # prefetch_on_device=None: read on the calling thread; prefetch (with this
+        # buffer) where a trial shows it helps (see jreplicate.input.auto).
         self._auto: AutoPrefetch | None = None
         if auto_prefetch and self._buffer:
             self._auto, self._auto_buffer, self._buffer = AutoPrefetch(), self._buffer, 0
@@ -91,9 +91,10 @@ class InputIterator(PrefetchStaging):
     @property
     def prefetching(self) -> bool:
         """Whether batches are read ahead on a background thread: always with
-        ``prefetch_on_device=True``, never with ``False``; with the default (None), from
-        the step at which reads were measured to cost more than a tenth of the time
-        from one step to the next."""
+        ``prefetch_on_device=True``, never with ``False``; with the default (None), once
+        reads take more than a tenth of the time from one step to the next and a trial
+        of a few steps shows prefetching makes steps faster (see
+        :mod:`jreplicate.input.auto`)."""
         return bool(self._buffer)
 
     @property
@@ -110,19 +111,13 @@ class InputIterator(PrefetchStaging):
         if self._pending is not None and self._pending[0] is None:
             batch, self._pending = self._pending[1], None
             return batch
+        if self._auto is not None:
+            return self._auto_next(None)
         if self._buffer:
             return self._prefetched(None)
-        if self._auto is not None:
-            return self._auto_read(self._produce)
+        if self._leftover:
+            return self._from_leftover(None)
         return self._produce()
-
-    def _auto_read(self, produce: Callable[[], Any]) -> Any:
-        """A read on the calling thread, timed; prefetch from the next one on if reads
-        cost (see :mod:`jreplicate.input.auto`)."""
-        item = self._auto.read(produce)
-        if self._auto.wants_prefetch():
-            self._auto, self._buffer = None, self._auto_buffer
-        return item
 
     def _warn(self, what: str | None) -> None:
         """Warns that ``what`` was dropped: at once on the calling thread, or, on the
@@ -438,6 +433,9 @@ def _flatten(element: Any, replica_id: int) -> tuple[list[np.ndarray], Any, tupl
     paths = _paths_of(treedef)
     out = []
     for x, path in zip(leaves, paths):
+        if type(x) is np.ndarray and x.dtype.itemsize < 8:  # the common case, at once
+            out.append(x)
+            continue
         if not is_array_like(x):
             raise TypeError(
                 f"input element of replica {replica_id} has a {type(x).__name__} at "

@@ -18,6 +18,7 @@ import jax
 import numpy as np
 
 from jreplicate.context import PerReplica
+from jreplicate.input import auto as auto_mod
 from jreplicate.input import prefetch as prefetch_mod
 from jreplicate.input.prefetch import Prefetcher
 
@@ -25,8 +26,9 @@ from jreplicate.input.prefetch import Prefetcher
 class PrefetchStaging:
     """Mixin of :class:`InputIterator`: the prefetched items, single steps or loops.
 
-    Uses the iterator's ``_buffer``, ``_pending``, ``_executor``, ``_auto``, ``_produce()``,
-    ``_auto_read()`` and ``_produce_host()``; keeps its own state (set up by :meth:`_init_staging`).
+    Uses the iterator's ``_buffer``, ``_pending``, ``_executor``, ``_auto`` (with
+    ``_auto_buffer``), ``_produce()`` and ``_produce_host()``; keeps its own state (set
+    up by :meth:`_init_staging`).
     """
 
     def _init_staging(self) -> None:
@@ -43,25 +45,65 @@ class PrefetchStaging:
         device loop of ``k`` steps, the next of which is staged while this one runs. A
         change between the two drains what was prefetched and converts it: nothing read
         is lost or reordered."""
+        self._check_open()
+        if self._prefetcher is None or self._chunk != k:
+            self._restart_prefetch(k)
+        if self._leftover:
+            return self._pop_leftover()
+        try:
+            return self._take(self._prefetcher.get())
+        except _End as e:
+            return self._end(e)
+
+    def _from_leftover(self, k: int | None) -> Any:
+        """The next item read ahead before prefetching stopped (see :meth:`_stop_prefetch`),
+        as a single step or a loop of up to ``k`` steps."""
+        self._check_open()
+        if self._chunk != k:
+            self._collect(k)
+        return self._pop_leftover()
+
+    def _pop_leftover(self) -> Any:
+        kind, payload = self._leftover[0]
+        if kind == "end":  # stays at the front: the end stays the end
+            self._leftover[0] = ("end", None)  # its warnings are given once
+            return self._end(payload)
+        self._leftover.popleft()
+        return self._take(payload)
+
+    def _check_open(self) -> None:
         if self._closed:
             raise RuntimeError(
                 "this input iterator was closed (Replicator.finalize() or "
                 "InputIterator.close()); call its reinitialize() to read from the start "
                 "again, or prepare_input for a new one."
             )
-        if self._prefetcher is None or self._chunk != k:
-            self._restart_prefetch(k)
-        if self._leftover:
-            kind, payload = self._leftover[0]
-            if kind == "end":  # stays at the front: the end stays the end
-                self._leftover[0] = ("end", None)  # its warnings are given once
-                return self._end(payload)
-            self._leftover.popleft()
-            return self._take(payload)
-        try:
-            return self._take(self._prefetcher.get())
-        except _End as e:
-            return self._end(e)
+
+    def _auto_next(self, k: int | None) -> Any:
+        """The next item under ``prefetch_on_device=None``: read in line (timed) or, in a
+        trial or for good, prefetched; see :mod:`jreplicate.input.auto`."""
+        auto = self._auto
+        if auto.trial:
+            item = self._prefetched(k)
+        elif self._leftover:
+            item = self._from_leftover(k)
+        else:
+            if k is not None:
+                self._chunk = k
+            item = auto.read(self._produce if k is None else self._produce_chunk)
+        verdict = auto.step_done()
+        if verdict == auto_mod.TRY:
+            self._buffer = self._auto_buffer
+        elif verdict == auto_mod.KEEP:
+            self._auto = None
+        elif verdict == auto_mod.STOP:
+            self._stop_prefetch(k)
+        return item
+
+    def _stop_prefetch(self, k: int | None) -> None:
+        """Back to reading in line: what the thread read ahead is handed out first."""
+        self._collect(k)
+        self._buffer = 0
 
     def _end(self, err: BaseException | None) -> Any:
         """Raises what the end of the prefetched input is: StopIteration (after its
@@ -73,10 +115,18 @@ class PrefetchStaging:
         raise StopIteration
 
     def _restart_prefetch(self, k: int | None) -> None:
+        self._collect(k)
+        self._prefetcher = Prefetcher(self._produce_noted, self._buffer)
+
+    def _collect(self, k: int | None) -> None:
+        """Stops the prefetch thread, if any, and keeps what it read ahead (and what was
+        kept before) in ``_leftover``, as single steps (``k`` None) or loops of up to
+        ``k`` steps; sets ``_chunk`` to ``k``."""
         items = list(self._leftover)
         self._leftover.clear()
         if self._prefetcher is not None:
-            for got, err in self._prefetcher.drain():
+            drained, self._prefetcher = self._prefetcher.drain(), None
+            for got, err in drained:
                 if got is prefetch_mod.END:
                     items.append(("end", err))
                 else:
@@ -104,7 +154,6 @@ class PrefetchStaging:
                 self._leftover.append((kind, payload))  # a loop of another length: as is
         flush()
         self._chunk = k
-        self._prefetcher = Prefetcher(self._produce_noted, self._buffer)
 
     def _produce_noted(self) -> tuple[Any, list]:
         """The prefetch thread's read: the item and the warnings it raised."""
@@ -134,11 +183,13 @@ class PrefetchStaging:
         if self._pending is not None:  # one step's batch, left by a failed run
             batch, self._pending = self._pending[1], None
             return _stack_steps([batch]), 1
+        if self._auto is not None:
+            return self._auto_next(k)
         if self._buffer:
             return self._prefetched(k)
+        if self._leftover:
+            return self._from_leftover(k)
         self._chunk = k
-        if self._auto is not None:
-            return self._auto_read(self._produce_chunk)
         return self._produce_chunk()
 
     def _produce_chunk(self) -> tuple[Any, int]:
