@@ -12,6 +12,7 @@ import numpy as np
 
 from jreplicate._jax_compat import axis_bound
 from jreplicate.context import check_logical_device
+from jreplicate.execution.base import NOT_RUN
 from jreplicate.input.context import InputContext, InputReplicationMode
 from jreplicate.input.iterator import InputIterator
 from jreplicate.strategies.base import Strategy
@@ -44,6 +45,7 @@ class Replicator:
         self._strategy = strategy
         self._layout = strategy.layout
         self._executor = strategy.make_executor()
+        self._run_again = self._executor.run_again  # the steady-state path of run
         self._steps_per_run = strategy.steps_per_run
         # Iterators finalize() closes; held weakly so a dropped one can be collected.
         self._iterators: weakref.WeakSet[InputIterator] = weakref.WeakSet()
@@ -223,6 +225,12 @@ class Replicator:
         Raises:
           StopIteration: ``inputs`` is exhausted.
         """
+        if steps is None and not isinstance(inputs, InputIterator):
+            # The steady state of a training loop: a call shaped like an earlier one.
+            donate = () if donate_argnums == () else _check_donate(donate_argnums, len(args))
+            result = self._run_again(fn, inputs is not None, inputs, args, None, donate)
+            if result is not NOT_RUN:
+                return result
         if not callable(fn):
             raise TypeError(f"Replicator.run(fn) must be callable, got {type(fn).__name__}.")
         donate = _check_donate(donate_argnums, len(args))
@@ -248,8 +256,11 @@ class Replicator:
             inputs, steps = (inputs.get_next(), None) if steps is None \
                 else inputs._get_steps(steps)
             try:
-                return self._executor.run(fn, has_batch, inputs, args, steps=steps,
-                                          donate_argnums=donate)
+                result = self._executor.run_again(fn, has_batch, inputs, args, steps, donate)
+                if result is NOT_RUN:
+                    result = self._executor.run(fn, has_batch, inputs, args, steps=steps,
+                                                donate_argnums=donate)
+                return result
             except BaseException:
                 # The step raised (or was interrupted): its batch stays for a retry.
                 iterator._put_back(inputs if steps is None else (inputs, steps), steps)

@@ -11,6 +11,9 @@ import numpy as np
 
 from jreplicate.strategies.layout import Layout
 
+#: What :meth:`Executor.run_again` returns when the call needs the full :meth:`Executor.run`.
+NOT_RUN = object()
+
 
 class Executor(abc.ABC):
     """Runs the steps of one :class:`jreplicate.Replicator` for its strategy.
@@ -52,6 +55,13 @@ class Executor(abc.ABC):
             steps: int | None, donate_argnums: tuple[int, ...]) -> Any:
         """Runs ``fn`` on every replica, once (``steps=None``) or as a loop of ``steps``
         steps over a batch whose per-replica leaves have a leading axis of that length."""
+
+    def run_again(self, fn: Callable, has_batch: bool, batch: Any, args: tuple,
+                  steps: int | None, donate_argnums: tuple[int, ...]) -> Any:
+        """Runs a call shaped like an earlier one without repeating its checks (the
+        steady state of a training loop), or returns :data:`NOT_RUN` for :meth:`run`
+        to take it. Its result or error is always :meth:`run`'s."""
+        return NOT_RUN
 
     @abc.abstractmethod
     def reduce(self, reduce_op: str, value: Any) -> Any:

@@ -35,8 +35,11 @@ import jax
 
 from jreplicate._jax_compat import array_type
 from jreplicate.context import PerReplica
+from jreplicate.execution.base import NOT_RUN
 
 _MAX_ENTRIES = 256
+_tree_flatten = jax.tree_util.tree_flatten
+_tree_unflatten = jax.tree_util.tree_unflatten
 _ARRAY = array_type()  # the concrete jax.Array class (None: never take this path)
 
 
@@ -53,18 +56,20 @@ def retrace_guarded() -> bool:
 
 
 class _Entry:
-    __slots__ = ("fn", "program", "out_def", "donate", "shardings", "order", "num_plain")
+    __slots__ = ("fn", "jitted", "num_out", "out_def", "donate", "shardings", "order",
+                 "num_plain")
 
-    def __init__(self, fn: Any, program: Any, out_def: Any, shardings: tuple | None,
-                 order: list[int] | None, num_plain: int):
-        self.fn, self.program, self.out_def = fn, program, out_def
+    def __init__(self, fn: Callable[[], Any], program: Any, out_def: Any,
+                 shardings: tuple | None, order: list[int] | None, num_plain: int):
+        self.fn = fn  # returns the step function, or None once it is freed
+        self.jitted, self.num_out, self.out_def = program.jitted, program.num_out, out_def
         self.donate, self.shardings = program.jitted_donate, shardings
         # NNX arguments: the flat leaves in the program's order (plain leaves, then the
         # Variables, whose values are read), and how many are plain.
         self.order, self.num_plain = order, num_plain
 
 
-MISS = object()
+MISS = NOT_RUN
 
 
 class FastPath:
@@ -72,6 +77,7 @@ class FastPath:
 
     def __init__(self, mesh: Any, axis: str, check_shardings: bool):
         self._entries: dict = {}
+        self._nnx_fns: set[int] = set()  # ids of step functions recorded with NNX state
         self._mesh, self._axis = mesh, axis
         self._check_shardings = check_shardings
 
@@ -80,9 +86,12 @@ class FastPath:
         """The step's result, or :data:`MISS` when the full path must run."""
         if _ARRAY is None:
             return MISS
-        leaves, treedef = _flatten(batch, args)
+        if id(fn) in self._nnx_fns:  # NNX Variables as leaves (a Python-level flatten)
+            leaves, treedef = _flatten(batch, args)
+        else:
+            leaves, treedef = _tree_flatten((batch, args))
         entry = self._entries.get((id(fn), treedef, has_batch, steps, donate_argnums))
-        if entry is None or _deref(entry.fn) is not fn:
+        if entry is None or entry.fn() is not fn:
             return MISS
         variables = None
         if entry.order is not None:
@@ -104,17 +113,17 @@ class FastPath:
             return MISS
         _GUARD.on = True
         try:
-            flat = entry.program.jitted(*inputs)
+            flat = entry.jitted(*inputs)
         except Exception:  # noqa: BLE001 - the full path raises its own, clearer error
             return MISS
         finally:
             _GUARD.on = False
-        num_out = entry.program.num_out
         if variables is not None:
+            num_out = entry.num_out
             for v, x in zip(variables, flat[num_out:], strict=True):
                 v.set_value(x)
             flat = flat[:num_out]
-        return jax.tree.unflatten(entry.out_def, flat)
+        return _tree_unflatten(entry.out_def, flat)
 
     def record(self, fn: Callable, has_batch: bool, batch: Any, args: tuple,
                steps: int | None, donate_argnums: tuple[int, ...], program: Any,
@@ -147,6 +156,9 @@ class FastPath:
         shardings = tuple(x.sharding for x in inputs) if self._check_shardings else None
         if len(self._entries) >= _MAX_ENTRIES:
             self._entries.clear()
+            self._nnx_fns.clear()
+        if order is not None:
+            self._nnx_fns.add(id(fn))
         self._entries[(id(fn), treedef, has_batch, steps, donate_argnums)] = _Entry(
             _ref(fn), program, out_def, shardings, order, len(leaves) - sum(is_var))
 
@@ -158,8 +170,8 @@ def _flatten(batch: Any, args: tuple) -> tuple[list, Any]:
     if nnx is not None:
         base = getattr(nnx, "Pytree", None) or getattr(nnx, "Object", None)
         if base is not None and any(isinstance(a, base) for a in args):
-            return jax.tree.flatten((batch, args), is_leaf=_is_variable)
-    return jax.tree.flatten((batch, args))
+            return _tree_flatten((batch, args), is_leaf=_is_variable)
+    return _tree_flatten((batch, args))
 
 
 def _is_variable(x: Any) -> bool:
@@ -167,12 +179,10 @@ def _is_variable(x: Any) -> bool:
     return nnx is not None and isinstance(x, nnx.Variable)
 
 
-def _ref(fn: Callable) -> Any:
+def _ref(fn: Callable) -> Callable[[], Any]:
+    """A weak reference to ``fn`` (a strong one if it can't be weakly referenced, as
+    ``jax.jit`` holds such functions)."""
     try:
         return weakref.ref(fn)
-    except TypeError:  # not weakly referenceable: held (as jax.jit does)
-        return fn
-
-
-def _deref(ref: Any) -> Any:
-    return ref() if isinstance(ref, weakref.ref) else ref
+    except TypeError:
+        return lambda: fn

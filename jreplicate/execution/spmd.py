@@ -127,9 +127,6 @@ class SPMDExecutor(Executor):
     # -- running ---------------------------------------------------------------------
     def run(self, fn: Callable, has_batch: bool, batch: Any, args: tuple, *,
             steps: int | None = None, donate_argnums: tuple[int, ...] = ()) -> Any:
-        result = self._fast.call(fn, has_batch, batch, args, steps, donate_argnums)
-        if result is not fast.MISS:
-            return result
         program, arrays, split, homes, traced = self._prepare(fn, has_batch, batch, args,
                                                               steps, donate_argnums)
         flat = (program.jitted_nested if traced else program.jitted)(*arrays)
@@ -148,6 +145,10 @@ class SPMDExecutor(Executor):
                 jax.tree.unflatten(jax.tree.structure(state), outs[program.num_out:])
             nnx_args.write_back(args, node_pos, new_state, variables)
         return result
+
+    def run_again(self, fn: Callable, has_batch: bool, batch: Any, args: tuple,
+                  steps: int | None, donate_argnums: tuple[int, ...]) -> Any:
+        return self._fast.call(fn, has_batch, batch, args, steps, donate_argnums)
 
     def compiled(self, fn: Callable, has_batch: bool, batch: Any, args: tuple, *,
                  steps: int | None = None, donate_argnums: tuple[int, ...] = ()) -> Any:
