@@ -399,3 +399,35 @@ def test_reinitialize_waits_for_a_slow_read_in_progress():
     it.reinitialize()
     assert [_values(it.get_next()) for _ in range(3)] == [[100, 101], [102, 103], [104, 105]]
     it.close()
+
+
+def test_a_source_that_reuses_its_buffer_never_changes_a_batch_already_read():
+    """On CPU a transfer may alias host memory: every batch must be a copy."""
+    rep = jr.Replicator(jr.MirroredStrategy())
+    buf = np.zeros((2, 3), np.float32)
+
+    def input_fn(ctx):
+        for i in range(16):
+            buf[:] = i  # the same buffer, refilled for every element
+            yield buf
+
+    for prefetch in (False, True):
+        # One pipeline: the 8 elements of a step come from one generator, one after the
+        # other, before the step's batch is built.
+        it = rep.prepare_input(input_fn, prefetch_on_device=prefetch)
+        b = it.get_next()
+        np.testing.assert_array_equal(np.asarray(b.array)[:, 0, 0], np.arange(8))
+    for prefetch in (False, True):
+        it = rep.prepare_input(lambda ctx: input_fn(ctx), jr.InputReplicationMode.PER_REPLICA,
+                               prefetch_on_device=prefetch, enforce_ordering=True)
+        batches = [it.get_next() for _ in range(3)]
+        for i, b in enumerate(batches):
+            np.testing.assert_array_equal(np.asarray(b.array), np.full((8, 2, 3), i))
+
+
+def test_a_plain_global_batch_changed_after_run_does_not_change_that_step():
+    rep = jr.Replicator(jr.MirroredStrategy())
+    x = np.ones((16, 3), np.float32)
+    out = rep.run(lambda ctx, b: b * 1.0, x)  # a PerReplica made from x
+    x[:] = 5.0
+    np.testing.assert_array_equal(np.asarray(out.array), np.ones((8, 2, 3)))

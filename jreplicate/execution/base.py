@@ -43,7 +43,9 @@ class Executor(abc.ABC):
         """One step's input: ``elements[k]`` are the flat leaves of local replica ``k``'s
         element (``k`` indexes ``layout.local_replica_ids``), leaf arrays of one shape per
         leaf position. Returns the pytree ``run`` receives as ``inputs``. A leaf may
-        carry a leading axis of K steps (see :meth:`run`'s ``steps``)."""
+        carry a leading axis of K steps (see :meth:`run`'s ``steps``). The arrays are
+        the executor's from then on (on CPU a device array may alias host memory):
+        callers pass copies nothing else writes."""
 
     def split_batch(self, batch: Any) -> Any:
         """``run``'s ``inputs`` given as a pytree: :class:`PerReplica` leaves as they are,

@@ -46,6 +46,8 @@ class SPMDExecutor(Executor):
                          for i in range(layout.logical_devices_per_replica)]
         self._logical_index = {m: i for i, m in enumerate(self._logical)}
         self._sharding_kinds: dict = {self._replicated: "c"}  # see _kind_of
+        # Replica id -> its position among this process's replicas (see assemble).
+        self._local_position = {r: k for k, r in enumerate(layout.local_replica_ids)}
         self._fast = fast.FastPath(self._mesh, self._axis,
                                    check_shardings=layout.logical_devices_per_replica > 1)
 
@@ -77,15 +79,19 @@ class SPMDExecutor(Executor):
 
     # -- input -----------------------------------------------------------------------
     def assemble(self, elements: Sequence[Sequence[np.ndarray]], treedef: Any) -> Any:
-        stacked = [np.stack([e[j] for e in elements]) for j in range(len(elements[0]))]
-        if self.layout.num_workers == 1:  # every replica here: one batched transfer
-            arrays = jax.device_put(stacked, self._per_replica)
-        else:
-            arrays = [jax.make_array_from_process_local_data(
-                self._per_replica, local, (self._num_replicas,) + local.shape[1:])
-                for local in stacked]
-        mesh, axis = self._mesh, self._axis
-        return jax.tree.unflatten(treedef, [PerReplica(a, mesh, axis) for a in arrays])
+        # Each device's block straight from its replica's element, in one batched
+        # transfer per leaf (no stacked host copy to slice again). On CPU the device
+        # array may alias the element's memory: the caller's copies (see Executor).
+        pos = self._local_position
+        mesh, axis, sharding = self._mesh, self._axis, self._per_replica
+        out = []
+        for j in range(len(elements[0])):
+            shape = (self._num_replicas,) + np.shape(elements[0][j])
+            arr = jax.make_array_from_callback(
+                shape, sharding,
+                lambda index, j=j: elements[pos[index[0].start or 0]][j][None])
+            out.append(PerReplica(arr, mesh, axis))
+        return jax.tree.unflatten(treedef, out)
 
     def split_batch(self, batch: Any) -> Any:
         leaves, treedef = jax.tree.flatten(batch, is_leaf=_is_per_replica)
@@ -121,7 +127,8 @@ class SPMDExecutor(Executor):
         host = np.asarray(x)
         check_fits(host, f"Replicator.run(fn, inputs): inputs {where}")
         rows = shape[0] // n
-        local = [[host[r * rows:(r + 1) * rows]] for r in self.layout.local_replica_ids]
+        # Copies: the device arrays may alias them, and the caller may reuse its array.
+        local = [[host[r * rows:(r + 1) * rows].copy()] for r in self.layout.local_replica_ids]
         return self.assemble(local, jax.tree.structure(0))
 
     # -- running ---------------------------------------------------------------------

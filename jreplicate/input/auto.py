@@ -13,12 +13,13 @@ outcome itself:
    out to the next: the step's dispatch, the rest of the user's loop, the read).
    The first :data:`WARMUP` steps (compilation) are not counted.
 2. Once the median read over the last :data:`WINDOW` steps takes more than
-   :data:`SHARE` of the median cycle, a trial: :data:`WINDOW` steps with the prefetch
-   thread (after one step to start it).
-3. Prefetch stays on if the trial's median cycle is more than :data:`GAIN` shorter than
-   the in-line one; otherwise reading goes back in line (what was prefetched is handed
-   out first, in order), and another trial is made only once reads take twice the share
-   they took at the failed one.
+   :data:`SHARE` of the median cycle, an A/B/A trial: :data:`WINDOW` steps with the
+   prefetch thread, then :data:`WINDOW` steps in line again (each after one step to
+   switch), so that a drift in the machine's speed does not pass for a gain.
+3. Prefetch is kept if the trial's median cycle is more than :data:`GAIN` shorter than
+   the median cycle of both in-line windows; otherwise reading stays in line (what was
+   prefetched was handed out first, in order), and another trial is made only once
+   reads take twice the share they took at the failed one.
 """
 
 from __future__ import annotations
@@ -38,22 +39,29 @@ SHARE = 0.10
 #: Prefetch is kept if it shortens the median cycle by more than this fraction.
 GAIN = 0.10
 
-#: What :meth:`AutoPrefetch.step_done` asks of the iterator.
-TRY, KEEP, STOP = "try", "keep", "stop"
+#: What :meth:`AutoPrefetch.step_done` asks of the iterator: prefetch for a trial, read
+#: in line again, or prefetch for good.
+TRY, STOP, KEEP = "try", "stop", "keep"
 
 
 class AutoPrefetch:
     """Times reads and cycles, in line and in a prefetch trial; says what to do next."""
 
     def __init__(self) -> None:
-        self.trial = False  # prefetching for a trial
+        self.phase = "inline"  # then "trial" (prefetching), "verify" (in line again)
         self._reads: collections.deque = collections.deque(maxlen=WINDOW)
         self._inline: collections.deque = collections.deque(maxlen=WINDOW)
         self._trial: list[float] = []
+        self._verify: list[float] = []
         self._share = SHARE  # the read share that starts a trial
         self._read = 0.0
         self._last: float | None = None
         self._seen = 0
+
+    @property
+    def trial(self) -> bool:
+        """Whether batches are prefetched now (for the trial)."""
+        return self.phase == "trial"
 
     def read(self, produce: Callable[[], Any]) -> Any:
         """``produce()`` on the calling thread, timed."""
@@ -67,31 +75,39 @@ class AutoPrefetch:
         self._last = None
 
     def step_done(self) -> str | None:
-        """Notes that a batch was handed out; returns :data:`TRY` (prefetch from the next
-        batch on, for a trial), :data:`KEEP` (prefetch for good), :data:`STOP` (back to
-        reading in line) or None (nothing to change)."""
+        """Notes that a batch was handed out; returns :data:`TRY`, :data:`STOP`,
+        :data:`KEEP` or None (nothing to change)."""
         now = time.perf_counter()
         cycle = None if self._last is None else now - self._last
         self._last = now
         self._seen += 1
         if cycle is None or self._seen <= WARMUP:
             return None
-        if self.trial:
+        if self.phase == "trial":
             self._trial.append(cycle)
-            if len(self._trial) <= WINDOW:  # the first trial cycle starts the thread
+            if len(self._trial) <= WINDOW:  # the first cycle starts the thread
                 return None
-            trial = statistics.median(self._trial[1:])
-            if trial < (1 - GAIN) * statistics.median(self._inline):
-                return KEEP
-            self.trial = False
-            self._share = 2 * statistics.median(self._reads) / statistics.median(self._inline)
-            self._inline.clear()
-            self._reads.clear()
+            self.phase, self._verify = "verify", []
             return STOP
+        if self.phase == "verify":
+            self._verify.append(cycle)
+            if len(self._verify) <= WINDOW:  # the first cycle stops the thread
+                return None
+            return self._decide()
         self._reads.append(self._read)
         self._inline.append(cycle)
         if len(self._inline) == WINDOW and \
                 statistics.median(self._reads) > self._share * statistics.median(self._inline):
-            self.trial, self._trial = True, []
+            self.phase, self._trial = "trial", []
             return TRY
+        return None
+
+    def _decide(self) -> str | None:
+        inline = min(statistics.median(self._inline), statistics.median(self._verify[1:]))
+        if statistics.median(self._trial[1:]) < (1 - GAIN) * inline:
+            return KEEP
+        self.phase = "inline"
+        self._share = 2 * statistics.median(self._reads) / statistics.median(self._inline)
+        self._inline.clear()
+        self._reads.clear()
         return None

@@ -179,10 +179,11 @@ class InputIterator(PrefetchStaging):
             self._pool = None
 
     # -- reading -----------------------------------------------------------------
-    def _read(self) -> list[Any]:
-        """One element per local replica, in local replica order."""
+    def _read(self, ids: tuple[int, ...]) -> list[Any]:
+        """One element per replica fed here (``ids``), in that order, each flattened and
+        copied as soon as it is read (see :func:`_flatten`)."""
         def take(k):
-            return self._pipelines[self._feeds[k]].next()
+            return _flatten(self._pipelines[self._feeds[k]].next(), ids[k])
 
         n = len(self._feeds)
         got = []
@@ -231,23 +232,24 @@ class InputIterator(PrefetchStaging):
         if self._agreement is not None:
             flat, treedef = self._produce_shared()
             return [leaves for leaves, _, _ in flat], treedef
+        ids = self._strategy.local_replica_ids
         try:
-            elements = self._read()
+            elements = self._read(ids)
         except StopIteration:
             self._exhausted = True
             raise
         try:
-            flat, treedef = self._check(elements, self._strategy.local_replica_ids)
+            flat, treedef = self._check(elements, ids)
         except _PartialBatch as e:
             self._exhausted = True
             self._warn(f"a final partial batch ({e})")
             raise StopIteration from None
         return [leaves for leaves, _, _ in flat], treedef
 
-    def _check(self, elements: list[Any], ids: tuple[int, ...]) -> tuple[list, Any]:
+    def _check(self, flat: list[Any], ids: tuple[int, ...]) -> tuple[list, Any]:
+        """The read elements (flattened) checked against each other and the first step."""
         if self._pad:
-            return self._check_padded(elements, ids)
-        flat = [_flatten(e, ids[k]) for k, e in enumerate(elements)]
+            return self._check_padded(flat, ids)
         treedef = self._check_structure(flat, ids)
         self._check_shapes(flat, ids)
         return flat, treedef
@@ -271,10 +273,10 @@ class InputIterator(PrefetchStaging):
         return treedef
 
     def _check_padded(self, elements: list[Any], ids: tuple[int, ...]) -> tuple[list, Any]:
-        """The step's elements padded to the first step's shapes, each with its mask as
-        a last leaf, under the structure of ``MaskedBatch(element, mask)``."""
+        """The step's (flattened) elements padded to the first step's shapes, each with
+        its mask as a last leaf, under the structure of ``MaskedBatch(element, mask)``."""
         real = [k for k, e in enumerate(elements) if e is not padding.ENDED]
-        flat = {k: _flatten(elements[k], ids[k]) for k in real}
+        flat = {k: elements[k] for k in real}
         treedef = self._check_structure([flat[k] for k in real], tuple(ids[k] for k in real))
         paths = flat[real[0]][2]
         b = padding.batch_size(self._spec, paths)
@@ -309,7 +311,7 @@ class InputIterator(PrefetchStaging):
         status, detail, flat, treedef, error = "ok", "", None, None, None
         try:
             if self._feeds:
-                flat, treedef = self._check(self._read(), ids)
+                flat, treedef = self._check(self._read(ids), ids)
         except StopIteration:
             status = "end"
         except _PartialBatch as e:
@@ -429,19 +431,22 @@ def _dropped_message(read: int, n: int) -> str | None:
 
 
 def _flatten(element: Any, replica_id: int) -> tuple[list[np.ndarray], Any, tuple]:
+    """An element's leaves as NumPy copies (checked), its structure and leaf paths. Copied
+    as soon as read: a source may refill one buffer for every element it yields, and the
+    device array made from the copy may alias it (see ``Executor.assemble``)."""
     leaves, treedef = jax.tree.flatten(element)
     paths = _paths_of(treedef)
     out = []
     for x, path in zip(leaves, paths):
         if type(x) is np.ndarray and x.dtype.itemsize < 8:  # the common case, at once
-            out.append(x)
+            out.append(x.copy())
             continue
         if not is_array_like(x):
             raise TypeError(
                 f"input element of replica {replica_id} has a {type(x).__name__} at "
                 f"{path_str(path) or 'the root'}; elements must be pytrees of arrays "
                 "(numpy arrays or Python numbers). Convert it, or drop it in input_fn.")
-        x = np.asarray(x)
+        x = np.array(x)
         check_fits(x, lambda path=path: f"input element of replica {replica_id} at "
                    f"{path_str(path) or 'the root'}")
         out.append(x)

@@ -94,10 +94,10 @@ class PrefetchStaging:
         verdict = auto.step_done()
         if verdict == auto_mod.TRY:
             self._buffer = self._auto_buffer
-        elif verdict == auto_mod.KEEP:
-            self._auto = None
         elif verdict == auto_mod.STOP:
             self._stop_prefetch(k)
+        elif verdict == auto_mod.KEEP:
+            self._buffer, self._auto = self._auto_buffer, None
         return item
 
     def _stop_prefetch(self, k: int | None) -> None:
