@@ -14,8 +14,9 @@ outcome itself:
    The first :data:`WARMUP` steps (compilation) are not counted.
 2. Once the median read over the last :data:`WINDOW` steps takes more than
    :data:`SHARE` of the median cycle, an A/B/A trial: :data:`WINDOW` steps with the
-   prefetch thread, then :data:`WINDOW` steps in line again (each after one step to
-   switch), so that a drift in the machine's speed does not pass for a gain.
+   prefetch thread, then :data:`WINDOW` steps in line again (each after the steps that
+   fill the prefetch queue, or hand out what it read ahead), so that a drift in the
+   machine's speed does not pass for a gain.
 3. Prefetch is kept if the trial's median cycle is more than :data:`GAIN` shorter than
    the median cycle of both in-line windows; otherwise reading stays in line (what was
    prefetched was handed out first, in order), and another trial is made only once
@@ -47,7 +48,10 @@ TRY, STOP, KEEP = "try", "stop", "keep"
 class AutoPrefetch:
     """Times reads and cycles, in line and in a prefetch trial; says what to do next."""
 
-    def __init__(self) -> None:
+    def __init__(self, buffer_size: int = 1) -> None:
+        # Cycles not counted after a switch: the prefetch queue filling, or the batches
+        # it read ahead being handed out.
+        self._settle = buffer_size + 1
         self.phase = "inline"  # then "trial" (prefetching), "verify" (in line again)
         self._reads: collections.deque = collections.deque(maxlen=WINDOW)
         self._inline: collections.deque = collections.deque(maxlen=WINDOW)
@@ -85,13 +89,13 @@ class AutoPrefetch:
             return None
         if self.phase == "trial":
             self._trial.append(cycle)
-            if len(self._trial) <= WINDOW:  # the first cycle starts the thread
+            if len(self._trial) < WINDOW + self._settle:
                 return None
             self.phase, self._verify = "verify", []
             return STOP
         if self.phase == "verify":
             self._verify.append(cycle)
-            if len(self._verify) <= WINDOW:  # the first cycle stops the thread
+            if len(self._verify) < WINDOW + self._settle:
                 return None
             return self._decide()
         self._reads.append(self._read)
@@ -103,8 +107,9 @@ class AutoPrefetch:
         return None
 
     def _decide(self) -> str | None:
-        inline = min(statistics.median(self._inline), statistics.median(self._verify[1:]))
-        if statistics.median(self._trial[1:]) < (1 - GAIN) * inline:
+        settle = self._settle
+        inline = min(statistics.median(self._inline), statistics.median(self._verify[settle:]))
+        if statistics.median(self._trial[settle:]) < (1 - GAIN) * inline:
             return KEEP
         self.phase = "inline"
         self._share = 2 * statistics.median(self._reads) / statistics.median(self._inline)

@@ -81,7 +81,8 @@ class InputIterator(PrefetchStaging):
         # buffer) where a trial shows it helps (see jreplicate.input.auto).
         self._auto: AutoPrefetch | None = None
         if auto_prefetch and self._buffer:
-            self._auto, self._auto_buffer, self._buffer = AutoPrefetch(), self._buffer, 0
+            self._auto = AutoPrefetch(self._buffer)
+            self._auto_buffer, self._buffer = self._buffer, 0
         self._init_staging()
 
     @property
