@@ -145,7 +145,9 @@ class Replicator:
             a few steps, kept if the steps got more than 10 % faster (a slow source:
             ``bench/prefetch.py``), else reading goes back in line (on a dispatch-bound
             step with a fast source the thread costs more than it hides:
-            ``bench/host_overhead.py``). See :attr:`InputIterator.prefetching` and
+            ``bench/host_overhead.py``). Across processes the default prefetches (each
+            read is an agreement round all processes must make alike, a round trip
+            worth hiding). See :attr:`InputIterator.prefetching` and
             :mod:`jreplicate.input.auto`.
             ``True``: prefetch from the first step. ``False``: never.
           enforce_ordering: read pipelines strictly in replica-id order (replica 0

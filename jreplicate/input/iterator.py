@@ -78,9 +78,11 @@ class InputIterator(PrefetchStaging):
         if self._agreement is not None and replication_mode is InputReplicationMode.SINGLE:
             self._buffer = 0  # its broadcast is a collective: keep it on the main thread
         # prefetch_on_device=None: read on the calling thread; prefetch (with this
-        # buffer) where a trial shows it helps (see jreplicate.input.auto).
+        # buffer) where a trial shows it helps (see jreplicate.input.auto). Across
+        # processes every process must read ahead alike (each read is an agreement
+        # round with the others), and the agreement's round trip is worth hiding: on.
         self._auto: AutoPrefetch | None = None
-        if auto_prefetch and self._buffer:
+        if auto_prefetch and self._buffer and self._agreement is None:
             self._auto = AutoPrefetch(self._buffer)
             self._auto_buffer, self._buffer = self._buffer, 0
         self._init_staging()
@@ -95,7 +97,8 @@ class InputIterator(PrefetchStaging):
         ``prefetch_on_device=True``, never with ``False``; with the default (None), once
         reads take more than a tenth of the time from one step to the next and a trial
         of a few steps shows prefetching makes steps faster (see
-        :mod:`jreplicate.input.auto`)."""
+        :mod:`jreplicate.input.auto`), and always across processes (except in
+        ``SINGLE`` mode, whose broadcast stays on the calling thread)."""
         return bool(self._buffer)
 
     @property
