@@ -822,46 +822,99 @@ class _NoStore(dict):
         pass
 
 
-def _param_to_batchstat(r):
-    """Steady state on a module of two Params, then one of them becomes a BatchStat
-    (e.g. frozen for fine-tuning): a Param-only update must leave it alone."""
+class _Decay(nnx.Module):
+    def __init__(self):
+        self.w = nnx.Param(jnp.ones(3), lr_mult=0.25)
+
+
+def _decay(ctx, x, m):
+    m.w[...] = m.w[...] - m.w.lr_mult
+
+
+def _variable_swapped(r, change):
+    """Steady state, then a Variable replaced by one holding the same value with another
+    type (a Param frozen as a BatchStat for fine-tuning: a Param-only update must leave
+    it alone) or other metadata (a per-parameter learning-rate multiplier). Returns the
+    values after one more step, and what they must be."""
     x = _x(r)
     with r.scope():
-        m = _Two()
+        m = _Two() if change == "type" else _Decay()
+    step = _double_params if change == "type" else _decay
     for _ in range(3):
-        r.run(_double_params, x, m)
+        r.run(step, x, m)
     with r.scope():
-        m.q = nnx.BatchStat(jnp.ones(3))
-    r.run(_double_params, x, m)
-    return m
+        if change == "type":
+            m.q = nnx.BatchStat(m.q.get_value())
+        else:
+            m.w = nnx.Param(m.w.get_value(), lr_mult=0.125)
+    r.run(step, x, m)
+    if change == "type":
+        return [np.asarray(m.p[...]), np.asarray(m.q[...])], [np.full(3, 16.0),
+                                                              np.full(3, 8.0)]
+    return [np.asarray(m.w[...])], [np.full(3, 1 - 3 * 0.25 - 0.125)]
 
 
-def test_nnx_param_turned_batchstat_full_path_reference(monkeypatch):
+_CHANGES = pytest.mark.parametrize("change", ["type", "metadata"])
+
+
+@_CHANGES
+def test_nnx_variable_swapped_full_path_reference(monkeypatch, change):
     """The full path, with its definition cache disabled, is right (the reference)."""
     monkeypatch.setattr(nnx_args, "_FULL_DEFS", _NoStore())
     monkeypatch.setattr(fast, "_ARRAY", None)
-    m = _param_to_batchstat(jr.Replicator(jr.MirroredStrategy()))
-    np.testing.assert_array_equal(np.asarray(m.p[...]), np.full(3, 16.0))
-    np.testing.assert_array_equal(np.asarray(m.q[...]), np.ones(3))
+    got, want = _variable_swapped(jr.Replicator(jr.MirroredStrategy()), change)
+    for g, w in zip(got, want, strict=True):
+        np.testing.assert_array_equal(g, w)
 
 
 @pytest.mark.xfail(strict=True, reason="fast.py keys NNX calls on the treedef with "
                    "Variables as leaves (fast._flatten), which has no Variable types or "
-                   "metadata: a Param replaced by a BatchStat reuses the Param program")
-def test_nnx_param_turned_batchstat_steady_state(monkeypatch):
+                   "metadata: the replaced Variable's call reuses the old program")
+@_CHANGES
+def test_nnx_variable_swapped_steady_state(monkeypatch, change):
     monkeypatch.setattr(nnx_args, "_FULL_DEFS", _NoStore())  # isolate fast.py
-    m = _param_to_batchstat(jr.Replicator(jr.MirroredStrategy()))
-    np.testing.assert_array_equal(np.asarray(m.p[...]), np.full(3, 16.0))
-    np.testing.assert_array_equal(np.asarray(m.q[...]), np.ones(3))  # got 2.0
+    got, want = _variable_swapped(jr.Replicator(jr.MirroredStrategy()), change)
+    for g, w in zip(got, want, strict=True):
+        np.testing.assert_array_equal(g, w)  # type: q doubled (16); metadata: old mult
 
 
 @pytest.mark.xfail(strict=True, reason="nnx_args.split_fast caches the full treedef in "
                    "_FULL_DEFS under the Variables-as-leaves treedef, which has no "
-                   "Variable types: the full path too merges a BatchStat back as a Param")
-def test_nnx_param_turned_batchstat_full_path(monkeypatch):
+                   "Variable types or metadata: the full path too merges the old ones")
+@_CHANGES
+def test_nnx_variable_swapped_full_path(monkeypatch, change):
     monkeypatch.setattr(fast, "_ARRAY", None)
-    m = _param_to_batchstat(jr.Replicator(jr.MirroredStrategy()))
-    np.testing.assert_array_equal(np.asarray(m.q[...]), np.ones(3))
+    got, want = _variable_swapped(jr.Replicator(jr.MirroredStrategy()), change)
+    for g, w in zip(got, want, strict=True):
+        np.testing.assert_array_equal(g, w)
+
+
+def test_nnx_train_eval_switch_with_dropout(rep, monkeypatch):
+    class Net(nnx.Module):
+        def __init__(self, rngs):
+            self.lin = nnx.Linear(3, 3, rngs=rngs)
+            self.drop = nnx.Dropout(0.5, rngs=rngs)
+
+    def step(ctx, x, m):
+        return ctx.all_sum(jnp.sum(m.drop(m.lin(x))))
+
+    xa = np.random.default_rng(0).normal(size=(8, 4, 3)).astype(np.float32)
+
+    def scenario():
+        r = jr.Replicator(jr.MirroredStrategy())
+        x = _pr(r, xa)
+        with r.scope():
+            m = Net(nnx.Rngs(0))
+        outs = [r.run(step, x, m) for _ in range(3)]
+        m.eval()
+        outs += [r.run(step, x, m) for _ in range(3)]
+        m.train()
+        outs += [r.run(step, x, m) for _ in range(2)]
+        return outs
+
+    got, want = _fast_and_full(monkeypatch, scenario)
+    _leaves_equal(got, want)
+    assert float(got[3]) == float(got[4]) != float(got[6])  # eval: no dropout
 
 
 def test_nnx_steps_loop_from_an_iterator_in_steady_state(rep, monkeypatch):
@@ -897,3 +950,28 @@ def test_nnx_steps_loop_from_an_iterator_in_steady_state(rep, monkeypatch):
     np.testing.assert_array_equal(gw, ww)
     np.testing.assert_array_equal(gt, wt)
     np.testing.assert_allclose(gt, xs.sum((0, 1)), rtol=1e-4)
+
+
+def test_model_split_argument_after_replicated_steady_state(monkeypatch):
+    def scenario():
+        r = jr.Replicator(jr.MirroredStrategy(logical_devices_per_replica=2))
+        x = _pr(r, np.ones((4, 2, 4), np.float32))
+
+        def step(ctx, x, w):
+            return w + ctx.all_sum(jnp.sum(x)), ctx.all_sum(jnp.sum(x @ w))
+
+        w = r.replicate(jnp.ones((4, 6)))
+        outs = []
+        for _ in range(3):
+            w, s = r.run(step, x, w)
+            outs.append(s)
+        w = jax.device_put(np.asarray(w), NamedSharding(r.mesh, P(None, jr.MODEL_AXIS)))
+        for _ in range(2):
+            w, s = r.run(step, x, w)
+            outs.append(s)
+        return outs, w, w.sharding.spec
+
+    (go, gw, gspec), (wo, ww, wspec) = _fast_and_full(monkeypatch, scenario)
+    _leaves_equal(go, wo)
+    np.testing.assert_array_equal(np.asarray(gw), np.asarray(ww))
+    assert gspec == wspec == P(None, jr.MODEL_AXIS)
