@@ -227,15 +227,15 @@ class Replicator:
         Raises:
           StopIteration: ``inputs`` is exhausted.
         """
+        if not callable(fn):
+            raise TypeError(f"Replicator.run(fn) must be callable, got {type(fn).__name__}.")
+        donate = () if type(donate_argnums) is tuple and not donate_argnums \
+            else _check_donate(donate_argnums, len(args))
         if steps is None and not isinstance(inputs, InputIterator):
             # The steady state of a training loop: a call shaped like an earlier one.
-            donate = () if donate_argnums == () else _check_donate(donate_argnums, len(args))
             result = self._run_again(fn, inputs is not None, inputs, args, None, donate)
             if result is not NOT_RUN:
                 return result
-        if not callable(fn):
-            raise TypeError(f"Replicator.run(fn) must be callable, got {type(fn).__name__}.")
-        donate = _check_donate(donate_argnums, len(args))
         if axis_bound(self._layout.replica_axis):
             raise RuntimeError(
                 "Replicator.run was called inside a step that Replicator.run is running. "
@@ -318,7 +318,9 @@ def _check_steps(steps: Any) -> int:
 def _check_donate(donate_argnums: Any, num_args: int) -> tuple[int, ...]:
     if isinstance(donate_argnums, (int, np.integer)) and not isinstance(donate_argnums, bool):
         donate_argnums = (int(donate_argnums),)
-    if not donate_argnums:
+    elif isinstance(donate_argnums, np.ndarray) and donate_argnums.ndim == 1:
+        donate_argnums = [x for x in donate_argnums]  # np.array([0]) is falsy as a whole
+    if isinstance(donate_argnums, (tuple, list)) and not donate_argnums:
         return ()
     try:
         out = tuple(sorted({int(i) for i in donate_argnums}))

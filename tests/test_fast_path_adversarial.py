@@ -3,7 +3,7 @@
 Each test first brings a call into steady state, then changes something between calls
 and checks that the result (or the error) is the full path's: computed independently
 in numpy, or by the full path itself (``fast._ARRAY = None`` disables the steady-state
-path). Known bugs are kept as strict xfails.
+path); the bugs it found are fixed and their tests are plain tests.
 """
 
 import functools
@@ -466,10 +466,6 @@ def test_donate_argnums_forms_switched_in_steady_state(rep, forms):
         assert old.is_deleted() == donated
 
 
-@pytest.mark.xfail(strict=True, reason="Replicator.run's steady-state branch evaluates "
-                   "`donate_argnums == ()`: for a NumPy integer (which _check_donate "
-                   "accepts) or array that is an elementwise comparison with an empty "
-                   "array, whose truth value raises numpy's ValueError on every call")
 @pytest.mark.parametrize("donate", [np.int64(0), np.int32(0), np.array([0])],
                          ids=["int64", "int32", "array"])
 def test_donate_argnums_as_numpy_integers(rep, donate):
@@ -481,9 +477,6 @@ def test_donate_argnums_as_numpy_integers(rep, donate):
     assert old.is_deleted()
 
 
-@pytest.mark.xfail(strict=True, raises=ValueError,
-                   reason="the steady-state branch validates donate_argnums before "
-                   "run's callable(fn) check, so the error for a non-callable fn changed")
 def test_a_non_callable_step_with_bad_donate_argnums_names_the_step(rep):
     with pytest.raises(TypeError, match="must be callable"):
         rep.run("not a function", None, jnp.ones(3), donate_argnums=5)
@@ -753,10 +746,6 @@ def test_nnx_variables_holding_the_same_array_same_outcome(rep, monkeypatch):
     assert got[3] is want[3] or float(got[3]) == float(want[3])
 
 
-@pytest.mark.xfail(strict=True, reason="full path (not fast.py): NNX state is always "
-                   "donated, but _check_donated_once runs only when donate_argnums is "
-                   "given, so two Variables holding one array reach XLA: 'Attempt to "
-                   "donate the same buffer twice'")
 def test_nnx_variables_holding_the_same_array_run(rep):
     out = _tied_values(rep)
     assert not isinstance(out[3], type)
@@ -867,9 +856,6 @@ def test_nnx_variable_swapped_full_path_reference(monkeypatch, change):
         np.testing.assert_array_equal(g, w)
 
 
-@pytest.mark.xfail(strict=True, reason="fast.py keys NNX calls on the treedef with "
-                   "Variables as leaves (fast._flatten), which has no Variable types or "
-                   "metadata: the replaced Variable's call reuses the old program")
 @_CHANGES
 def test_nnx_variable_swapped_steady_state(monkeypatch, change):
     monkeypatch.setattr(nnx_args, "_FULL_DEFS", _NoStore())  # isolate fast.py
@@ -878,9 +864,6 @@ def test_nnx_variable_swapped_steady_state(monkeypatch, change):
         np.testing.assert_array_equal(g, w)  # type: q doubled (16); metadata: old mult
 
 
-@pytest.mark.xfail(strict=True, reason="nnx_args.split_fast caches the full treedef in "
-                   "_FULL_DEFS under the Variables-as-leaves treedef, which has no "
-                   "Variable types or metadata: the full path too merges the old ones")
 @_CHANGES
 def test_nnx_variable_swapped_full_path(monkeypatch, change):
     monkeypatch.setattr(fast, "_ARRAY", None)

@@ -35,6 +35,7 @@ import jax
 
 from jreplicate._jax_compat import array_type
 from jreplicate.context import PerReplica
+from jreplicate.execution import nnx_args
 from jreplicate.execution.base import NOT_RUN
 
 _MAX_ENTRIES = 256
@@ -57,16 +58,18 @@ def retrace_guarded() -> bool:
 
 class _Entry:
     __slots__ = ("fn", "jitted", "num_out", "out_def", "donate", "shardings", "order",
-                 "num_plain")
+                 "num_plain", "variables")
 
     def __init__(self, fn: Callable[[], Any], program: Any, out_def: Any,
-                 shardings: tuple | None, order: list[int] | None, num_plain: int):
+                 shardings: tuple | None, order: list[int] | None, num_plain: int,
+                 variables: list | None):
         self.fn = fn  # returns the step function, or None once it is freed
         self.jitted, self.num_out, self.out_def = program.jitted, program.num_out, out_def
         self.donate, self.shardings = program.jitted_donate, shardings
         # NNX arguments: the flat leaves in the program's order (plain leaves, then the
         # Variables, whose values are read), and how many are plain.
         self.order, self.num_plain = order, num_plain
+        self.variables = variables  # their nnx_args.variable_signature, for NNX calls
 
 
 MISS = NOT_RUN
@@ -100,6 +103,11 @@ class FastPath:
             if not all(map(_is_variable, variables)) \
                     or len(set(map(id, variables))) != len(variables):
                 return MISS  # a Variable now shared, or replaced by another value
+            try:
+                if nnx_args.variable_signature(variables) != entry.variables:
+                    return MISS  # a Variable of another type or with other metadata
+            except Exception:  # noqa: BLE001 - metadata that does not compare: full path
+                return MISS
             inputs[entry.num_plain:] = [v.get_value() for v in variables]
         else:
             inputs = leaves
@@ -136,14 +144,15 @@ class FastPath:
             return
         leaves, treedef = _flatten(batch, args)
         is_var = [_is_variable(x) for x in leaves]
-        order = None
+        order = signature = None
         inputs = leaves
         if any(is_var):
             order = [i for i, v in enumerate(is_var) if not v] + \
                 [i for i, v in enumerate(is_var) if v]
             inputs = [leaves[i] for i in order]
-            inputs[len(leaves) - sum(is_var):] = [
-                x.get_value() for x in inputs[len(leaves) - sum(is_var):]]
+            variables = inputs[len(leaves) - sum(is_var):]
+            inputs[len(leaves) - sum(is_var):] = [x.get_value() for x in variables]
+            signature = nnx_args.variable_signature(variables)
         if len(program.specs) - program.num_out != sum(is_var):
             return  # NNX state not reached from a top-level module: the full path only
         if len(inputs) != len(arrays) or any(
@@ -160,7 +169,8 @@ class FastPath:
         if order is not None:
             self._nnx_fns.add(id(fn))
         self._entries[(id(fn), treedef, has_batch, steps, donate_argnums)] = _Entry(
-            _ref(fn), program, out_def, shardings, order, len(leaves) - sum(is_var))
+            _ref(fn), program, out_def, shardings, order, len(leaves) - sum(is_var),
+            signature)
 
 
 def _flatten(batch: Any, args: tuple) -> tuple[list, Any]:

@@ -85,15 +85,24 @@ def split_fast(nodes: tuple) -> tuple[PytreeDef, list, list] | None:
     if not variables or not all(map(_is_variable, variables)) \
             or len(set(map(id, variables))) != len(variables):
         return None
-    treedef = _FULL_DEFS.get(vdef)
-    if treedef is None:
+    sig = variable_signature(variables)
+    cached = _FULL_DEFS.get(vdef)
+    if cached is None or cached[1] != sig:  # new, or a Variable's type or metadata changed
         leaves, treedef = jax.tree.flatten(nodes)
         if len(leaves) != len(variables):
             return None
         if len(_FULL_DEFS) > _MAX_ENTRIES:
             _FULL_DEFS.clear()
-        _FULL_DEFS[vdef] = treedef
-    return PytreeDef(treedef), [v.get_value() for v in variables], variables
+        cached = _FULL_DEFS[vdef] = (treedef, sig)
+    return PytreeDef(cached[0]), [v.get_value() for v in variables], variables
+
+
+def variable_signature(variables: list) -> list:
+    """What the full pytree structure of NNX nodes records of their Variables beyond
+    their positions: each one's type and metadata (``nnx.Param`` vs ``nnx.BatchStat``,
+    sharding annotations, ...). Two calls with equal signatures and equal
+    Variables-as-leaves structures have equal full structures."""
+    return [(type(v), v.get_metadata()) for v in variables]
 
 
 _FULL_DEFS: dict = {}

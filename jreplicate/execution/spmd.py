@@ -184,6 +184,8 @@ class SPMDExecutor(Executor):
             donate = _donated_leaves(treedef, node_pos, donate_argnums, len(args))
             sig = Signature(has_batch, treedef, graphdef, node_pos, kinds, steps, donate)
             program = self._programs.put(fn, rest, lambda f: Program(f, sig, self.layout))
+        if node_pos:
+            _copy_shared_state(arrays, treedef)
         if donate_argnums:
             _check_donated_once(arrays, program.jitted_donate, treedef, node_pos)
         return program, arrays, (treedef, node_pos, state, variables), homes, traced
@@ -381,6 +383,20 @@ def _donated_leaves(treedef: Any, node_pos: tuple, donate_argnums: tuple[int, ..
         start += sizes[k]
     donated.extend(range(start, start + state_t.num_leaves))
     return tuple(donated)
+
+
+def _copy_shared_state(arrays: list, treedef: Any) -> None:
+    """NNX state is always donated, so an array held by two Variables (or also passed
+    as another argument) would be donated twice, which XLA refuses: such a state leaf
+    gets its own copy for the step (``nnx.Variable`` values tied this way, e.g. an EMA
+    copy set from the parameters, are not one Variable; each gets its new value)."""
+    batch_t, plain_t, _ = treedef.children()
+    start = batch_t.num_leaves + plain_t.num_leaves
+    seen = {id(x) for x in arrays[:start]}
+    for i in range(start, len(arrays)):
+        if id(arrays[i]) in seen:
+            arrays[i] = jnp.copy(arrays[i])
+        seen.add(id(arrays[i]))
 
 
 def _check_donated_once(arrays: list, donated: tuple[int, ...], treedef: Any,
