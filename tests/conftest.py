@@ -36,3 +36,21 @@ STRATEGY_FACTORIES = {
 @pytest.fixture(params=sorted(STRATEGY_FACTORIES))
 def strategy(request):
     return STRATEGY_FACTORIES[request.param]()
+
+
+@pytest.fixture
+def counted(monkeypatch):
+    """Counts the calls of run's steady-state path (jreplicate/execution/fast.py) that
+    ran ("hit") and those sent to the full path ("miss")."""
+    from jreplicate.execution import fast
+
+    got = {"hit": 0, "miss": 0}
+    call = fast.FastPath.call
+
+    def counting(self, *a, **k):
+        out = call(self, *a, **k)
+        got["miss" if out is fast.MISS else "hit"] += 1
+        return out
+
+    monkeypatch.setattr(fast.FastPath, "call", counting)
+    return got

@@ -22,21 +22,6 @@ def rep():
     return jr.Replicator(jr.MirroredStrategy())
 
 
-@pytest.fixture
-def counted(monkeypatch):
-    """Counts the steady-state calls that ran (hits) and those sent to the full path."""
-    got = {"hit": 0, "miss": 0}
-    call = fast.FastPath.call
-
-    def counting(self, *a, **k):
-        out = call(self, *a, **k)
-        got["miss" if out is fast.MISS else "hit"] += 1
-        return out
-
-    monkeypatch.setattr(fast.FastPath, "call", counting)
-    return got
-
-
 def _per_replica(rep, x):
     return jr.PerReplica(jax.device_put(x, NamedSharding(rep.mesh, P("replica"))), rep.mesh)
 

@@ -28,21 +28,6 @@ def rep():
     return jr.Replicator(jr.MirroredStrategy())
 
 
-@pytest.fixture
-def counted(monkeypatch):
-    """Counts steady-state calls that ran (hit) and those sent to the full path (miss)."""
-    got = {"hit": 0, "miss": 0}
-    call = fast.FastPath.call
-
-    def counting(self, *a, **k):
-        out = call(self, *a, **k)
-        got["miss" if out is fast.MISS else "hit"] += 1
-        return out
-
-    monkeypatch.setattr(fast.FastPath, "call", counting)
-    return got
-
-
 def _pr(rep, x):
     """A PerReplica placed for rep's mesh."""
     return jr.PerReplica(jax.device_put(np.asarray(x), NamedSharding(rep.mesh, P("replica"))),
