@@ -4,11 +4,12 @@
 A training loop calls ``run`` with the same step function and arguments of the same
 structure thousands of times. The first such call takes the full path
 (:meth:`SPMDExecutor._prepare`: NNX detection, placement, validation, program lookup)
-and, when every input is a concrete ``jax.Array`` already placed for the mesh and no
-Flax NNX module is among the arguments, records the program under ``(fn, pytree
-structure)``. Later calls with that structure flatten once (in C++), check the leaf
-types, and call the compiled program: ``jax.jit``'s own C++ dispatch then checks
-shapes, dtypes and weak types.
+and, when every input is a concrete ``jax.Array`` already placed for the mesh, records
+the program under ``(fn, pytree structure)``. Later calls with that structure flatten
+once (in C++; Flax NNX modules among the top-level arguments in one Python-level pass,
+with their Variables as leaves, whose values are read and written back directly),
+check the leaf types, and call the compiled program: ``jax.jit``'s own C++ dispatch then
+checks shapes, dtypes and weak types.
 
 What ``jax.jit`` alone would let through is sent back to the full path, so that the
 result is always the full path's:
@@ -20,7 +21,10 @@ result is always the full path's:
   tracer, a deleted (donated) array, an array placed elsewhere: the full path;
 * an argument passed twice in a call that donates: the full path (which names it);
 * with several logical devices per replica, a leaf whose sharding differs from the
-  recorded one (the program keeps model shardings it was built for): the full path.
+  recorded one (the program keeps model shardings it was built for): the full path;
+* an NNX Variable now shared, holding something other than an array, or of another
+  type or metadata than the recorded one (``nnx_args.variable_signature``): the full
+  path.
 """
 
 from __future__ import annotations
@@ -100,7 +104,7 @@ class FastPath:
         if entry.order is not None:
             inputs = [leaves[i] for i in entry.order]
             variables = inputs[entry.num_plain:]
-            if not all(map(_is_variable, variables)) \
+            if not all(map(nnx_args.is_variable, variables)) \
                     or len(set(map(id, variables))) != len(variables):
                 return MISS  # a Variable now shared, or replaced by another value
             try:
@@ -143,17 +147,18 @@ class FastPath:
         if _ARRAY is None:
             return
         leaves, treedef = _flatten(batch, args)
-        is_var = [_is_variable(x) for x in leaves]
+        is_var = [nnx_args.is_variable(x) for x in leaves]
+        num_plain = len(leaves) - sum(is_var)
         order = signature = None
         inputs = leaves
-        if any(is_var):
+        if num_plain < len(leaves):
             order = [i for i, v in enumerate(is_var) if not v] + \
                 [i for i, v in enumerate(is_var) if v]
             inputs = [leaves[i] for i in order]
-            variables = inputs[len(leaves) - sum(is_var):]
-            inputs[len(leaves) - sum(is_var):] = [x.get_value() for x in variables]
+            variables = inputs[num_plain:]
+            inputs[num_plain:] = [x.get_value() for x in variables]
             signature = nnx_args.variable_signature(variables)
-        if len(program.specs) - program.num_out != sum(is_var):
+        if len(program.specs) - program.num_out != len(leaves) - num_plain:
             return  # NNX state not reached from a top-level module: the full path only
         if len(inputs) != len(arrays) or any(
                 type(x) is not _ARRAY or x is not a for x, a in zip(inputs, arrays)):
@@ -169,8 +174,7 @@ class FastPath:
         if order is not None:
             self._nnx_fns.add(id(fn))
         self._entries[(id(fn), treedef, has_batch, steps, donate_argnums)] = _Entry(
-            _ref(fn), program, out_def, shardings, order, len(leaves) - sum(is_var),
-            signature)
+            _ref(fn), program, out_def, shardings, order, num_plain, signature)
 
 
 def _flatten(batch: Any, args: tuple) -> tuple[list, Any]:
@@ -180,13 +184,8 @@ def _flatten(batch: Any, args: tuple) -> tuple[list, Any]:
     if nnx is not None:
         base = getattr(nnx, "Pytree", None) or getattr(nnx, "Object", None)
         if base is not None and any(isinstance(a, base) for a in args):
-            return _tree_flatten((batch, args), is_leaf=_is_variable)
+            return _tree_flatten((batch, args), is_leaf=nnx_args.is_variable)
     return _tree_flatten((batch, args))
-
-
-def _is_variable(x: Any) -> bool:
-    nnx = sys.modules.get("flax.nnx")
-    return nnx is not None and isinstance(x, nnx.Variable)
 
 
 def _ref(fn: Callable) -> Callable[[], Any]:

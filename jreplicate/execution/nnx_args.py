@@ -73,16 +73,18 @@ class PytreeDef:
         return isinstance(other, PytreeDef) and other.treedef == self.treedef
 
 
-def _is_variable(x: Any) -> bool:
-    from flax import nnx
-    return isinstance(x, nnx.Variable)
+def is_variable(x: Any) -> bool:
+    """Whether ``x`` is an ``nnx.Variable`` (False while flax.nnx is not imported: then
+    no argument can hold one)."""
+    nnx = sys.modules.get("flax.nnx")
+    return nnx is not None and isinstance(x, nnx.Variable)
 
 
 def split_fast(nodes: tuple) -> tuple[PytreeDef, list, list] | None:
     """``(definition, values, Variables)`` of NNX nodes as pytrees, or None where that
     does not apply (a shared Variable, a Variable holding several arrays)."""
-    variables, vdef = jax.tree.flatten(nodes, is_leaf=_is_variable)
-    if not variables or not all(map(_is_variable, variables)) \
+    variables, vdef = jax.tree.flatten(nodes, is_leaf=is_variable)
+    if not variables or not all(map(is_variable, variables)) \
             or len(set(map(id, variables))) != len(variables):
         return None
     sig = variable_signature(variables)

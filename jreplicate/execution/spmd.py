@@ -386,10 +386,10 @@ def _donated_leaves(treedef: Any, node_pos: tuple, donate_argnums: tuple[int, ..
 
 
 def _copy_shared_state(arrays: list, treedef: Any) -> None:
-    """NNX state is always donated, so an array held by two Variables (or also passed
-    as another argument) would be donated twice, which XLA refuses: such a state leaf
-    gets its own copy for the step (``nnx.Variable`` values tied this way, e.g. an EMA
-    copy set from the parameters, are not one Variable; each gets its new value)."""
+    """NNX state is always donated, so an array held by two Variables (e.g. an EMA copy
+    set from the parameters) or also passed as another argument would be donated twice,
+    which XLA refuses: such a state leaf gets its own copy for the step. (The Variables
+    stay two Variables: each gets its own new value.)"""
     batch_t, plain_t, _ = treedef.children()
     start = batch_t.num_leaves + plain_t.num_leaves
     seen = {id(x) for x in arrays[:start]}
