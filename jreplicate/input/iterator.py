@@ -115,13 +115,7 @@ class InputIterator(PrefetchStaging):
         if self._pending is not None and self._pending[0] is None:
             batch, self._pending = self._pending[1], None
             return batch
-        if self._auto is not None:
-            return self._auto_next(None)
-        if self._buffer:
-            return self._prefetched(None)
-        if self._leftover:
-            return self._from_leftover(None)
-        return self._produce()
+        return self._next_item(None)
 
     def _warn(self, what: str | None) -> None:
         """Warns that ``what`` was dropped: at once on the calling thread, or, on the

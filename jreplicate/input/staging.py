@@ -79,18 +79,33 @@ class PrefetchStaging:
                 "again, or prepare_input for a new one."
             )
 
+    def _next_item(self, k: int | None) -> Any:
+        """The next step's batch (``k`` None) or ``(batch, n)`` for a device loop of up
+        to ``k`` steps: under ``prefetch_on_device=None`` as :meth:`_auto_next` decides,
+        else as :meth:`_read_next`."""
+        if self._auto is not None:
+            return self._auto_next(k)
+        return self._read_next(k)
+
+    def _read_next(self, k: int | None) -> Any:
+        """The next item: prefetched, left from a prefetch that stopped, or read now."""
+        if self._buffer:
+            return self._prefetched(k)
+        if self._leftover:
+            return self._from_leftover(k)
+        if k is None:
+            return self._produce()
+        self._chunk = k
+        return self._produce_chunk()
+
     def _auto_next(self, k: int | None) -> Any:
         """The next item under ``prefetch_on_device=None``: read in line (timed) or, in a
         trial or for good, prefetched; see :mod:`jreplicate.input.auto`."""
         auto = self._auto
-        if auto.trial:
-            item = self._prefetched(k)
-        elif self._leftover:
-            item = self._from_leftover(k)
+        if auto.trial or self._leftover:  # prefetched, or read ahead by the trial
+            item = self._read_next(k)
         else:
-            if k is not None:
-                self._chunk = k
-            item = auto.read(self._produce if k is None else self._produce_chunk)
+            item = auto.read(lambda: self._read_next(k))
         verdict = auto.step_done()
         if verdict == auto_mod.TRY:
             self._buffer = self._auto_buffer
@@ -183,14 +198,7 @@ class PrefetchStaging:
         if self._pending is not None:  # one step's batch, left by a failed run
             batch, self._pending = self._pending[1], None
             return _stack_steps([batch]), 1
-        if self._auto is not None:
-            return self._auto_next(k)
-        if self._buffer:
-            return self._prefetched(k)
-        if self._leftover:
-            return self._from_leftover(k)
-        self._chunk = k
-        return self._produce_chunk()
+        return self._next_item(k)
 
     def _produce_chunk(self) -> tuple[Any, int]:
         """Up to ``self._chunk`` steps read on the host and placed with one transfer."""
