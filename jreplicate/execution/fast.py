@@ -61,15 +61,16 @@ def retrace_guarded() -> bool:
 
 
 class _Entry:
-    __slots__ = ("fn", "jitted", "num_out", "out_def", "donate", "shardings", "order",
-                 "num_plain", "variables")
+    __slots__ = ("fn", "jitted", "num_out", "out_def", "donate", "shardings", "placed",
+                 "order", "num_plain", "variables")
 
     def __init__(self, fn: Callable[[], Any], program: Any, out_def: Any,
                  shardings: tuple | None, order: list[int] | None, num_plain: int,
-                 variables: list | None):
+                 variables: list | None, placed: tuple):
         self.fn = fn  # returns the step function, or None once it is freed
         self.jitted, self.num_out, self.out_def = program.jitted, program.num_out, out_def
         self.donate, self.shardings = program.jitted_donate, shardings
+        self.placed = placed  # the inputs' shardings (compared only when a call fails)
         # NNX arguments: the flat leaves in the program's order (plain leaves, then the
         # Variables, whose values are read), and how many are plain.
         self.order, self.num_plain = order, num_plain
@@ -126,8 +127,14 @@ class FastPath:
         _GUARD.on = True
         try:
             flat = entry.jitted(*inputs)
-        except Exception:  # noqa: BLE001 - the full path raises its own, clearer error
+        except Retrace:  # a new signature: the full path builds its program
             return MISS
+        except Exception as e:
+            if _refused(inputs, entry.placed):
+                return MISS  # refused before running: the full path's clearer error
+            if variables is not None:
+                nnx_args.note_failed_step(e, variables)
+            raise  # it ran (at least in part): never run the step twice
         finally:
             _GUARD.on = False
         if variables is not None:
@@ -167,14 +174,29 @@ class FastPath:
         out_def = jax.tree.structure(jax.tree.unflatten(
             program.out_tree,
             [PerReplica(0, self._mesh, self._axis) if r else 0 for r in per]))
-        shardings = tuple(x.sharding for x in inputs) if self._check_shardings else None
+        placed = tuple(x.sharding for x in inputs)
+        shardings = placed if self._check_shardings else None
         if len(self._entries) >= _MAX_ENTRIES:
             self._entries.clear()
             self._nnx_fns.clear()
         if order is not None:
             self._nnx_fns.add(id(fn))
         self._entries[(id(fn), treedef, has_batch, steps, donate_argnums)] = _Entry(
-            _ref(fn), program, out_def, shardings, order, num_plain, signature)
+            _ref(fn), program, out_def, shardings, order, num_plain, signature, placed)
+
+
+def _refused(inputs: list, placed: tuple) -> bool:
+    """Whether a failed call was refused before anything ran: a deleted (donated) input,
+    one placed elsewhere than recorded (jax.jit's lowering fails), or a call inside
+    another trace (a nested run, which traces rather than runs). Anything else failed
+    while running, and must not run again on the full path."""
+    if any(x.is_deleted() or x.sharding != s for x, s in zip(inputs, placed)):
+        return True
+    try:
+        from jax._src import core
+        return not core.trace_state_clean()
+    except (ImportError, AttributeError):  # a JAX without it: assume refused, as before
+        return True
 
 
 def _flatten(batch: Any, args: tuple) -> tuple[list, Any]:

@@ -200,6 +200,22 @@ def state_leaves(new_state: Any, structure: Any, axis: str) -> list:
     return [x for _, x in pairs]
 
 
+def note_failed_step(e: BaseException, variables: list) -> None:
+    """Adds to an error raised while a step ran what became of the NNX state given to
+    it, when it was consumed (donated to the failed step). (Otherwise the module keeps
+    its values from before the step: run writes back only a step's results.)"""
+    values = [v.get_value() for v in variables]
+    dead = sum(isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer)
+               and x.is_deleted() for x in values)
+    if dead:
+        e.add_note(
+            f"jreplicate: the step failed while running, after the state of its Flax NNX "
+            f"arguments was donated to it: {dead} of their {len(variables)} Variables "
+            "now hold deleted arrays (the module was consumed). Restore it from a "
+            "checkpoint or from a copy taken before run (nnx.clone(model): run never "
+            "donates an array another object holds).")
+
+
 _SIMPLE = (bool, int, float, complex, str, bytes, type(None))
 
 

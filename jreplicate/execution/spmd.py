@@ -136,7 +136,13 @@ class SPMDExecutor(Executor):
             steps: int | None = None, donate_argnums: tuple[int, ...] = ()) -> Any:
         program, arrays, split, homes, traced = self._prepare(fn, has_batch, batch, args,
                                                               steps, donate_argnums)
-        flat = (program.jitted_nested if traced else program.jitted)(*arrays)
+        try:
+            flat = (program.jitted_nested if traced else program.jitted)(*arrays)
+        except Exception as e:
+            if split[1]:
+                nnx_args.note_failed_step(e, jax.tree.leaves(
+                    [args[i] for i in split[1]], is_leaf=nnx_args.is_variable))
+            raise
         if not (traced or homes) and (not split[1] or split[3] is not None):
             self._fast.record(fn, has_batch, batch, args, steps, donate_argnums, program,
                               arrays)
@@ -224,7 +230,7 @@ class SPMDExecutor(Executor):
                 if isinstance(x, (np.ndarray, np.generic, int, float)):
                     check_fits(np.asarray(x), lambda i=i: "Replicator.run: "
                                + _leaf_paths(treedef, node_pos)[i])
-                x = jax.device_put(x, replicated)
+                x = jax.device_put(_read_now(x), replicated)
             else:
                 raise TypeError(
                     f"Replicator.run: {_leaf_paths(treedef, node_pos)[i]} is a "
@@ -274,7 +280,7 @@ class SPMDExecutor(Executor):
         if isinstance(x.array, jax.Array) and not isinstance(x.array, jax.core.Tracer) \
                 and x.array.is_deleted():
             raise _deleted_error(_leaf_paths(treedef, node_pos)[i])
-        return x.array
+        return _read_now(x.array)
 
     def _send_home(self, outs: list, homes: list, treedef: Any, program: Program) -> None:
         """Puts the new values of arguments that live on one logical device back there:
@@ -366,6 +372,14 @@ def _spec_axes(spec: Any) -> set:
         elif part is not None:
             axes.add(part)
     return axes
+
+
+def _read_now(x: Any) -> Any:
+    """A NumPy argument's values as of the call: a copy, which the device array may
+    alias on CPU (zero-copy transfer) and which nothing else writes, so that refilling
+    the caller's array after run returns never changes the step (as the input path
+    copies each element it reads)."""
+    return np.array(x) if isinstance(x, np.ndarray) else x
 
 
 def _donated_leaves(treedef: Any, node_pos: tuple, donate_argnums: tuple[int, ...],
