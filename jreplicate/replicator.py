@@ -210,7 +210,15 @@ class Replicator:
             step to step, Flax NNX modules are carried in place, and the other outputs
             come back stacked ``[K, ...]``. The result equals K separate calls. A final
             stretch of fewer than K batches runs as a shorter loop (compiled once for
-            that length); the iterator then raises StopIteration. Default: the
+            that length); the iterator then raises StopIteration. Likewise, when
+            reading the input raises at step k of the K, the k complete steps run (and
+            their results come back) and the next call raises the input's error, as
+            the (k+1)-th of K separate calls would. A call that raises (the step fails
+            to trace, an argument is rejected, Ctrl-C) consumes no input: its batches
+            go back to the iterator, in order, for the next call, a single step or a
+            loop of any K. (An error JAX reports only when the results are read, e.g.
+            a host callback raising, comes after ``run`` returned: its batches were
+            consumed.) Default: the
             strategy's ``steps_per_run`` for an input iterator (None: one step).
           donate_argnums: positions in ``args`` whose buffers the step may reuse for
             its outputs (as ``jax.jit``'s ``donate_argnums``): the arrays passed there

@@ -68,8 +68,6 @@ class InputIterator(PrefetchStaging):
         self._spec: list | None = None
         self._first: tuple | None = None  # the first step's structure and leaf paths
         self._sweep = 1  # counts reinitialize(); dropped batches warn on every sweep
-        # The batch of a run whose step raised, given again to the next run (a retry).
-        self._pending: tuple | None = None
         self._exhausted = False
         self._buffer = prefetch_buffer_size
         self._pool: ReaderPool | None = None
@@ -111,10 +109,8 @@ class InputIterator(PrefetchStaging):
 
         Raises:
           StopIteration: when a pipeline is exhausted (see the partial batch policy).
+          Exception: what reading an element raised (the next call reads on).
         """
-        if self._pending is not None and self._pending[0] is None:
-            batch, self._pending = self._pending[1], None
-            return batch
         return self._next_item(None)
 
     def _warn(self, what: str | None) -> None:
@@ -131,11 +127,6 @@ class InputIterator(PrefetchStaging):
             notes.append(message)
         else:
             warnings.warn(message, stacklevel=4)
-
-    def _put_back(self, batch: Any, steps: int | None) -> None:
-        """Keeps ``batch`` (one step's, or a device loop's ``(batch, k)`` for ``steps``)
-        for the next ``run``: a step that raised consumed no input."""
-        self._pending = (steps, batch)
 
     def __iter__(self) -> InputIterator:
         return self
@@ -159,7 +150,7 @@ class InputIterator(PrefetchStaging):
         for p in self._pipelines:
             p.reinitialize()
         self._exhausted = False
-        self._pending = None
+        self._deferred, self._reform = None, False
         self._leftover.clear()
         if self._auto is not None:
             self._auto.restart()
@@ -204,18 +195,16 @@ class InputIterator(PrefetchStaging):
             self._pool = ReaderPool(min(n, 8))
         results = self._pool.map(take, n)
         errors = [e for _, e in results]
+        for e in errors:  # an error, even where another pipeline ended in this step
+            if e is not None and not isinstance(e, StopIteration):
+                raise e
         if self._pad:
-            results = [(padding.ENDED, None) if isinstance(e, StopIteration) else (v, e)
-                       for v, e in results]
-            errors = [e for _, e in results]
+            results = [(padding.ENDED, None) if e is not None else (v, e) for v, e in results]
             if all(v is padding.ENDED for v, _ in results):
                 raise StopIteration
-        if any(isinstance(e, StopIteration) for e in errors):
+        elif any(e is not None for e in errors):
             self._warn(_dropped_message(sum(e is None for e in errors), n))
             raise StopIteration
-        for e in errors:
-            if e is not None:
-                raise e
         return [value for value, _ in results]
 
     def _produce(self) -> Any:
@@ -225,6 +214,9 @@ class InputIterator(PrefetchStaging):
     def _produce_host(self) -> tuple[list[list[np.ndarray]], Any]:
         """One step's checked host elements: the flat leaves of each local replica's
         element, and their tree structure."""
+        if self._deferred is not None:  # met by the last device loop's reads
+            error, self._deferred = self._deferred, None
+            raise error
         if self._exhausted:
             raise StopIteration
         if self._agreement is not None:

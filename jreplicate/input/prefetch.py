@@ -19,6 +19,7 @@ from typing import Any
 
 _END = object()
 END = _END  # the end-of-stream marker of drain()
+ERROR = object()  # drain()'s marker of an error the stream went on after
 # Seconds the exit hook waits, in all, for prefetch threads to leave a call in progress.
 EXIT_JOIN_TIMEOUT = 5.0
 _POLL = 0.05  # seconds between checks for a stop request while waiting
@@ -70,9 +71,13 @@ _register_exit_hook()
 class Prefetcher:
     """Runs ``produce()`` on a background thread, keeping ``buffer_size`` results ready.
 
-    ``produce`` raising StopIteration ends the stream; any other exception is re-raised
-    in the consumer by :meth:`get`. Used to overlap reading and the host-to-device copy
-    of the next batch with the current step.
+    ``produce`` raising StopIteration ends the stream (:meth:`get` raises that
+    StopIteration, so a subclass can carry what the end brings). Any other
+    ``Exception`` is raised by one :meth:`get`, in its place in the stream, and the
+    thread reads on, as a caller reading in line after the error would; a
+    ``BaseException`` (``SystemExit``) is raised by :meth:`get` and ends the stream. Used
+    to overlap reading and the host-to-device copy of the next batch with the current
+    step.
 
     A bound method is held weakly: when its object (the input iterator) is dropped, the
     thread ends instead of keeping it, and a device batch, alive. At interpreter exit
@@ -110,16 +115,18 @@ class Prefetcher:
             if produce is None:  # the consumer is gone
                 return
             try:
-                item = produce()
-            except StopIteration:
-                self._put((_END, None))
+                item = (produce(), None)
+            except StopIteration as e:
+                self._put((_END, e))
                 return
-            except BaseException as e:  # re-raised in the consumer
+            except Exception as e:  # raised in the consumer, in its place; reading goes on
+                item = (ERROR, e)
+            except BaseException as e:  # raised in the consumer; the stream ends
                 self._put((_END, e))
                 return
             finally:
                 del produce
-            if not self._put((item, None)):
+            if not self._put(item):
                 return
 
     def get(self) -> Any:
@@ -135,15 +142,16 @@ class Prefetcher:
         item, err = self._queue.get()
         if item is _END:
             self._done = True
-            if err is not None:
-                raise err
-            raise StopIteration
+            raise err
+        if item is ERROR:
+            raise err
         return item
 
     def drain(self) -> list[tuple[Any, BaseException | None]]:
         """Stops the thread once the read in progress is done and returns, in order, the
-        results not yet taken: ``(result, None)``, or ``(END, error or None)`` for the
-        end of the stream. Nothing read is lost."""
+        results not yet taken: ``(result, None)``, ``(ERROR, exception)`` for an error
+        the stream went on after, or ``(END, StopIteration or exception)`` for the end of
+        the stream. Nothing read is lost."""
         self._stop.set()
         self._thread.join()
         items = []

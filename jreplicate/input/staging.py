@@ -2,9 +2,17 @@
 
 :class:`PrefetchStaging` is the part of :class:`jreplicate.InputIterator` that hands out
 prefetched items. The prefetch thread reads one step (or a device loop's K steps, placed
-with one transfer) ahead; a switch between single steps and loops drains what was
-prefetched and converts it, so nothing read is lost or reordered; the warnings of a read
-(a dropped partial batch) travel with its item and are given when the caller takes it.
+with one transfer) ahead; a switch between single steps and loops (or loops of another
+K) drains what was prefetched and converts it, so nothing read is lost or reordered; the
+warnings of a read (a dropped partial batch) travel with its item and are given when
+the caller takes it.
+
+A device loop of K steps equals K separate runs: a run that raises puts its batches back
+at the front of the input (:meth:`PrefetchStaging._put_back`), for a retry of any form;
+a loop is shorter than K only where K separate runs would stop, at the end of the input
+or at an input error (the loop runs the complete steps before it, and the next read
+raises the error); the thread reads on after an input error, as a caller reading in line
+would.
 """
 
 from __future__ import annotations
@@ -26,9 +34,9 @@ from jreplicate.input.prefetch import Prefetcher
 class PrefetchStaging:
     """Mixin of :class:`InputIterator`: the prefetched items, single steps or loops.
 
-    Uses the iterator's ``_buffer``, ``_pending``, ``_executor``, ``_auto`` (with
-    ``_auto_buffer``), ``_produce()`` and ``_produce_host()``; keeps its own state (set
-    up by :meth:`_init_staging`).
+    Uses the iterator's ``_buffer``, ``_executor``, ``_auto`` (with ``_auto_buffer``),
+    ``_produce()`` and ``_produce_host()``; keeps its own state (set up by
+    :meth:`_init_staging`).
     """
 
     def _init_staging(self) -> None:
@@ -36,9 +44,23 @@ class PrefetchStaging:
         # device loops of self._chunk steps (see _prefetched).
         self._prefetcher: Prefetcher | None = None
         self._chunk: int | None = None
+        # Items read but not taken, in order, each ("single", (batch, notes)),
+        # ("chunk", ((batch, n), notes)), ("error", exception) or ("end", why): what the
+        # prefetch thread had read ahead when it stopped, and batches put back.
         self._leftover: collections.deque = collections.deque()
+        self._reform = False  # _leftover starts with items put back, in their own form
+        # An input error met inside a device loop's reads, after its first step: raised
+        # by the next read (see _produce_chunk).
+        self._deferred: Exception | None = None
         self._closed = False
         self._producing = threading.local()  # the prefetch thread's warnings, per read
+
+    def _put_back(self, item: Any, steps: int | None) -> None:
+        """Puts a taken item back at the front of the input: one step's batch (``steps``
+        None) or a device loop's ``(batch, n)``. A run that raised consumed no input; the
+        next read takes these steps first, as single steps or loops of any length."""
+        self._leftover.appendleft(("single" if steps is None else "chunk", (item, [])))
+        self._reform = True
 
     def _prefetched(self, k: int | None) -> Any:
         """The next prefetched item: one step's batch (``k`` None) or ``(batch, n)`` for a
@@ -46,7 +68,7 @@ class PrefetchStaging:
         change between the two drains what was prefetched and converts it: nothing read
         is lost or reordered."""
         self._check_open()
-        if self._prefetcher is None or self._chunk != k:
+        if self._prefetcher is None or self._chunk != k or self._reform:
             self._restart_prefetch(k)
         if self._leftover:
             return self._pop_leftover()
@@ -59,7 +81,7 @@ class PrefetchStaging:
         """The next item read ahead before prefetching stopped (see :meth:`_stop_prefetch`),
         as a single step or a loop of up to ``k`` steps."""
         self._check_open()
-        if self._chunk != k:
+        if self._chunk != k or self._reform:
             self._collect(k)
         return self._pop_leftover()
 
@@ -69,6 +91,8 @@ class PrefetchStaging:
             self._leftover[0] = ("end", None)  # its warnings are given once
             return self._end(payload)
         self._leftover.popleft()
+        if kind == "error":  # raised once, in its place; what follows is read on
+            raise payload
         return self._take(payload)
 
     def _check_open(self) -> None:
@@ -125,7 +149,7 @@ class PrefetchStaging:
         warnings), or the error that ended it."""
         if isinstance(err, _End):
             self._take((None, err.notes))
-        elif err is not None:
+        elif err is not None and not isinstance(err, StopIteration):
             raise err
         raise StopIteration
 
@@ -134,41 +158,63 @@ class PrefetchStaging:
         self._prefetcher = Prefetcher(self._produce_noted, self._buffer)
 
     def _collect(self, k: int | None) -> None:
-        """Stops the prefetch thread, if any, and keeps what it read ahead (and what was
-        kept before) in ``_leftover``, as single steps (``k`` None) or loops of up to
-        ``k`` steps; sets ``_chunk`` to ``k``."""
+        """Stops the prefetch thread, if any, and keeps what it read ahead, after what was
+        kept before, in ``_leftover``: as single steps (``k`` None) or loops of ``k``
+        steps; sets ``_chunk`` to ``k``. A loop is shorter than ``k`` only before the end
+        of the input or an input error: steps that do not fill a loop are completed by
+        reads on this thread (see :meth:`_fill`)."""
         items = list(self._leftover)
         self._leftover.clear()
         if self._prefetcher is not None:
+            form = "single" if self._chunk is None else "chunk"
             drained, self._prefetcher = self._prefetcher.drain(), None
-            for got, err in drained:
-                if got is prefetch_mod.END:
-                    items.append(("end", err))
-                else:
-                    items.append(("single" if self._chunk is None else "chunk", got))
-        singles: list = []  # consecutive single steps, joined into loops of up to k
+            items += [("end", err) if got is prefetch_mod.END else
+                      ("error", err) if got is prefetch_mod.ERROR else (form, got)
+                      for got, err in drained]
+        self._chunk, self._reform = k, False
+        singles: list = []  # steps (batch, notes) not yet in a loop of k
+        for kind, payload in items:
+            if kind == "chunk" and (k is None or singles or payload[0][1] != k):
+                singles += _split(payload)  # a loop of another length -> its steps
+            elif kind == "single":
+                singles.append(payload)
+            else:
+                self._keep_steps(singles, k)
+                self._keep(kind, payload)
+        marker = self._fill(singles, k)
+        self._keep_steps(singles, k)
+        if marker is not None:
+            self._keep(*marker)
 
-        def flush():
-            for i in range(0, len(singles), k or 1):
+    def _keep_steps(self, singles: list, k: int | None) -> None:
+        """Appends ``singles`` to ``_leftover`` as single steps, or as loops of ``k``
+        (the last one shorter if they do not fill it), and empties ``singles``."""
+        if k is None:
+            self._leftover.extend(("single", s) for s in singles)
+        else:
+            for i in range(0, len(singles), k):
                 part = singles[i:i + k]
                 batch = _stack_steps([b for b, _ in part])
-                notes = [m for _, ms in part for m in ms]
-                self._leftover.append(("chunk", ((batch, len(part)), notes)))
-            singles.clear()
+                self._leftover.append(("chunk", ((batch, len(part)),
+                                                 [m for _, ms in part for m in ms])))
+        singles.clear()
 
-        for kind, payload in items:
-            if kind == "single" and k is not None:
-                singles.append(payload)
-                continue
-            flush()
-            if kind == "chunk" and k is None:  # a loop -> its single steps
-                (batch, n), notes = payload
-                self._leftover.extend(("single", (_step_of(batch, i), notes if i == n - 1
-                                                   else [])) for i in range(n))
-            elif kind != "end" or not self._leftover or self._leftover[-1][0] != "end":
-                self._leftover.append((kind, payload))  # a loop of another length: as is
-        flush()
-        self._chunk = k
+    def _keep(self, kind: str, payload: Any) -> None:
+        if kind != "end" or not self._leftover or self._leftover[-1][0] != "end":
+            self._leftover.append((kind, payload))
+
+    def _fill(self, singles: list, k: int | None) -> tuple | None:
+        """Reads steps on this thread until ``singles`` fill loops of ``k`` (as K
+        separate runs would read them); returns what stopped the reads early:
+        ``("end", None)`` or ``("error", exception)``."""
+        while k and len(singles) % k:
+            try:
+                singles.append((self._produce(), []))
+            except StopIteration:
+                return ("end", None)
+            except Exception as e:
+                return ("error", e)
+        return None
 
     def _produce_noted(self) -> tuple[Any, list]:
         """The prefetch thread's read: the item and the warnings it raised."""
@@ -191,22 +237,25 @@ class PrefetchStaging:
     def _get_steps(self, k: int) -> tuple[Any, int]:
         """The next ``k`` steps' inputs as one batch whose per-replica leaves have a
         leading step axis, and the number of steps it holds (fewer than ``k`` at the
-        end of the input). Raises StopIteration when no step is left."""
-        if self._pending is not None and self._pending[0] is not None:
-            got, self._pending = self._pending[1], None
-            return got
-        if self._pending is not None:  # one step's batch, left by a failed run
-            batch, self._pending = self._pending[1], None
-            return _stack_steps([batch]), 1
+        end of the input, or before an input error, which the next read raises).
+        Raises StopIteration when no step is left."""
         return self._next_item(k)
 
     def _produce_chunk(self) -> tuple[Any, int]:
-        """Up to ``self._chunk`` steps read on the host and placed with one transfer."""
+        """Up to ``self._chunk`` steps read on the host and placed with one transfer.
+        Fewer at the end of the input, or where a read raises after the first step (K
+        separate runs would run the steps before it): the error is kept for the next
+        read (:attr:`_deferred`)."""
         hosts = []
         for _ in range(self._chunk):
             try:
                 hosts.append(self._produce_host())
             except StopIteration:
+                break
+            except Exception as e:
+                if not hosts:
+                    raise
+                self._deferred = e
                 break
         if not hosts:
             raise StopIteration
@@ -214,6 +263,13 @@ class PrefetchStaging:
         stacked = [[np.stack([h[0][r][j] for h in hosts]) for j in range(len(hosts[0][0][r]))]
                    for r in range(len(hosts[0][0]))]
         return self._executor.assemble(stacked, treedef), len(hosts)
+
+
+def _split(payload: tuple) -> list:
+    """A device loop's item ``((batch, n), notes)`` as its ``n`` steps ``(batch, notes)``
+    (the notes go with the last)."""
+    (batch, n), notes = payload
+    return [(_step_of(batch, i), notes if i == n - 1 else []) for i in range(n)]
 
 
 def _step_of(batch: Any, i: int) -> Any:
@@ -234,7 +290,7 @@ def _stack_steps(batches: list) -> Any:
     return jax.tree.map(stack, *batches, is_leaf=lambda x: isinstance(x, PerReplica))
 
 
-class _End(Exception):
+class _End(StopIteration):
     """The end of the input, as the prefetch thread saw it, with the warnings of the read
     that found it (given to the caller that reaches the end)."""
 
