@@ -123,3 +123,60 @@ def test_refilling_a_numpy_argument_after_run_returns_never_changes_the_step(
         a_out, total = (np.asarray(x) for x in out)
         np.testing.assert_array_equal(a_out, np.ones_like(a_out), err_msg=f"call {call}")
         np.testing.assert_array_equal(total, np.full_like(total, float(n)))
+
+
+# -- item 4: NNX state whose dtype a step changes: a device loop equals K runs -----------
+
+class _Counter(nnx.Module):
+    def __init__(self, dtype):
+        self.count = nnx.Variable(jnp.zeros((), dtype))
+        self.w = nnx.Param(jnp.ones(3, jnp.bfloat16))
+
+
+def _promote(ctx, m):
+    m.count.set_value(m.count.get_value() + 0.5)         # int32 -> float32 at the first step
+    m.w.set_value(m.w.get_value() + jnp.float32(1e-3)) # bf16 -> float32 at the first step
+    return m.count.get_value() + jnp.sum(m.w.get_value())
+
+
+def _promote_batch(ctx, x, m):
+    return _promote(ctx, m) + jnp.sum(x)
+
+
+@pytest.mark.parametrize("k", [1, 3])
+@pytest.mark.parametrize("with_input", [False, True])
+def test_a_device_loop_promotes_nnx_state_as_separate_runs_do(rep, k, with_input):
+    def make():
+        with rep.scope():
+            return _Counter(jnp.int32)
+
+    step = _promote_batch if with_input else _promote
+    separate, loop = make(), make()
+    it_a = _iterator(rep, 2 * k, False) if with_input else None
+    it_b = _iterator(rep, 2 * k, False) if with_input else None
+    for _ in range(2):  # the second time from the promoted state (a float32 program)
+        outs = [rep.run(step, it_a, separate) for _ in range(k)]
+        got = rep.run(step, it_b, loop, steps=k)
+        for name in ("count", "w"):
+            a, b = getattr(separate, name).get_value(), getattr(loop, name).get_value()
+            assert a.dtype == b.dtype == jnp.float32, name
+            np.testing.assert_array_equal(np.asarray(b), np.asarray(a))
+        np.testing.assert_array_equal(  # per replica: [replicas, K]
+            np.asarray(got), np.stack([np.asarray(o) for o in outs], axis=-1))
+
+
+def test_a_step_changing_nnx_state_dtype_at_every_step_is_an_error_naming_it(rep):
+    class Grow(nnx.Module):
+        def __init__(self):
+            self.h = nnx.Variable(jnp.zeros((1,), jnp.float32))
+
+    def step(ctx, m):
+        m.h.set_value(jnp.concatenate([m.h.get_value(), m.h.get_value()]))  # a new shape each step
+        return jnp.sum(m.h.get_value())
+
+    with rep.scope():
+        m = Grow()
+    with pytest.raises(ValueError, match=r"argument \[0\]\.h .*float32\[2\] -> "
+                                         r"float32\[4\].*one dtype and shape"):
+        rep.run(step, None, m, steps=3)
+    assert m.h.get_value().shape == (1,)  # nothing ran, nothing written back

@@ -200,6 +200,18 @@ def state_leaves(new_state: Any, structure: Any, axis: str) -> list:
     return [x for _, x in pairs]
 
 
+def state_paths(graphdef: Any, state: Any, node_pos: tuple) -> list[str]:
+    """Names each leaf of NNX state as the user reaches it: ``argument [1].linear.kernel``."""
+    n = len(jax.tree.leaves(state))
+    nodes = merge(graphdef, jax.tree.unflatten(jax.tree.structure(state), range(n)))
+    names = {}
+    for path, k in jax.tree_util.tree_flatten_with_path(nodes)[0]:
+        parts = [p for p in path[1:] if getattr(p, "name", None) != "value"]
+        names[k] = f"argument [{node_pos[path[0].idx]}]{path_str(parts)}"
+    return [names.get(k, f"an NNX Variable (state leaf {k})")
+            for k in range(n)]
+
+
 def note_failed_step(e: BaseException, variables: list) -> None:
     """Adds to an error raised while a step ran what became of the NNX state given to
     it, when it was consumed (donated to the failed step). (Otherwise the module keeps

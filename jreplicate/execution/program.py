@@ -140,30 +140,101 @@ def _call(fn: Callable, ctx: ReplicaContext, sig: Signature, batch: Any, plain: 
     return out, nnx_args.state_of(nodes, sig.graphdef)
 
 
+class _StateChanged(Exception):
+    """Raised while tracing a device loop: a step gave NNX state another dtype or shape."""
+
+
 def _loop(fn: Callable, ctx: ReplicaContext, sig: Signature, batch: Any, plain: tuple,
           state: Any, axis: str) -> tuple[Any, Any]:
-    """``sig.steps`` steps in one ``lax.scan``; returns ``(outputs, final NNX state)``."""
+    """``sig.steps`` steps in one ``lax.scan``; returns ``(outputs, final NNX state)``.
+
+    A step that gives NNX state a new dtype (an int counter assigned a float, a bf16
+    parameter updated in f32) changes it for good in K separate runs (run writes the
+    promoted value back, and the next run starts from it). A scan carry keeps one type,
+    so such a loop runs its first step alone and the others from its state; a step that
+    changes it again is an error naming the Variable."""
     whole = []  # set while tracing: the step returned its only argument, not a tuple
-
-    def one(carry, batch_t):
-        plain_c, state_c = carry
-        out, new_state = _call(fn, ctx, sig, batch_t, plain_c, state_c)
-        new_plain, extra, is_whole = _split_carry(out, plain_c, sig.node_pos)
-        whole[:] = [is_whole]
-        new_plain = _match_carry(new_plain, plain_c, axis)
-        if sig.graphdef is not None:
-            nnx_args.state_leaves(new_state, jax.tree.structure(state_c), axis)
-            new_state = jax.tree.map(lambda new, old: new.astype(old.dtype), new_state, state_c)
-        return (new_plain, new_state), extra
-
     carry0 = (_strong(plain), _strong(state))
-    (plain_f, state_f), ys = jax.lax.scan(one, carry0, batch if sig.has_batch else None,
-                                          length=sig.steps)
+    try:
+        (plain_f, state_f), ys = _scan(fn, ctx, sig, batch, carry0, sig.steps, axis, whole,
+                                       changed="retry")
+    except _StateChanged:
+        first = jax.tree.map(lambda x: x[0], batch)
+        carry1, y1 = _step(fn, ctx, sig, first, carry0, axis, whole, changed=None)
+        carry1 = (carry1[0], _strong(carry1[1]))
+        if sig.steps == 1:
+            (plain_f, state_f), ys = carry1, jax.tree.map(lambda y: y[None], y1)
+        else:
+            rest = jax.tree.map(lambda x: x[1:], batch)
+            (plain_f, state_f), ys = _scan(fn, ctx, sig, rest, carry1, sig.steps - 1, axis,
+                                           whole, changed="error")
+            ys = _stack_first(y1, ys)
     if whole[0]:
         return plain_f[0], state_f
     if plain:
         return (*plain_f, *ys), state_f
     return ys, state_f
+
+
+def _scan(fn, ctx, sig, batch, carry0, length, axis, whole, changed):
+    def one(carry, batch_t):
+        return _step(fn, ctx, sig, batch_t, carry, axis, whole, changed)
+
+    return jax.lax.scan(one, carry0, batch if sig.has_batch else None, length=length)
+
+
+def _step(fn: Callable, ctx: ReplicaContext, sig: Signature, batch_t: Any, carry: tuple,
+          axis: str, whole: list, changed: str | None) -> tuple[tuple, Any]:
+    """One step of a device loop: ``((new plain args, new NNX state), outputs)``. When
+    the NNX state comes out with another dtype or shape: ``changed="retry"`` raises
+    :class:`_StateChanged`, ``"error"`` the user's error, None keeps the new one."""
+    plain_c, state_c = carry
+    out, new_state = _call(fn, ctx, sig, batch_t, plain_c, state_c)
+    new_plain, extra, is_whole = _split_carry(out, plain_c, sig.node_pos)
+    whole[:] = [is_whole]
+    new_plain = _match_carry(new_plain, plain_c, axis)
+    if sig.graphdef is not None:
+        nnx_args.state_leaves(new_state, jax.tree.structure(state_c), axis)
+        if changed is not None:
+            moved = [(i, o, n) for i, (o, n) in enumerate(zip(
+                jax.tree.leaves(state_c), jax.tree.leaves(new_state)))
+                if (o.shape, o.dtype) != (jnp.shape(n), jnp.result_type(n))]
+            if moved and changed == "retry":
+                raise _StateChanged
+            if moved:
+                raise _state_changed_again(sig, state_c, moved)
+            new_state = jax.tree.map(lambda new, old: new.astype(old.dtype), new_state,
+                                     state_c)
+    return (new_plain, new_state), extra
+
+
+def _stack_first(y1: Any, ys: Any) -> Any:
+    """The first step's outputs stacked before the other steps' ``[K-1, ...]``."""
+    def stack(path, a, b):
+        if (jnp.shape(a), jnp.result_type(a)) != (b.shape[1:], b.dtype):
+            raise ValueError(
+                f"Replicator.run(..., steps=K): the step's output {path_str(path) or 'root'} "
+                f"has shape {jnp.shape(a)} and dtype {jnp.result_type(a)} at the first "
+                f"step but {b.shape[1:]} and {b.dtype} at later ones (the step changed the "
+                "dtype of NNX state its output depends on), so the K outputs can't be "
+                "stacked. Cast the output (e.g. .astype(jnp.float32)), or set the "
+                "Variable's dtype before the loop.")
+        return jnp.concatenate([jnp.asarray(a)[None], b])
+
+    return jax.tree_util.tree_map_with_path(stack, y1, ys)
+
+
+def _state_changed_again(sig: Signature, state: Any, moved: list) -> ValueError:
+    paths = nnx_args.state_paths(sig.graphdef, state, sig.node_pos)
+    listing = ", ".join(f"{paths[i]} ({o.dtype}{list(o.shape)} -> "
+                        f"{jnp.result_type(n)}{list(jnp.shape(n))})" for i, o, n in moved[:5])
+    return ValueError(
+        f"Replicator.run(..., steps=K): the step changes the dtype or shape of NNX state at "
+        f"every step: {listing}. K separate runs would recompile at each one; a device "
+        "loop carries each Variable with one dtype and shape. Assign the Variable a value "
+        "of its own dtype (x.astype(v.dtype)), or give it the dtype it ends up with "
+        "before the loop."
+    )
 
 
 def _carry_form(out: Any, plain: tuple) -> str | None:
