@@ -399,3 +399,89 @@ def test_arrival_vector_errors():
     w = jnp.zeros(3)
     with pytest.raises(ValueError, match=r"shape \(3,\).*\(4,\)"):
         run(w, tx.init(w), _shard(mesh, np.ones((n, 3), np.float32)), jnp.zeros(3))
+
+
+# -- arrival order with NaN, infinities, ties and -0.0 (issue 15, item 7) --------------
+
+_N = 8
+_ODD_TIMES = (np.nan, np.inf, -np.inf, 0.0, -0.0, 1.0, 2.5, -3.0, np.float32(1e30))
+
+
+@functools.cache
+def _onehot_step(k, vector, with_local_step):
+    """Compiled step on w of shape (8,): replica i's gradient is the one-hot e_i, so the
+    sum of the averaged gradients says exactly which replicas were selected."""
+    mesh = _mesh(_N)
+    tx = sync_replicas(optax.sgd(1.0), replicas_to_aggregate=k)
+
+    def step(w, s, t, ls):
+        me = jax.lax.axis_index("replica")
+        g = replica_grad(lambda w: jnp.sum(w * (jnp.arange(_N) == me)))(w)
+        kw = {"local_step": ls[0]} if with_local_step else {}
+        u, s = tx.update(g, s, w, arrival_time=t if vector else t[0], **kw)
+        return u, s
+
+    run = jax.jit(jax.shard_map(
+        step, mesh=mesh, in_specs=(P(), P(), P() if vector else P("replica"), P("replica")),
+        out_specs=(P(), P())))
+
+    def call(t, ls):
+        w = jnp.zeros(_N)
+        t = jnp.asarray(t) if vector else _shard(mesh, t)
+        return run(w, tx.init(w), t, _shard(mesh, ls))
+
+    return call
+
+
+def _reference_selection(t, fresh, k):
+    """numpy: the documented order (-inf, numbers, +inf, NaN; ties by replica id); the
+    first k fresh replicas in it."""
+    nan = np.isnan(t)
+    order = np.lexsort((np.arange(len(t)), np.where(nan, 0.0, t), nan))
+    chosen = np.zeros(len(t))
+    chosen[[i for i in order if fresh[i]][:k]] = 1.0
+    return chosen
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    times=st.lists(st.sampled_from(_ODD_TIMES) | st.floats(width=32), min_size=_N,
+                   max_size=_N),
+    fresh=st.lists(st.booleans(), min_size=_N, max_size=_N),
+    k=st.sampled_from([1, 3, _N]),
+    vector=st.booleans(),
+    with_local_step=st.booleans(),
+)
+def test_any_arrival_times_select_exactly_the_first_fresh_replicas(
+        times, fresh, k, vector, with_local_step):
+    """Whatever the arrival times (NaN, +-inf, ties, -0.0), exactly min(k, fresh)
+    gradients are averaged in: the first fresh ones in the documented total order."""
+    t = np.array(times, np.float32)
+    fresh = np.array(fresh) if with_local_step else np.ones(_N, bool)
+    ls = np.where(fresh, 0, -3).astype(np.int32)  # -3: stale
+    u, s = _onehot_step(k, vector, with_local_step)(t, ls)
+    want = _reference_selection(t, fresh, k)
+    assert want.sum() == min(k, fresh.sum())
+    if fresh.sum() >= k:  # the step completes: sgd(1.0) of the average
+        np.testing.assert_array_equal(np.asarray(u) * -k, want)
+        assert (int(s.global_step), int(s.num_accumulated)) == (1, 0)
+    else:  # still waiting: the accepted gradients are in the accumulators
+        np.testing.assert_array_equal(np.asarray(u), 0.0)
+        np.testing.assert_array_equal(np.asarray(s.accumulators), want)
+        assert (int(s.global_step), int(s.num_accumulated)) == (0, fresh.sum())
+
+
+@pytest.mark.parametrize("vector", [False, True])
+def test_nan_arrival_time_known_at_trace_time_is_an_error(vector):
+    mesh = _mesh(4)
+    tx = sync_replicas(optax.sgd(1.0), replicas_to_aggregate=2)
+    times = np.array([0.0, np.nan, 1.0, 2.0], np.float32)
+
+    def step(w, s):
+        g = replica_grad(lambda w: jnp.sum(w * jax.lax.axis_index("replica")))(w)
+        return tx.update(g, s, w, arrival_time=times if vector else np.float32(np.nan))
+
+    run = jax.jit(jax.shard_map(step, mesh=mesh, in_specs=(P(), P()), out_specs=(P(), P())))
+    where = r" at replica\(s\) \[1\]" if vector else ""
+    with pytest.raises(ValueError, match=rf"arrival_time is NaN{where}.*\+inf"):
+        run(jnp.zeros(()), tx.init(jnp.zeros(())))

@@ -55,6 +55,27 @@ def as_scalar(value: Any, name: str, dtype: Any, kind: str) -> jax.Array:
     return x.astype(dtype)
 
 
+def check_arrival_time(value: Any) -> None:
+    """Raises for NaN in arrival times known now (not traced): a constant or NumPy value.
+
+    Traced times cannot be checked inside a compiled step; there a NaN sorts after
+    every number (see :func:`jreplicate.sync.spmd.arrives_before`).
+    """
+    if value is None or isinstance(value, jax.core.Tracer):
+        return
+    try:
+        x = np.asarray(value, dtype=np.float32)
+    except (TypeError, ValueError):
+        return  # as_scalar / replicated_vector name what is wrong with it
+    if np.isnan(x).any():
+        where = "" if x.ndim == 0 else f" at replica(s) {np.flatnonzero(np.isnan(x)).tolist()}"
+        raise ValueError(
+            f"arrival_time is NaN{where}, which places no replica in the arrival order. "
+            "Pass a number for every replica: +inf for one that arrives after all others "
+            "(equal times are ordered by replica id)."
+        )
+
+
 def check_grads(grads: Any, state: SyncReplicasState, params: Any) -> None:
     if not jax.tree.leaves(grads):
         raise ValueError(

@@ -142,6 +142,30 @@ def gather_scalars(values: Sequence[jax.Array], axis_name: str, size: int) -> li
     return list(jax.lax.psum(rows, axis_name))
 
 
+def arrives_before(times: jax.Array) -> jax.Array:
+    """``before[j, i]``: replica ``i``'s gradient arrives before replica ``j``'s.
+
+    A strict total order on the replicas, whatever the times: by time as a number
+    (``-0.0`` equals ``0.0``, ``-inf`` comes first, ``+inf`` after every finite time),
+    every NaN after every number, and equal times (NaN among them) by replica id. So the
+    ranks ``sum(before & fresh, axis=1)`` of the fresh replicas are ``0, 1, ...`` with
+    no repeat, and "rank < needed" selects exactly ``min(needed, fresh)`` of them
+    (a comparison with NaN alone is always false, which used to give every NaN rank 0).
+    """
+    nan = jnp.isnan(times)
+    key = jnp.where(nan, jnp.zeros((), times.dtype), times)
+    ids = jnp.arange(times.shape[0])
+
+    def lt(a):
+        return a[None, :] < a[:, None]
+
+    def eq(a):
+        return a[None, :] == a[:, None]
+
+    nan = nan.astype(jnp.int32)
+    return lt(nan) | (eq(nan) & (lt(key) | (eq(key) & lt(ids))))
+
+
 def replicated_vector(value: Any, axis_name: str, size: int, name: str) -> jax.Array | None:
     """``value`` as a float32 vector of ``size`` if it is one, identical on all replicas.
 

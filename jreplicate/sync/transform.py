@@ -62,7 +62,13 @@ def sync_replicas(
       leaves ``update`` with the same state and the same updates; the step itself is
       the token barrier, so replicas are always fresh unless ``local_step`` says
       otherwise. With ``replicas_to_aggregate == total`` this is plain synchronous
-      data-parallel training.
+      data-parallel training. The arrival order is a total order whatever the times
+      (compared as float32): ``-inf`` first, then finite times (``-0.0`` equals
+      ``0.0``), ``+inf`` after every finite time, NaN ("never arrived") after
+      everything, and equal times (NaN among them) by replica id; so exactly
+      ``min(replicas_to_aggregate - state.num_accumulated, fresh)`` gradients are
+      averaged in, never more. Times known when ``update`` is traced (a constant, a
+      NumPy array) must not be NaN: ``ValueError``.
     * **Host driver** (outside a replica context): each call is ONE replica's push of a
       gradient computed at ``local_step`` (default: the current ``global_step``). The
       updates are zero until the ``replicas_to_aggregate``-th fresh push of the step,
@@ -94,7 +100,8 @@ def sync_replicas(
 
     Raises:
       ValueError / TypeError: for invalid arguments, at construction, ``init`` or
-        ``update`` (empty or mismatched gradients, too few tokens, ...).
+        ``update`` (empty or mismatched gradients, too few tokens, a NaN arrival time
+        known at trace time, ...).
 
     Example (host driver, TensorFlow's two-worker test):
       >>> import jax.numpy as jnp, optax
@@ -217,6 +224,7 @@ def sync_replicas(
         extra_args: dict,
     ) -> tuple[optax.Updates, SyncReplicasState]:
         checks.check_own_gradients(grads, axis_name)
+        checks.check_arrival_time(arrival_time)
         gs = state.global_step
         me = jax.lax.axis_index(axis_name)
         needed = k - state.num_accumulated
@@ -242,11 +250,9 @@ def sync_replicas(
                 )
                 ls_vec, t_vec = spmd.gather_scalars([ls, t], axis_name, n)
             fresh = ls_vec == gs
-            ids = jnp.arange(n)
-            # earlier[j, i]: replica i's gradient arrives before replica j's.
-            earlier = (t_vec[None, :] < t_vec[:, None]) | (
-                (t_vec[None, :] == t_vec[:, None]) & (ids[None, :] < ids[:, None])
-            )
+            # earlier[j, i]: replica i's gradient arrives before replica j's (a total
+            # order even with NaN, infinities and ties: exact ranks, exact counts).
+            earlier = spmd.arrives_before(t_vec)
             rank = jnp.sum(earlier & fresh[None, :], axis=1)
             contrib = (fresh & (rank < needed))[me]
             n_fresh = jnp.sum(fresh).astype(_I32)
