@@ -14,6 +14,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from jreplicate._checkpoint_tree import normalised, spec, template_leaves
 from jreplicate._tree import path_str
 
 
@@ -70,51 +71,51 @@ def quiet_orbax():
 def mismatch(stored: Any, template: Any, what: str) -> str | None:
     """How the stored tree of array metadata differs from ``template``, or None.
 
-    Both are compared in Orbax's serialized form (containers as dicts and lists), where a
-    template path and the stored path of the same leaf coincide.
+    Paths are matched by the rule of :mod:`jreplicate._checkpoint_tree` (empty nodes and
+    one-element wrappers do not count); the message lists, in init_fn()'s terms and the
+    checkpoint's, what only one side has and what differs in shape or dtype, then the fix.
     """
-    import orbax.checkpoint as ocp
-    pairs = jax.tree_util.tree_leaves_with_path(template)
-    ids = jax.tree.unflatten(jax.tree.structure(template), list(range(len(pairs))))
-    expected = {path_str(p): i for p, i in jax.tree_util.tree_leaves_with_path(
-        ocp.tree.serialize_tree(ids, keep_empty_nodes=True))}
-    have = {path_str(p): m for p, m in jax.tree_util.tree_leaves_with_path(stored)}
-    fix = "start from a new directory if the state changed on purpose"
-    missing = [path_str(pairs[i][0]) or "the root" for k, i in expected.items() if k not in have]
-    extra = [k or "the root" for k in have if k not in expected]
-    if missing or extra:
-        parts = []
-        if missing:
-            parts.append(f"init_fn()'s state has {_listing(missing)}, which the checkpoint "
-                         "lacks")
-        if extra:
-            parts.append(f"the checkpoint has {_listing(extra)}, which init_fn()'s state "
-                         "lacks")
-        return (f"{what} does not have the structure of init_fn()'s state: "
-                + "; ".join(parts) + f". Rename them back if keys were renamed, or {fix}.")
-    for key, i in expected.items():
-        path, want = path_str(pairs[i][0]) or "the root", pairs[i][1]
-        m = have[key]
-        got_dtype, got_shape = np.dtype(getattr(m, "dtype", None)), tuple(m.shape)
-        if got_shape != tuple(np.shape(want)):  # the other processes expect init_fn's
-            return (f"{what} holds {path} with shape {got_shape} but init_fn() gives shape "
-                    f"{tuple(np.shape(want))}; {fix} (e.g. another model size).")
-        if got_dtype != want.dtype:
-            return (f"{what} holds {path} as {_spec(got_dtype, got_shape)} but init_fn() "
-                    f"gives {_spec(want.dtype, got_shape)}, and restoring would cast it. "
-                    f"Make init_fn() build {got_dtype.name} there, or {fix}.")
-    return None
+    want = template_leaves(template)
+    specs = jax.tree.leaves(template)
+    have = normalised(stored)
+    missing = [f"{p} {spec(specs[i])}" for n, (p, i) in want.items() if n not in have]
+    extra = [f"{path_str(p) or 'the root'} {spec(m)}" for n, (p, m) in have.items()
+             if n not in want]
+    differ, casts = [], []
+    for n, (p, i) in want.items():
+        m = have[n][1] if n in have else None
+        if m is not None and spec(m) != spec(specs[i]):
+            cast = tuple(m.shape) == tuple(np.shape(specs[i]))
+            differ.append(f"{p} is {spec(m)} in the checkpoint but init_fn() gives "
+                          f"{spec(specs[i])}" + (", and restoring would cast it" * cast))
+            casts += [f"{np.dtype(m.dtype).name} at {p}"] * cast
+    if not (missing or extra or differ):
+        return None
+    first = (differ[0] if differ else
+             f"init_fn()'s state has {missing[0]}, which the checkpoint lacks" if missing
+             else f"the checkpoint has {extra[0]}, which init_fn()'s state lacks")
+    lines = [f"{what} does not match init_fn()'s state: {first}."]
+    for title, items in (("only in init_fn()'s state", missing),
+                         ("only in the checkpoint", extra), ("different", differ)):
+        if items and len(missing + extra + differ) > 1:  # one is said in the first line
+            lines.append(f"  {title} ({len(items)}): {_listing(items)}")
+    order = [spec(m) for _, m in have.values()]
+    if not differ and order == [spec(specs[i]) for _, i in want.values()]:
+        lines.append("  The checkpoint holds the same arrays in the same order, under other "
+                     "paths (e.g. a transform added to an optax.chain, or a named wrapper): "
+                     "jreplicate restores by path, never by guessing from the order.")
+    fix = f" (make init_fn() build {casts[0]})" if casts else ""
+    lines.append("The checkpoint is left where it is. Restore it with an init_fn that builds "
+                 f"the state it holds{fix}: the same paths, shapes and dtypes (empty nodes "
+                 "such as None, {} or optax.EmptyState, and one-element tuples such as "
+                 "optax.chain(tx)'s, do not matter); or give a new directory to start from "
+                 "step 0.")
+    return "\n".join(lines)
 
 
-def _spec(dtype: Any, shape: tuple) -> str:
-    return f"{np.dtype(dtype).name}[{', '.join(map(str, shape))}]"
-
-
-def _listing(paths: list[str]) -> str:
-    shown = ", ".join(paths[:5])
-    return shown + (f" and {len(paths) - 5} more" if len(paths) > 5 else "")
-
-
+def _listing(items: list[str], limit: int = 6) -> str:
+    shown = ", ".join(items[:limit])
+    return shown + (f" and {len(items) - limit} more" if len(items) > limit else "")
 
 
 def _install_unraisable_filter() -> None:

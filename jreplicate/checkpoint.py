@@ -17,13 +17,20 @@ A checkpoint is complete when its step directory holds Orbax's ``commit_success.
 which Orbax writes as the last act of a save (before the atomic rename from its
 temporary directory). Temporary directories of an interrupted save and step
 directories without the marker are never restored; the chief moves the latter aside
-(to ``<step>.incomplete-<time>``) so that later saves are not confused by them. A
-complete step whose data cannot be read (files lost after the save) is moved aside too
-(``<step>.damaged-<time>``), with a warning, and the next newest complete one restored.
+(to ``<step>.incomplete-<time>``) so that later saves are not confused by them.
 
-A checkpoint is restored only into a state of the same structure (the same paths),
-shapes and dtypes as ``init_fn``'s: any difference is a :class:`CheckpointError` naming
-the path and both sides, never a silent cast.
+Only real damage moves a complete step aside: metadata that cannot be read, data files
+lost, truncated or changed after the save (each array's CRC-32 is saved with it), or
+metadata that disagrees with the data. Such a step is moved to
+``<step>.damaged-<time>``, with a warning, when an older complete step is restored in
+its place; when every step is damaged, restore raises and moves nothing.
+
+A checkpoint is restored only into a state with the same arrays (the same paths, shapes
+and dtypes) as ``init_fn``'s, where empty nodes (``None``, ``{}``, ``optax.EmptyState``)
+and one-element tuples (``optax.chain(tx)``'s state) do not count: adam's state restores
+into adamw's. Any other difference is a :class:`CheckpointError` that lists what differs
+on both sides and leaves the files where they are; never a silent cast, never a silent
+restart at step 0. :mod:`jreplicate._checkpoint_tree` gives the rule and why it is safe.
 
 One directory, one job: the chief holds ``<directory>/jreplicate.lock`` (see
 :mod:`jreplicate._dirlock`) from construction to :meth:`CheckpointManager.close`, so a
@@ -48,6 +55,14 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jreplicate._checkpoint_checks import mismatch, one_line, path_problem, quiet_orbax
+from jreplicate._checkpoint_tree import (
+    checksum_table,
+    data_problem,
+    metadata_problem,
+    normalised,
+    read_table,
+    template_leaves,
+)
 from jreplicate._dirlock import LOCK_NAME, DirectoryLock, LockHeldError
 from jreplicate._tree import path_str
 from jreplicate.context import PerReplica
@@ -61,6 +76,10 @@ COMMIT_MARKER = "commit_success.txt"
 
 class CheckpointError(RuntimeError):
     """A checkpoint could not be written or read (raised on every process alike)."""
+
+
+class _Damaged(Exception):
+    """A committed checkpoint's files are damaged (the message says how)."""
 
 
 class CheckpointManager:
@@ -174,14 +193,16 @@ class CheckpointManager:
         strategy's devices (state sharded over the ``"model"`` axis stays sharded, a
         logical device's state stays there), else replicated on the strategy's mesh.
 
-        A complete checkpoint whose data cannot be read is moved aside with a warning and
-        the next newest one restored (``init_fn`` when none is left).
+        A complete checkpoint whose files are damaged is moved aside with a warning when
+        an older one is restored in its place.
 
         Raises:
-          CheckpointError: on every process, when the latest readable checkpoint does not
-            match ``init_fn``'s state: another structure (paths added, removed or
-            renamed), shape or dtype (the message names the path, the stored and the
-            expected); or when the chief cannot move a damaged checkpoint aside.
+          CheckpointError: on every process, when the latest undamaged checkpoint does
+            not hold ``init_fn``'s arrays (paths added, removed or renamed; another shape
+            or dtype: the message lists both sides, and the files stay where they are;
+            empty nodes and one-element wrappers do not count); when every checkpoint is
+            damaged (nothing is moved; the message names each and the fix); or when the
+            chief cannot move a damaged checkpoint aside.
         """
         if not callable(init_fn):
             raise TypeError(
@@ -200,7 +221,11 @@ class CheckpointManager:
                 nonlocal restored
                 if not self.is_chief:
                     return None, None
-                found, restored, error = self._read_newest(host)
+                try:  # the chief's decision is everybody's: an error too, never a hang
+                    found, restored, error = self._read_newest(host)
+                except Exception as e:
+                    return None, (f"reading the checkpoints in {self._dir} failed: "
+                                  f"{one_line(e)}")
                 return found, error
 
             # The step actually read: an older one when newer ones turn out damaged.
@@ -341,55 +366,92 @@ class CheckpointManager:
         return steps[-1] if steps else None
 
     def _read_newest(self, template: Any) -> tuple[int | None, Any, str | None]:
-        """``(step, state, error)`` of the newest readable checkpoint (step None: none)."""
+        """``(step, state, error)`` of the newest undamaged checkpoint (step None: none).
+
+        A mismatch with ``template`` is an error at once, whatever older steps hold. The
+        damaged steps newer than the one restored are moved aside; when none is restored
+        nothing is moved.
+        """
+        damaged: list[tuple[int, str]] = []
         for step in reversed(self.complete_steps()):
+            where = f"checkpoint {step} in {self._dir}"
             try:
-                stored = self._stored(step)
-            except Exception as e:  # unreadable metadata: the step is damaged
-                damage = one_line(e)
-            else:
-                differs = mismatch(stored, template, f"checkpoint {step} in {self._dir}")
-                if differs:
-                    return None, None, differs
-                value, damage = self._read(step, template)
-                if damage is None:
-                    return step, value, None
-            try:
-                self._set_aside(step, "damaged", damage)
-            except OSError as e:
-                return None, None, (f"checkpoint {step} in {self._dir} cannot be read "
-                                    f"({damage}) and cannot be moved aside: {one_line(e)}. "
-                                    f"Remove {os.path.join(self._dir, str(step))}.")
-        return None, None, None
+                stored, table = self._stored(step)
+            except _Damaged as e:
+                damaged.append((step, str(e)))
+                continue
+            differs = mismatch(stored, template, where)
+            if differs:
+                return None, None, differs + "".join(
+                    f"\n(Newer checkpoint {s} is damaged: {why}.)" for s, why in damaged)
+            value, damage = self._read(step, stored, table, template)
+            if damage is not None:
+                damaged.append((step, damage))
+                continue
+            for s, why in damaged:
+                try:
+                    self._set_aside(s, "damaged", why)
+                except OSError as e:
+                    return None, None, (f"checkpoint {s} in {self._dir} is damaged ({why}) "
+                                        f"and cannot be moved aside: {one_line(e)}. Remove "
+                                        f"{os.path.join(self._dir, str(s))}.")
+            return step, value, None
+        if not damaged:
+            return None, None, None
+        listed = "; ".join(f"{s}: {why}" for s, why in damaged)
+        return None, None, (
+            f"every checkpoint in {self._dir} is damaged ({listed}). Nothing was moved and "
+            "training does not restart from step 0 on its own: restore the files from a "
+            f"copy, or move the step directories out of {self._dir} to start from "
+            "init_fn() at step 0.")
 
-    def _stored(self, step: int) -> Any:
-        """The checkpoint's tree of array metadata (shapes and dtypes), read quietly."""
-        with quiet_orbax():
-            metadata = self._manager().item_metadata(step)
-        tree = getattr(metadata, "tree", metadata)
-        if tree is None:
-            raise CheckpointError("no metadata")
-        return tree
+    def _stored(self, step: int) -> tuple[Any, dict | None]:
+        """The checkpoint's tree of array metadata (shapes and dtypes) and its checksum
+        table (None for a checkpoint saved without one), read quietly.
 
-    def _read(self, step: int, template: Any) -> tuple[Any, str | None]:
-        """``(state, None)``, or ``(None, what is damaged)``."""
-        import orbax.checkpoint as ocp
+        Raises:
+          _Damaged: the metadata cannot be read, or disagrees with what was saved.
+        """
         try:
             with quiet_orbax():
-                value = self._manager().restore(step, args=ocp.args.StandardRestore(template))
+                metadata = self._manager().item_metadata(step)
+            tree = getattr(metadata, "tree", metadata)
+            if tree is None:
+                raise _Damaged("no metadata")
+            table = read_table(getattr(metadata, "custom_metadata", None))
+        except _Damaged:
+            raise
+        except Exception as e:
+            raise _Damaged(f"its metadata cannot be read: {one_line(e)}") from None
+        problem = metadata_problem(tree, table)
+        if problem:
+            raise _Damaged(problem)
+        return tree, table
+
+    def _read(self, step: int, stored: Any, table: dict | None,
+              template: Any) -> tuple[Any, str | None]:
+        """``(state in template's structure, None)``, or ``(None, what is damaged)``.
+
+        The data is read in the structure it was saved in (so that only damage can make
+        the read fail), checked against its metadata and checksums, then placed in
+        ``template``'s structure by the rule of :mod:`jreplicate._checkpoint_tree`.
+        """
+        import orbax.checkpoint as ocp
+        target = jax.tree.map(lambda m: np.zeros(m.shape, m.dtype), stored)
+        try:
+            with quiet_orbax():
+                value = self._manager().restore(step, args=ocp.args.StandardRestore(target))
         except Exception as e:  # the data of a committed checkpoint is damaged
             return None, one_line(e)
-        leaves = jax.tree.leaves(value)
-        treedef = jax.tree.structure(template)
-        if len(leaves) != treedef.num_leaves:  # metadata and data disagree
-            return None, f"{len(leaves)} arrays restored, {treedef.num_leaves} expected"
-        for got, want in zip(leaves, jax.tree.leaves(template), strict=True):
-            if np.shape(got) != np.shape(want) or np.asarray(got).dtype != want.dtype:
-                return None, (f"data of shape {np.shape(got)} and dtype "
-                              f"{np.asarray(got).dtype} where the metadata says "
-                              f"{want.dtype}{list(np.shape(want))}")
-        # Orbax restores containers as plain tuples/dicts: rebuild the template's types.
-        return jax.tree.unflatten(treedef, [np.asarray(x) for x in leaves]), None
+        damage = data_problem(value, stored, table)
+        if damage:
+            return None, damage
+        arrays = normalised(value)
+        leaves = [None] * jax.tree.structure(template).num_leaves
+        for norm, (_, i) in template_leaves(template).items():
+            leaves[i] = np.asarray(arrays[norm][1])
+        # Orbax restores containers as plain lists/dicts: rebuild the template's types.
+        return jax.tree.unflatten(jax.tree.structure(template), leaves), None
 
     def _write(self, step: int, host: Any) -> str | None:
         import orbax.checkpoint as ocp
@@ -399,7 +461,8 @@ class CheckpointManager:
                 return (f"checkpoint {step} already exists in {self._dir}; save each step "
                         "once, or restore it with restore_or_initialize before training on.")
             with quiet_orbax():
-                mngr.save(step, args=ocp.args.StandardSave(host), force=True)
+                mngr.save(step, args=ocp.args.StandardSave(
+                    host, custom_metadata=checksum_table(host)), force=True)
                 mngr.wait_until_finished()
         except OSError as e:  # reported to every process
             return f"could not write checkpoint {step}: " + path_problem(self._dir, e)

@@ -48,10 +48,13 @@ def test_other_dtype_is_an_error_naming_path_and_both_dtypes(tmp_path, rep):
     _saved(tmp_path, rep)
     with CheckpointManager(tmp_path, rep) as m:
         with pytest.raises(CheckpointError, match=re.escape(
-                "checkpoint 1 in " + str(tmp_path) + " holds ['w'] as float32[3, 4] but "
-                "init_fn() gives int32[3, 4], and restoring would cast it. Make init_fn() "
-                "build float32 there")):
+                f"checkpoint 1 in {tmp_path} does not match init_fn()'s state: ['w'] is "
+                "float32[3, 4] in the checkpoint but init_fn() gives int32[3, 4], and "
+                "restoring would cast it.\nThe checkpoint is left where it is. Restore it "
+                "with an init_fn that builds the state it holds (make init_fn() build "
+                "float32 at ['w'])")):
             m.restore_or_initialize(lambda: _state(jnp.int32))
+        assert sorted(os.listdir(tmp_path)) == ["1", "jreplicate.lock"]  # left in place
         step, state = m.restore_or_initialize(_state)  # the matching state restores
         assert step == 1 and state["w"].dtype == jnp.float32
 
@@ -61,18 +64,21 @@ def test_renamed_key_is_an_error_naming_both_paths(tmp_path, rep):
     with CheckpointManager(tmp_path, rep) as m, pytest.raises(CheckpointError) as e:
         m.restore_or_initialize(lambda: _state(key="weights"))
     msg = str(e.value)
-    assert "does not have the structure of init_fn()'s state" in msg
-    assert "init_fn()'s state has ['weights'], which the checkpoint lacks" in msg
-    assert "the checkpoint has ['w'], which init_fn()'s state lacks" in msg
+    assert "does not match init_fn()'s state" in msg
+    assert "only in init_fn()'s state (1): ['weights'] float32[3, 4]" in msg
+    assert "only in the checkpoint (1): ['w'] float32[3, 4]" in msg
+    assert "the same arrays in the same order, under other paths" in msg
     assert "truth value" not in msg
 
 
 def test_extra_leaf_and_other_container_are_errors(tmp_path, rep):
     _saved(tmp_path, rep)
     with CheckpointManager(tmp_path, rep) as m:
-        with pytest.raises(CheckpointError, match=r"has \['extra'\], which the checkpoint"):
+        with pytest.raises(CheckpointError, match=re.escape(
+                "init_fn()'s state has ['extra'] float32[1], which the checkpoint lacks")):
             m.restore_or_initialize(lambda: {**_state(), "extra": jnp.zeros(1)})
-        with pytest.raises(CheckpointError, match="does not have the structure"):
+        with pytest.raises(CheckpointError, match=re.escape(
+                "only in init_fn()'s state (1): ['opt']['m'] float32[2]")):
             m.restore_or_initialize(lambda: {**_state(), "opt": {"m": jnp.zeros(2)}})
 
 
@@ -174,14 +180,22 @@ def test_damaged_newest_checkpoint_falls_back_quietly(tmp_path, rep, caplog, cap
         assert noise not in out + err, (out + err)[-3000:]
 
 
-def test_every_checkpoint_damaged_initialises(tmp_path, rep, caplog):
+def test_every_checkpoint_damaged_is_an_error_that_moves_nothing(tmp_path, rep):
     _saved(tmp_path, rep, steps=(1, 2))
     _damage(tmp_path, 1)
     _damage(tmp_path, 2)
-    with caplog.at_level(logging.WARNING, "jreplicate"), CheckpointManager(tmp_path, rep) as m:
+    with CheckpointManager(tmp_path, rep) as m:
+        with pytest.raises(CheckpointError, match=re.escape(
+                f"every checkpoint in {tmp_path} is damaged (2: ")) as e:
+            m.restore_or_initialize(_state)  # never step 0 silently
+        assert f"move the step directories out of {tmp_path} to start from init_fn() " \
+               "at step 0" in str(e.value)
+        assert sorted(os.listdir(tmp_path)) == ["1", "2", "jreplicate.lock"]
+    for s in ("1", "2"):  # the user's decision: start again
+        os.rename(tmp_path / s, tmp_path.parent / f"aside-{s}")
+    with CheckpointManager(tmp_path, rep) as m:
         step, state = m.restore_or_initialize(_state)
     assert step == 0 and state["b"].tolist() == [0.0] * 4
-    assert sum("damaged" in r.getMessage() for r in caplog.records) == 2
 
 
 def test_path_problems_name_the_path(tmp_path, rep, monkeypatch):
@@ -216,7 +230,8 @@ def test_chief_only_faults_raise_the_same_error_on_every_process_at_once(tmp_pat
             r"\[p(\d)\] RESULT (\w+) (\w+) ([\d.]+) ?(.*)", r.stdout):
         results.setdefault(name, {})[int(rank)] = (kind, float(secs), msg)
     assert set(results) == {"in_the_way", "parent_is_a_file", "second_manager",
-                            "after_close", "other_dtype", "damaged_newest"}, r.stdout[-3000:]
+                            "after_close", "other_dtype", "damaged_newest", "empty_nodes",
+                            "all_damaged"}, r.stdout[-3000:]
     for name, by_rank in results.items():
         assert set(by_rank) == {0, 1}, name
         (kind0, _, msg0), (kind1, _, msg1) = by_rank[0], by_rank[1]
@@ -229,8 +244,12 @@ def test_chief_only_faults_raise_the_same_error_on_every_process_at_once(tmp_pat
     assert "is in use by another CheckpointManager" in results["second_manager"][1][2]
     assert results["after_close"][1][0] == "ok"
     assert results["other_dtype"][1][0] == "CheckpointError"
-    assert "as float32[3, 4] but init_fn() gives int32[3, 4]" in results["other_dtype"][1][2]
+    assert "['w'] is float32[3, 4] in the checkpoint but init_fn() gives int32[3, 4]" \
+        in results["other_dtype"][1][2]
     kind, _, msg = results["damaged_newest"][1]
     assert (kind, msg) == ("ok", "step=1 w=1.0")  # step 2's data was lost: step 1 restored
+    assert results["empty_nodes"][1][::2] == ("ok", "step=1 w=1.0")
+    kind, _, msg = results["all_damaged"][1]
+    assert kind == "CheckpointError" and "every checkpoint in" in msg, msg
     names = sorted(p.name for p in (tmp_path / "damaged").iterdir())
     assert names[0] == "1" and names[1].startswith("2.damaged-"), names

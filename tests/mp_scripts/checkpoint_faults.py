@@ -70,9 +70,21 @@ def main() -> None:
             step, restored = m.restore_or_initialize(f32)
             return f"step={step} w={float(np.asarray(restored['w']).max())}"
 
+    def empty_nodes():  # an added None and a one-element wrapper: restored, not damage
+        with CheckpointManager(os.path.join(d, "damaged"), rep) as m:
+            step, restored = m.restore_or_initialize(lambda: ({**f32(), "n": None},))
+            return f"step={step} w={float(np.asarray(restored[0]['w']).max())}"
+
+    def all_damaged():  # every step damaged: an error everywhere, not step 0
+        if me == 0:
+            shutil.rmtree(os.path.join(d, "damaged", "1", "default", "d"))
+        with CheckpointManager(os.path.join(d, "damaged"), rep) as m:
+            m.restore_or_initialize(f32)
+
     scenarios = [("in_the_way", in_the_way), ("parent_is_a_file", parent_is_a_file),
                  ("second_manager", second_manager), ("after_close", after_close),
-                 ("other_dtype", other_dtype), ("damaged_newest", damaged_newest)]
+                 ("other_dtype", other_dtype), ("damaged_newest", damaged_newest),
+                 ("empty_nodes", empty_nodes), ("all_damaged", all_damaged)]
     for name, fn in scenarios:
         t0 = time.monotonic()
         try:

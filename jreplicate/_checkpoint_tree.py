@@ -1,0 +1,169 @@
+"""Which stored array goes where in init_fn()'s state, and checksums of the stored data
+(private to jreplicate.checkpoint).
+
+The matching rule
+-----------------
+Orbax writes a pytree in its serialized form: every container becomes a dict (dicts,
+NamedTuples, dataclasses, NNX ``State`` and ``Variable``: by key or field name) or a list
+(tuples and lists), and no type name is stored. A checkpoint is restored into init_fn()'s
+state exactly when both hold the same arrays under the same paths, where a path is
+compared after two normalisations, and nowhere else:
+
+1. **Leafless nodes hold no data.** ``None``, ``{}``, ``()``, ``optax.EmptyState()``
+   contribute nothing, and trailing leafless elements of a sequence are dropped: adam's
+   ``(ScaleByAdamState, EmptyState)`` and adamw's ``(ScaleByAdamState, EmptyState,
+   EmptyState)`` agree, as do ``{"w": w}`` and ``{"w": w, "extra": None}``. A leafless
+   element *before* one with data keeps every index as it is: nothing is renumbered.
+2. **A sequence of one element is transparent**: ``optax.chain(tx)``'s state
+   ``(tx_state,)`` is ``tx``'s.
+
+Dict keys and field names, and the indices of sequences of several elements, are always
+compared. Why this cannot put an array in the wrong place: both normalisations only
+delete path entries, and only entries that tell no two arrays of the tree apart (two
+arrays part at a node with at least two elements holding data, whose names or indices
+are kept); so each stored array has at most one place in init_fn()'s state, the one
+with its own names and indices, and the flatten order is kept. Everything else is a
+:class:`~jreplicate.checkpoint.CheckpointError` naming both structures: a transform
+added in front of a chain (``optax.chain(clip, adam)`` moves adam's arrays from
+``[0]`` to ``[1][0]``), a named wrapper (``inject_hyperparams``'s ``inner_state``), a
+renamed key, another shape or dtype (a cast on restore would be silently wrong).
+Matching by order instead would guess, and a wrong guess (a teacher's weights restored
+as the student's) is a silent wrong answer. Type names are not on disk, so a state
+whose NamedTuple has another name but the same fields, shapes and dtypes restores
+(into init_fn()'s types): Orbax cannot tell them apart, and neither can jreplicate.
+"""
+
+from __future__ import annotations
+
+import zlib
+from typing import Any
+
+import jax
+import numpy as np
+
+from jreplicate._tree import path_str
+
+FORMAT = 1  # of the checksum table in the checkpoint's custom metadata
+Norm = tuple  # a normalised path: ("k", name) and ("i", index) entries
+
+
+def is_array_spec(x: Any) -> bool:
+    return hasattr(x, "shape") and hasattr(x, "dtype")
+
+
+def _has_leaves(node: Any) -> bool:
+    return node is not None and (is_array_spec(node) or bool(jax.tree.leaves(node)))
+
+
+def _children(node: Any) -> list[tuple[Any, Any, Any]]:
+    """``(entry, key, child)`` for each child of a container node."""
+    if isinstance(node, dict):
+        return [(("k", str(k)), jax.tree_util.DictKey(k), v) for k, v in node.items()]
+    if isinstance(node, (list, tuple)) and not hasattr(node, "_fields"):
+        return [(("i", i), jax.tree_util.SequenceKey(i), v) for i, v in enumerate(node)]
+    pairs = jax.tree_util.tree_flatten_with_path(node, is_leaf=lambda x: x is not node)[0]
+    out = []
+    for path, child in pairs:
+        key = path[0]
+        name = getattr(key, "key", getattr(key, "name", getattr(key, "idx", key)))
+        index = isinstance(key, (jax.tree_util.SequenceKey, jax.tree_util.FlattenedIndexKey))
+        out.append(((("i", name) if index else ("k", str(name))), key, child))
+    return out
+
+
+def normalised(tree: Any, is_leaf=is_array_spec) -> dict[Norm, tuple[tuple, Any]]:
+    """``{normalised path: (key path, leaf)}`` of a tree in Orbax's serialized form."""
+    out: dict[Norm, tuple[tuple, Any]] = {}
+
+    def walk(node, norm, path):
+        if is_leaf(node):
+            out[norm] = (path, node)
+            return
+        kids = [c for c in _children(node)] if node is not None else []
+        if kids and kids[0][0][0] == "i":
+            while kids and not _has_leaves(kids[-1][2]):
+                kids.pop()  # trailing leafless elements: no data, no index to keep
+            if len(kids) == 1:  # a one-element sequence: a wrapper
+                walk(kids[0][2], norm, path + (kids[0][1],))
+                return
+        for entry, key, child in kids:
+            walk(child, norm + (entry,), path + (key,))
+    walk(tree, (), ())
+    return out
+
+
+def template_leaves(template: Any) -> dict[Norm, tuple[str, int]]:
+    """``{normalised path: (init_fn's path, leaf index)}``: the template in the form Orbax
+    would write it (the leaves numbered in init_fn()'s flatten order)."""
+    import orbax.checkpoint as ocp
+    pairs = jax.tree_util.tree_leaves_with_path(template)
+    ids = jax.tree.unflatten(jax.tree.structure(template), list(range(len(pairs))))
+    serial = ocp.tree.serialize_tree(ids, keep_empty_nodes=True)
+    return {norm: (path_str(pairs[i][0]) or "the root", i)
+            for norm, (_, i) in normalised(serial, lambda x: isinstance(x, int)).items()}
+
+
+def spec(x: Any) -> str:
+    return f"{np.dtype(x.dtype).name}[{', '.join(map(str, np.shape(x)))}]"
+
+
+# -- checksums ---------------------------------------------------------------------------
+def _tokens(path: tuple) -> list[str]:
+    return [str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))) for k in path]
+
+
+def _crc(x: np.ndarray) -> int:
+    return zlib.crc32(np.ascontiguousarray(x).reshape(-1).view(np.uint8))
+
+
+def checksum_table(host: Any) -> dict:
+    """What the chief saves beside the arrays (Orbax's custom metadata): each array's
+    stored path, dtype, shape and CRC-32, so that a restore can tell a changed file."""
+    import orbax.checkpoint as ocp
+    serial = ocp.tree.serialize_tree(host, keep_empty_nodes=True)
+    rows = [[_tokens(p), np.dtype(x.dtype).name, list(np.shape(x)), _crc(np.asarray(x))]
+            for p, x in jax.tree_util.tree_leaves_with_path(serial)]
+    return {"jreplicate": {"format": FORMAT, "arrays": rows}}
+
+
+def read_table(custom: Any) -> dict[tuple, tuple] | None:
+    """``{stored path tokens: (dtype, shape, crc)}``, or None for a checkpoint without
+    one (written by an older jreplicate, or by Orbax directly). Raises ValueError when
+    the table is there but malformed (the metadata file was changed)."""
+    entry = custom.get("jreplicate") if isinstance(custom, dict) else None
+    if entry is None:
+        return None
+    try:
+        return {tuple(t): (d, tuple(s), int(c)) for t, d, s, c in entry["arrays"]}
+    except (KeyError, TypeError, ValueError) as e:
+        raise ValueError(f"its checksum table is malformed ({e!r})") from None
+
+
+def metadata_problem(stored: Any, table: dict | None) -> str | None:
+    """How the stored tree's arrays differ from those the chief wrote, or None."""
+    if table is None:
+        return None
+    have = {tuple(_tokens(p)): (np.dtype(m.dtype).name, tuple(m.shape))
+            for p, m in jax.tree_util.tree_leaves_with_path(stored)}
+    want = {k: v[:2] for k, v in table.items()}
+    if have != want:
+        odd = sorted(set(have.items()) ^ set(want.items()))[:3]
+        return f"its metadata disagrees with the arrays that were saved (e.g. {odd})"
+    return None
+
+
+def data_problem(value: Any, stored: Any, table: dict | None) -> str | None:
+    """How the restored arrays differ from their metadata and checksums, or None."""
+    meta = dict(jax.tree_util.tree_leaves_with_path(stored))
+    got = jax.tree_util.tree_leaves_with_path(value)
+    if len(got) != len(meta):
+        return f"{len(got)} arrays read where its metadata lists {len(meta)}"
+    for path, x in got:
+        x, m = np.asarray(x), meta.get(path)
+        if m is None or x.shape != tuple(m.shape) or x.dtype != np.dtype(m.dtype):
+            return (f"the data at {path_str(path)} ({spec(x)}) disagrees with its metadata"
+                    f" ({spec(m) if m is not None else 'none'})")
+        if table is not None and _crc(x) != table[tuple(_tokens(path))][2]:
+            return (f"the data at {path_str(path)} does not match its checksum (a file was "
+                    "changed after the save)")
+    return None
