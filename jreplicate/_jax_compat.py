@@ -9,13 +9,17 @@ Moving jreplicate to a new JAX release should be a change to this file alone:
   ``shard_map`` reads ``out_specs`` only after calling the body; where a JAX release
   reads them earlier (detected once by :func:`single_pass_out_specs`), an
   ``eval_shape`` pass chooses them first and the step is traced twice per signature;
-* :func:`backends_are_initialized`, :func:`cluster_env_present` and
-  :func:`distributed_client` reach into ``jax._src`` for the distributed runtime.
+* :func:`backends_are_initialized`, :func:`cluster_env_present`,
+  :func:`distributed_client` and :func:`set_gloo_hostname` reach into ``jax._src`` for
+  the distributed runtime.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import inspect
+import logging
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -163,3 +167,42 @@ def distributed_client() -> Any:
     if client is None:
         raise RuntimeError("the JAX distributed runtime is not running.")
     return client
+
+
+def set_gloo_hostname(hostname: str | None) -> None:
+    """Makes gloo (CPU collectives across processes) listen on ``hostname``.
+
+    JAX creates gloo's TCP device without a host name, so gloo listens on the address
+    that this machine's host name resolves to (a LAN address on most machines). This
+    wraps the registered CPU backend factory so that the backend, when it starts, gets
+    gloo collectives created with ``hostname`` (``None``: JAX's own behaviour). Call it
+    before the backend starts. Where this JAX lacks the pieces, gloo keeps its default
+    and a warning says so.
+    """
+    from jax._src import xla_bridge
+    reg = getattr(xla_bridge, "_backend_factories", {}).get("cpu")
+    make = getattr(getattr(xla_bridge, "_jax", None), "make_gloo_tcp_collectives", None)
+    if reg is None or make is None:
+        if hostname is not None:
+            logging.getLogger("jreplicate").warning(
+                "jreplicate: cannot make gloo listen on %s with this JAX; it listens on "
+                "the address of the host name.", hostname)
+        return
+    original = getattr(reg.factory, "_jreplicate_original", reg.factory)
+    if hostname is None:
+        xla_bridge._backend_factories["cpu"] = dataclasses.replace(reg, factory=original)
+        return
+    if "collectives" not in inspect.signature(original).parameters:
+        logging.getLogger("jreplicate").warning(
+            "jreplicate: cannot make gloo listen on %s with this JAX.", hostname)
+        return
+
+    def factory():
+        from jax._src import distributed
+        client = distributed.global_state.client
+        if client is None or jax.config.jax_cpu_collectives_implementation != "gloo":
+            return original()
+        return original(collectives=make(distributed_client=client, hostname=hostname))
+
+    factory._jreplicate_original = original
+    xla_bridge._backend_factories["cpu"] = dataclasses.replace(reg, factory=factory)

@@ -6,7 +6,9 @@ Usage::
         [--timeout S] script.py [args ...]
 
 Starts ``N`` copies of ``script.py`` (or ``-m module``) that find each other through a
-coordinator on ``127.0.0.1`` and a free port: each gets ``JREPLICATE_COORDINATOR``,
+coordinator on ``127.0.0.1`` and a free port (``--host`` may name another loopback
+address, ``::1`` or ``localhost``; every socket of the job listens on loopback only, see
+:func:`jreplicate.strategies.cluster.connect`): each gets ``JREPLICATE_COORDINATOR``,
 ``JREPLICATE_NUM_PROCESSES`` and ``JREPLICATE_PROCESS_ID``, which
 :class:`jreplicate.MultiWorkerStrategy` reads, and ``JREPLICATE_RESTART_COUNT`` (0 for
 the first attempt). ``--devices-per-proc K`` gives every process ``K`` simulated CPU
@@ -46,6 +48,7 @@ from jreplicate.strategies.cluster import (
     ENV_NUM_PROCESSES,
     ENV_PROCESS_ID,
     EXIT_INIT_TIMEOUT,
+    is_loopback_host,
 )
 
 ENV_RESTART_COUNT = "JREPLICATE_RESTART_COUNT"
@@ -54,9 +57,16 @@ _PROG = "jreplicate.launch"
 
 def free_port(host: str = "127.0.0.1") -> int:
     """A TCP port that was free on ``host`` a moment ago."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        s.bind((host.strip("[]"), 0))
         return s.getsockname()[1]
+
+
+def coordinator_address(host: str) -> str:
+    """``host:port`` (``[host]:port`` for IPv6) with a port free on ``host``."""
+    host = host.strip("[]")
+    return f"[{host}]:{free_port(host)}" if ":" in host else f"{host}:{free_port(host)}"
 
 
 @dataclasses.dataclass
@@ -267,7 +277,7 @@ def _start_guard() -> subprocess.Popen | None:
 def run_group(cmd: list[str], *, nproc: int, devices_per_proc: int | None, host: str,
               restart: int, grace: float, timeout: float | None) -> Outcome:
     """Runs one attempt of the group to completion or first failure."""
-    coordinator = f"{host}:{free_port(host)}"
+    coordinator = coordinator_address(host)
     envs = [child_env(dict(os.environ), coordinator=coordinator, nproc=nproc, rank=r,
                       devices_per_proc=devices_per_proc, restart=restart)
             for r in range(nproc)]
@@ -313,7 +323,8 @@ def _parser() -> argparse.ArgumentParser:
                    help="simulated CPU devices per process")
     p.add_argument("--max-restarts", type=int, default=0, metavar="R",
                    help="restart the whole group up to R times after a failure (default 0)")
-    p.add_argument("--host", default="127.0.0.1", help="coordinator host (default 127.0.0.1)")
+    p.add_argument("--host", default="127.0.0.1",
+                   help="coordinator host, a loopback address (default 127.0.0.1)")
     p.add_argument("--grace", type=float, default=5.0, metavar="S",
                    help="seconds between SIGTERM and SIGKILL when stopping (default 5)")
     p.add_argument("--timeout", type=float, default=None, metavar="S",
@@ -367,6 +378,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(f"--max-restarts {ns.max_restarts}: must be >= 0")
     if ns.timeout is not None and ns.timeout <= 0:
         parser.error(f"--timeout {ns.timeout}: must be a positive number of seconds")
+    if not is_loopback_host(ns.host):
+        parser.error(f"--host {ns.host}: the launcher starts every process on this machine, "
+                     "and they listen on --host only; give a loopback address: 127.0.0.1 "
+                     "(the default), ::1 or localhost")
 
     def on_term(signum, frame):
         raise KeyboardInterrupt

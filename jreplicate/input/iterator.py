@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import functools
-import pickle
 import warnings
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -11,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 import jax
 import numpy as np
 
+from jreplicate import _wire
 from jreplicate._tree import check_fits, is_array_like, path_str
 from jreplicate.input import padding
 from jreplicate.input.auto import AutoPrefetch
@@ -280,20 +280,25 @@ class InputIterator(PrefetchStaging):
             out.append((leaves, out_def, None))
         return out, out_def
 
-    def _padding_for(self, spec: tuple, n: int) -> list:
+    def _padding_for(self, spec: dict, n: int) -> tuple[list, Any]:
         """Elements for ``n`` local replicas whose pipelines ran out while other
-        processes' did not, from the agreed spec (mask leaf included: all zeros)."""
-        leaves = [np.zeros(shape, dtype) for shape, dtype in spec[1]]
-        return [(list(leaves), spec[0], None) for _ in range(n)]
+        processes' did not, from the agreed spec (mask leaf included: all zeros), and
+        their structure: this process's own if it saw an element, else rebuilt from the
+        spec's description."""
+        local = () if self._first is None else (padding.masked_treedef(self._first[0]),)
+        treedef = _wire.rebuild(spec["tree"], local)
+        leaves = [np.zeros(shape, dtype) for shape, dtype in _wire.leaf_specs(spec)]
+        return [(list(leaves), treedef, None) for _ in range(n)], treedef
 
     def _produce_shared(self) -> Any:
         """One step across processes: read locally, agree, then all decide alike.
 
         Each process publishes the outcome of its read (data with its element spec, end
-        of input, partial batch, or error) through the coordination service; from the
-        same list of outcomes every process takes the same decision, so no process
-        raises while another waits in a collective. In SINGLE mode worker 0 reads every
-        replica's element and the stacked batch is broadcast to the other processes.
+        of input, partial batch, or error) through the coordination service, as a
+        checked JSON message (:func:`jreplicate._wire.input_report`); from the same list
+        of outcomes every process takes the same decision, so no process raises while
+        another waits in a collective. In SINGLE mode worker 0 reads every replica's
+        element and the stacked batch is broadcast to the other processes.
         """
         strategy = self._strategy
         single = self._mode is InputReplicationMode.SINGLE
@@ -308,43 +313,41 @@ class InputIterator(PrefetchStaging):
             status, detail = "partial", str(e)
         except Exception as e:  # shared below, so that every process raises it
             status, detail, error = "error", f"{type(e).__name__}: {e}", e
-        spec = None
-        if flat is not None:
-            spec = (treedef, [(tuple(x.shape), str(x.dtype)) for x in flat[0][0]])
-        reports = [pickle.loads(r) for r in self._agreement.all_gather(
-            pickle.dumps((status, detail, spec)), "this step's input")]
+        reports = self._agreement.exchange(
+            {"status": status, "detail": detail, "seen": self._first is not None,
+             "error_type": "" if error is None else type(error).__name__,
+             "spec": None if flat is None else _wire.element_spec(treedef, flat[0][0])},
+            "this step's input", _wire.input_report)
         me = strategy.worker_index
-        for p, (s, d, _) in enumerate(reports):
-            if s == "error":
+        for p, r in enumerate(reports):
+            if r["status"] == "error":
                 self._exhausted = True
                 if p == me and error is not None:
                     raise error
                 kind = {"ValueError": ValueError, "TypeError": TypeError}.get(
-                    d.split(":", 1)[0], RuntimeError)
+                    r["error_type"], RuntimeError)
                 raise kind(f"reading the input on process {p} failed, so every process "
-                           f"stops: {d}")
-        ended = [p for p, (s, _, _) in enumerate(reports) if s in ("end", "partial")]
+                           f"stops: {r['detail']}")
+        ended = [p for p, r in enumerate(reports) if r["status"] in ("end", "partial")]
+        specs = [(p, r["spec"]) for p, r in enumerate(reports) if r["spec"] is not None]
+        pad_here = False
         if self._pad and ended:
-            data = [p for p, (s, _, sp) in enumerate(reports) if s == "ok" and sp is not None]
-            if not data:  # every pipeline everywhere has run out
+            if not specs:  # every pipeline everywhere has run out
                 self._exhausted = True
                 raise StopIteration
-            if status == "end" and self._feeds:  # others still have data: pad this one
-                flat = self._padding_for(reports[data[0]][2], len(ids))
-                treedef = reports[data[0]][2][0]
-            ended = []
+            pad_here, ended = status == "end" and bool(self._feeds), []
         if ended:
             self._exhausted = True
-            if any(s == "partial" or sp is not None for s, _, sp in reports):
+            if any(r["status"] == "partial" or r["spec"] is not None for r in reports):
                 self._warn("the last step's input: " + "; ".join(
-                    f"process {p} " + (f"had a partial batch ({reports[p][1]})"
-                                       if reports[p][0] == "partial" else "ran out of input")
+                    f"process {p} " + (f"had a partial batch ({reports[p]['detail']})"
+                                       if reports[p]["status"] == "partial"
+                                       else "ran out of input")
                     for p in ended))
             raise StopIteration
-        specs = [(p, sp) for p, (_, _, sp) in enumerate(reports) if sp is not None]
         if any(sp != specs[0][1] for _, sp in specs):
             self._exhausted = True
-            listing = "; ".join(f"process {p}: {_spec_str(sp)}" for p, sp in specs)
+            listing = "; ".join(f"process {p}: {_wire.spec_str(sp)}" for p, sp in specs)
             raise ValueError(
                 "the input elements differ across processes (" + listing + "). Every "
                 "replica must get an element of one structure, shape and dtype: batch each "
@@ -352,9 +355,15 @@ class InputIterator(PrefetchStaging):
                 "global batch size divisible by the number of replicas "
                 f"({strategy.num_replicas}), and split the data evenly across processes."
             )
+        problem = _unbuildable(reports, specs[0][1], single)
+        if problem:
+            self._exhausted = True
+            raise ValueError(problem)
+        if pad_here:  # others still have data: pad this one
+            flat, treedef = self._padding_for(specs[0][1], len(ids))
         if single:
-            flat = self._broadcast_single(flat, specs[0][1], ids)
-            treedef = specs[0][1][0]
+            treedef = _wire.rebuild(specs[0][1]["tree"], (treedef,))
+            flat = self._broadcast_single(flat, (treedef, _wire.leaf_specs(specs[0][1])), ids)
         return flat, treedef
 
     def _broadcast_single(self, flat: list | None, spec: tuple, ids: tuple) -> list:
@@ -407,10 +416,23 @@ def _structure_changed(first: tuple, treedef: Any, paths: list, rid: int) -> Val
     )
 
 
-def _spec_str(spec: tuple) -> str:
-    treedef, leaves = spec
-    shapes = ", ".join(f"{dtype}{list(shape)}" for shape, dtype in leaves)
-    return f"{shapes} in {treedef}" if treedef.num_nodes > 1 else shapes
+def _unbuildable(reports: list[dict], spec: dict, single: bool) -> str | None:
+    """What is wrong (the same on every process) when a process must build input
+    elements of ``spec`` from its description (SINGLE mode's receivers; a padded process
+    that has never seen an element) and the structure has a custom pytree node, which
+    only the process that flattened it knows; None when nothing is."""
+    needs = [p for p, r in enumerate(reports)
+             if (single and p) or (r["status"] == "end" and not r["seen"])]
+    if not needs or _wire.rebuildable(spec["tree"]):
+        return None
+    return (
+        f"process(es) {needs} must build input elements of structure {spec['structure']} "
+        "from another process's description, which covers dicts, lists, tuples, None and "
+        "module-level namedtuples only, not custom pytree nodes. Make input_fn yield "
+        "elements made of those containers (e.g. a dict of arrays), "
+        + ("or use InputReplicationMode.PER_WORKER." if single else
+           "or give every process's input at least one element.")
+    )
 
 
 def _dropped_message(read: int, n: int) -> str | None:

@@ -25,6 +25,7 @@ small agreements processes need so that they all take the same decision
 from __future__ import annotations
 
 import dataclasses
+import ipaddress
 import json
 import logging
 import math
@@ -33,7 +34,7 @@ import socket
 import sys
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -46,6 +47,7 @@ ENV_COORDINATOR = "JREPLICATE_COORDINATOR"
 ENV_NUM_PROCESSES = "JREPLICATE_NUM_PROCESSES"
 ENV_PROCESS_ID = "JREPLICATE_PROCESS_ID"
 ENV_LOCAL_DEVICE_IDS = "JREPLICATE_LOCAL_DEVICE_IDS"
+ENV_BIND_ADDRESS = "JREPLICATE_COORDINATOR_BIND_ADDRESS"
 ENV_TIMEOUTS = {
     "initialization_timeout": "JREPLICATE_INITIALIZATION_TIMEOUT",
     "heartbeat_timeout": "JREPLICATE_HEARTBEAT_TIMEOUT",
@@ -61,6 +63,10 @@ EXIT_INIT_TIMEOUT = 75
 
 class ClusterError(RuntimeError):
     """A process could not join, or lost contact with, the other processes of the job."""
+
+
+class MessageError(ClusterError):
+    """A process received a malformed agreement message (it names the sender)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -128,6 +134,9 @@ class ClusterSpec:
       local_device_ids: the local devices this process uses (``None``: all).
       source: where the facts came from (``"arguments"``, ``"JREPLICATE_* environment"``,
         ``"TF_CONFIG"``, ``"auto-detect"`` or ``"single process"``).
+      coordinator_bind_address: where process 0's coordination service listens, as
+        passed to JAX (``None``: JAX's default, every interface, or
+        ``JAX_COORDINATOR_BIND_ADDRESS``); filled in by :func:`connect`.
     """
 
     coordinator_address: str | None
@@ -135,6 +144,7 @@ class ClusterSpec:
     process_id: int | None
     local_device_ids: tuple[int, ...] | None = None
     source: str = "arguments"
+    coordinator_bind_address: str | None = None
 
 
 def _check_address(address: Any, where: str) -> str:
@@ -150,6 +160,52 @@ def _check_address(address: Any, where: str) -> str:
             "'10.0.0.1:1234'."
         )
     return address
+
+
+def is_loopback_host(host: str) -> bool:
+    """Whether ``host`` is this machine's loopback: ``localhost``, ``127.x.y.z`` or
+    ``::1`` (literally; a host name that resolves to loopback does not count, because
+    it may resolve to another address on another host)."""
+    host = host.strip("[]")
+    if host.lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def resolve_bind_address(coordinator_address: str | None, given: str | None = None
+                         ) -> str | None:
+    """Where process 0's coordination service listens (``None``: JAX decides).
+
+    In order: ``given`` (``MultiWorkerStrategy(coordinator_bind_address=...)``), then
+    ``JREPLICATE_COORDINATOR_BIND_ADDRESS``; then ``None`` when
+    ``JAX_COORDINATOR_BIND_ADDRESS`` is set (JAX reads it); then the coordinator's own
+    address when it is a loopback address (a local job listens on loopback only); else
+    ``None``: JAX's default, every interface (``[::]:port``).
+    """
+    if given is not None:
+        return _check_address(given, "MultiWorkerStrategy(coordinator_bind_address=...)")
+    if os.environ.get(ENV_BIND_ADDRESS):
+        return _check_address(os.environ[ENV_BIND_ADDRESS],
+                              f"environment variable {ENV_BIND_ADDRESS}")
+    if os.environ.get("JAX_COORDINATOR_BIND_ADDRESS"):
+        return None
+    if coordinator_address and is_loopback_host(coordinator_address.rpartition(":")[0]):
+        return coordinator_address
+    return None
+
+
+def _gloo_host(coordinator_address: str | None) -> str | None:
+    """The address gloo listens on: loopback for a loopback coordinator (every process
+    is on this machine), else ``None`` (gloo's default: the host name's address)."""
+    if coordinator_address is None:
+        return None
+    host = coordinator_address.rpartition(":")[0].strip("[]")
+    if not is_loopback_host(host):
+        return None
+    return "::1" if ":" in host else "127.0.0.1"
 
 
 def _check_int(value: Any, where: str, lo: int, hi: int | None = None) -> int:
@@ -351,12 +407,19 @@ def _init_watchdog(spec: ClusterSpec, timeouts: Timeouts, deadline: float) -> th
 
 
 def connect(spec: ClusterSpec, timeouts: Timeouts,
-            cluster_detection_method: str | None = None) -> ClusterSpec:
+            cluster_detection_method: str | None = None,
+            bind_address: str | None = None) -> ClusterSpec:
     """Starts (or joins) the JAX distributed runtime for ``spec``.
 
     Returns the spec with the facts JAX detected filled in. Single-process specs start
     nothing. If ``jax.distributed`` is already initialised, checks it agrees with
     ``spec`` and reuses it.
+
+    Where it listens: process 0's coordination service binds
+    :func:`resolve_bind_address` (``bind_address`` first); with a loopback coordinator
+    (``python -m jreplicate.launch``) that is the coordinator's loopback address, and
+    gloo's sockets (CPU collectives) listen on loopback too. Otherwise JAX's and gloo's
+    defaults apply: every interface, and the address of the host name.
 
     Raises:
       ClusterError: the coordinator is unreachable within ``initialization_timeout``.
@@ -396,17 +459,26 @@ def connect(spec: ClusterSpec, timeouts: Timeouts,
         shutdown_timeout_seconds=max(1, math.ceil(timeouts.shutdown_timeout)),
     )
     if spec.source == "auto-detect":
+        bind = resolve_bind_address(None, bind_address)
         try:
             jax.distributed.initialize(local_device_ids=spec.local_device_ids,
                                        cluster_detection_method=cluster_detection_method,
-                                       **kwargs)
+                                       coordinator_bind_address=bind, **kwargs)
         except ValueError as e:
             if "should be defined" not in str(e) and "must be defined" not in str(e):
                 raise
             logger.info("jreplicate: no cluster detected (%s); running as one process.", e)
             return ClusterSpec(None, 1, 0, spec.local_device_ids, "single process")
         return dataclasses.replace(spec, num_processes=jax.process_count(),
-                                   process_id=jax.process_index())
+                                   process_id=jax.process_index(),
+                                   coordinator_bind_address=bind)
+    bind = resolve_bind_address(spec.coordinator_address, bind_address)
+    if bind is None and spec.process_id == 0 \
+            and not os.environ.get("JAX_COORDINATOR_BIND_ADDRESS"):
+        logger.info("jreplicate: the coordination service at %s listens on every interface "
+                    "(JAX's default); pass coordinator_bind_address= (or set %s) to choose.",
+                    spec.coordinator_address, ENV_BIND_ADDRESS)
+    _jax_compat.set_gloo_hostname(_gloo_host(spec.coordinator_address))
     deadline = time.monotonic() + timeouts.initialization_timeout
     if spec.process_id != 0 and not _reachable(spec.coordinator_address, deadline):
         raise ClusterError(
@@ -424,19 +496,43 @@ def connect(spec: ClusterSpec, timeouts: Timeouts,
         jax.distributed.initialize(
             spec.coordinator_address, spec.num_processes, spec.process_id,
             local_device_ids=list(spec.local_device_ids) if spec.local_device_ids else None,
-            cluster_detection_method="deactivate", **kwargs)
+            cluster_detection_method="deactivate", coordinator_bind_address=bind, **kwargs)
     finally:
         done.set()
-    return spec
+    return dataclasses.replace(spec, coordinator_bind_address=bind)
 
 
 # -- agreement through the coordination service's key-value store ----------------------
+def decode_message[T](raw: bytes, sender: int, what: str, check: Callable[[Any], T]) -> T:
+    """Process ``sender``'s agreement message: JSON, checked by ``check``.
+
+    ``check`` takes the parsed JSON and returns the typed value, or raises
+    ``ValueError`` / ``TypeError`` saying what is wrong. Nothing is unpickled.
+
+    Raises:
+      MessageError: ``raw`` is not UTF-8 JSON or ``check`` rejects it; the message names
+        the sender and what was being agreed on.
+    """
+    try:
+        return check(json.loads(raw.decode("utf-8")))
+    except (ValueError, TypeError, RecursionError) as e:  # JSONDecodeError, Unicode...
+        raise MessageError(
+            f"jreplicate: process {sender} sent a malformed message while agreeing on "
+            f"{what}: {str(e)[:300]} (got {bytes(raw[:120])!r}"
+            f"{'...' if len(raw) > 120 else ''}). Every process must run the same program "
+            "with the same jreplicate version, and nothing else may write to the job's "
+            "coordination service."
+        ) from None
+
+
 class Agreement:
-    """All-gathers small byte strings between the processes, through the coordinator.
+    """All-gathers small messages between the processes, through the coordinator.
 
     Each call is numbered; process ``p`` publishes ``<prefix>/<n>/<p>`` and reads the
     others' values for the same ``n``, so every process receives the same list, in
     process order, and can take the same decision. Waits are bounded by ``timeout``.
+    :meth:`exchange` carries JSON checked against the caller's schema: nothing read
+    from the key-value store is unpickled.
     """
 
     def __init__(self, prefix: str, num_processes: int, process_id: int, timeout: float):
@@ -483,3 +579,16 @@ class Agreement:
             except Exception:  # noqa: BLE001 - best-effort cleanup
                 pass
         return out
+
+    def exchange[T](self, message: Any, what: str, check: Callable[[Any], T]) -> list[T]:
+        """Publishes ``message`` (JSON-serialisable) and returns every process's message
+        in process order, each parsed and checked by ``check`` (see
+        :func:`decode_message`); this process's own goes through the same check.
+
+        Raises:
+          MessageError: a process's message is malformed (every process raises it).
+          ClusterError: a process did not publish within the timeout.
+        """
+        data = json.dumps(message, allow_nan=False, separators=(",", ":")).encode()
+        return [decode_message(raw, p, what, check)
+                for p, raw in enumerate(self.all_gather(data, what))]

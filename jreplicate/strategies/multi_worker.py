@@ -75,7 +75,9 @@ class MultiWorkerStrategy(Strategy):
 
     Args:
       coordinator_address: ``host:port`` of process 0, where the coordination service
-        listens (any free port, the same on every process).
+        listens (any free port, the same on every process). With a loopback address
+        (``127.0.0.1``, ``::1``, ``localhost``) every socket of the job listens on
+        loopback only.
       num_processes: the number of processes in the job.
       process_id: this process's id, ``0 <= process_id < num_processes``; process 0 is
         the chief.
@@ -91,6 +93,11 @@ class MultiWorkerStrategy(Strategy):
         CPU (gloo) collectives and to jreplicate's own agreements.
       cluster_detection_method: passed to ``jax.distributed.initialize`` when the
         cluster is auto-detected (e.g. ``"mpi4py"``).
+      coordinator_bind_address: ``host:port`` on which process 0's coordination
+        service listens (env ``JREPLICATE_COORDINATOR_BIND_ADDRESS``). Default: the
+        coordinator address itself when it is a loopback address, else JAX's default,
+        every interface (``[::]:port``); on a multi-host cluster give the address of the
+        interface the other hosts reach, e.g. ``"10.0.0.1:1234"``.
       logical_devices_per_replica: M, the devices one replica spans (default 1); must
         divide the number of devices of each process. See
         :class:`jreplicate.MirroredStrategy`.
@@ -123,6 +130,7 @@ class MultiWorkerStrategy(Strategy):
         collective_timeout: float | None = None,
         cluster_detection_method: str | None = None,
         logical_devices_per_replica: int = 1,
+        coordinator_bind_address: str | None = None,
     ):
         m = check_logical_devices_per_replica(logical_devices_per_replica,
                                               "MultiWorkerStrategy")
@@ -131,7 +139,8 @@ class MultiWorkerStrategy(Strategy):
             shutdown_timeout=shutdown_timeout, collective_timeout=collective_timeout)
         spec = _cluster.resolve_cluster(coordinator_address, num_processes, process_id,
                                         local_device_ids)
-        self._cluster = _cluster.connect(spec, self._timeouts, cluster_detection_method)
+        self._cluster = _cluster.connect(spec, self._timeouts, cluster_detection_method,
+                                         coordinator_bind_address)
         self._layout = mesh_layout(_global_mesh(m))
         self._uid = next(_instances)
         self._agreements = itertools.count()

@@ -1,0 +1,285 @@
+"""Typed, validated messages between processes (private).
+
+Agreement messages (:meth:`jreplicate.strategies.cluster.Agreement.exchange`) are JSON;
+nothing that crosses processes is unpickled. This module holds the small schema
+checkers those messages are read with, and the JSON description of a pytree structure
+that input elements carry, so that a process which never saw an element (SINGLE mode,
+or a padded process whose input ran out at once) can rebuild its structure.
+
+A checker is a function ``check(value, where) -> value`` that raises ``ValueError``
+naming ``where`` (the field's path in the message) when the value is malformed.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import sys
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+
+Checker = Callable[[Any, str], Any]
+LEAF = "*"
+MAX_DEPTH = 100  # of a described structure; deeper ones are refused, not recursed into
+
+
+# -- checkers ------------------------------------------------------------------------
+def _fail(where: str, want: str, value: Any) -> ValueError:
+    return ValueError(f"{where} must be {want}, got {json.dumps(value)[:80]}")
+
+
+def string(value: Any, where: str) -> str:
+    if not isinstance(value, str):
+        raise _fail(where, "a string", value)
+    return value
+
+
+def boolean(value: Any, where: str) -> bool:
+    if not isinstance(value, bool):
+        raise _fail(where, "true or false", value)
+    return value
+
+
+def natural(value: Any, where: str) -> int:
+    """An int >= 0 (not a bool)."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise _fail(where, "an int >= 0", value)
+    return value
+
+
+def optional(check: Checker) -> Checker:
+    return lambda value, where: None if value is None else check(value, where)
+
+
+def one_of(*choices: str) -> Checker:
+    def check(value, where):
+        if value not in choices:
+            raise _fail(where, f"one of {list(choices)}", value)
+        return value
+    return check
+
+
+def list_of(check: Checker) -> Checker:
+    def checked(value, where):
+        if not isinstance(value, list):
+            raise _fail(where, "a list", value)
+        return [check(v, f"{where}[{i}]") for i, v in enumerate(value)]
+    return checked
+
+
+def record(**fields: Checker) -> Callable[[Any], dict]:
+    """A checker of a JSON object with exactly ``fields``, each checked by its checker;
+    called with the message alone (``where`` is the message)."""
+    def check(value, where="the message"):
+        if not isinstance(value, dict):
+            raise _fail(where, f"an object with fields {sorted(fields)}", value)
+        if set(value) != set(fields):
+            raise ValueError(f"{where} must have the fields {sorted(fields)}, got "
+                             f"{sorted(value)[:20]}")
+        return {k: c(value[k], f"{where}.{k}") for k, c in fields.items()}
+    return check
+
+
+def dtype_name(value: Any, where: str) -> str:
+    """A NumPy dtype's canonical name (``"float32"``, ``"bfloat16"``); no objects."""
+    string(value, where)
+    try:
+        dt = np.dtype(value)
+    except TypeError:
+        raise _fail(where, "a dtype name such as 'float32'", value) from None
+    if str(dt) != value or dt.hasobject:
+        raise _fail(where, "a dtype name such as 'float32'", value)
+    return value
+
+
+# -- pytree structures ---------------------------------------------------------------
+def _key(k: Any) -> bool:
+    return isinstance(k, str) or (isinstance(k, int) and not isinstance(k, bool))
+
+
+def _named_type(name: str, fields: Sequence[str]) -> type | None:
+    """The namedtuple class ``module:qualname`` with ``fields``, among loaded modules
+    (nothing is imported or called)."""
+    module, _, qualname = name.partition(":")
+    obj: Any = sys.modules.get(module)
+    for part in qualname.split("."):
+        obj = getattr(obj, "__dict__", {}).get(part) if obj is not None else None
+    if isinstance(obj, type) and issubclass(obj, tuple) \
+            and tuple(getattr(obj, "_fields", ())) == tuple(fields):
+        return obj
+    return None
+
+
+@functools.lru_cache(maxsize=256)
+def describe(treedef: Any) -> Any:
+    """The JSON description of ``treedef``: ``"*"`` a leaf, ``null`` None, ``{"tuple":
+    [...]}``, ``{"list": [...]}``, ``{"dict": [[key, ...], ...]}``, ``{"odict": ...}``,
+    ``{"namedtuple": "module:qualname", "fields": [...], "children": [...]}``,
+    ``{"masked": [batch, mask]}``; any other node is ``{"opaque": "<its repr>"}``,
+    which compares but cannot be rebuilt elsewhere."""
+    from jreplicate.context import MaskedBatch
+    if treedef.num_nodes == 1 and treedef.num_leaves == 1:
+        return LEAF
+    kind, aux = treedef.node_data()
+    children = [describe(c) for c in treedef.children()]
+    if kind is type(None):
+        return None
+    if kind is tuple or kind is list:
+        return {kind.__name__: children}
+    if kind in (dict, OrderedDict) and all(_key(k) for k in aux):
+        return {"dict" if kind is dict else "odict": [[k, c] for k, c in zip(aux, children)]}
+    if kind is MaskedBatch:
+        return {"masked": children}
+    fields = getattr(kind, "_fields", None)
+    if isinstance(kind, type) and issubclass(kind, tuple) and fields is not None:
+        name = f"{kind.__module__}:{kind.__qualname__}"
+        if _named_type(name, fields) is kind:
+            return {"namedtuple": name, "fields": list(fields), "children": children}
+    return {"opaque": str(treedef)}
+
+
+def _pair(value: Any, where: str) -> list:
+    if not (isinstance(value, list) and len(value) == 2 and _key(value[0])):
+        raise _fail(where, "a [key, structure] pair with a string or int key", value)
+    return value
+
+
+def structure(value: Any, where: str, depth: int = 0) -> Any:
+    """Checks a structure description (see :func:`describe`)."""
+    if value is None or value == LEAF:
+        return value
+    if depth >= MAX_DEPTH:
+        raise ValueError(f"{where} nests deeper than {MAX_DEPTH} levels")
+    if isinstance(value, dict) and set(value) == {"namedtuple", "fields", "children"}:
+        fields = list_of(string)(value["fields"], f"{where}.fields")
+        children = [structure(c, f"{where}.children[{i}]", depth + 1) for i, c in
+                    enumerate(list_of(lambda v, w: v)(value["children"], f"{where}.children"))]
+        if len(fields) != len(children):
+            raise ValueError(f"{where} has {len(fields)} fields but {len(children)} children")
+        return {"namedtuple": string(value["namedtuple"], f"{where}.namedtuple"),
+                "fields": fields, "children": children}
+    if not isinstance(value, dict) or len(value) != 1:
+        raise _fail(where, "a structure description", value)
+    (kind, body), = value.items()
+    here = f"{where}.{kind}"
+    if kind == "opaque":
+        return {kind: string(body, here)}
+    if kind in ("dict", "odict"):
+        pairs = list_of(_pair)(body, here)
+        return {kind: [[k, structure(c, f"{here}[{k!r}]", depth + 1)] for k, c in pairs]}
+    if kind in ("tuple", "list", "masked"):
+        out = [structure(c, f"{here}[{i}]", depth + 1)
+               for i, c in enumerate(list_of(lambda v, w: v)(body, here))]
+        if kind == "masked" and len(out) != 2:
+            raise _fail(here, "[batch, mask]", body)
+        return {kind: out}
+    raise _fail(where, "a structure description", value)
+
+
+def _example(desc: Any) -> Any:
+    """A value of structure ``desc`` with ``0`` leaves (see :func:`rebuild`)."""
+    from jreplicate.context import MaskedBatch
+    if desc == LEAF:
+        return 0
+    if desc is None:
+        return None
+    if "namedtuple" in desc:
+        cls = _named_type(desc["namedtuple"], desc["fields"])
+        if cls is None:
+            raise ValueError(f"the namedtuple {desc['namedtuple']} is not defined in this "
+                             "process")
+        return cls(*(_example(c) for c in desc["children"]))
+    (kind, body), = desc.items()
+    if kind == "tuple":
+        return tuple(_example(c) for c in body)
+    if kind == "list":
+        return [_example(c) for c in body]
+    if kind in ("dict", "odict"):
+        return (dict if kind == "dict" else OrderedDict)((k, _example(c)) for k, c in body)
+    if kind == "masked":
+        return MaskedBatch(*(_example(c) for c in body))
+    raise ValueError(f"a {desc['opaque']} node cannot be rebuilt from its description")
+
+
+def _children(desc: Any) -> list | None:
+    """The child descriptions of ``desc`` (None for an opaque node)."""
+    if not isinstance(desc, dict):
+        return []
+    if "namedtuple" in desc:
+        return desc["children"]
+    (kind, body), = desc.items()
+    if kind == "opaque":
+        return None
+    return [c for _, c in body] if kind in ("dict", "odict") else body
+
+
+def rebuildable(desc: Any) -> bool:
+    """Whether :func:`rebuild` can rebuild ``desc`` without a local treedef (it has no
+    opaque node)."""
+    kids = _children(desc)
+    return kids is not None and all(rebuildable(c) for c in kids)
+
+
+def rebuild(desc: Any, local: Sequence[Any] = ()) -> Any:
+    """The treedef described by ``desc``: one of ``local`` (this process's treedefs)
+    that it describes, else rebuilt from the description.
+
+    Raises:
+      ValueError: ``desc`` has an opaque node (a custom pytree node) and none of
+        ``local`` matches, or names a namedtuple this process does not define.
+    """
+    for treedef in local:
+        if treedef is not None and describe(treedef) == desc:
+            return treedef
+    return jax.tree.structure(_example(desc))
+
+
+# -- the messages --------------------------------------------------------------------
+def _leaf_spec(value: Any, where: str) -> list:
+    if not (isinstance(value, list) and len(value) == 2):
+        raise _fail(where, "a [shape, dtype] pair", value)
+    return [list_of(natural)(value[0], f"{where}[0]"), dtype_name(value[1], f"{where}[1]")]
+
+
+#: An input element's structure (repr and description) and its leaves' shapes, dtypes.
+ELEMENT_SPEC = record(structure=string, tree=structure, leaves=list_of(_leaf_spec))
+
+
+def element_spec(treedef: Any, leaves: Sequence[np.ndarray]) -> dict:
+    """The :data:`ELEMENT_SPEC` message of an element of ``treedef`` with ``leaves``."""
+    return {"structure": str(treedef), "tree": describe(treedef),
+            "leaves": [[list(x.shape), str(x.dtype)] for x in leaves]}
+
+
+def leaf_specs(spec: dict) -> list[tuple[tuple[int, ...], str]]:
+    """``[(shape, dtype), ...]`` of a checked element spec."""
+    return [(tuple(shape), dtype) for shape, dtype in spec["leaves"]]
+
+
+def spec_str(spec: dict) -> str:
+    """An element spec for error messages: ``float32[4, 3], int32[4] in PyTreeDef(...)``."""
+    shapes = ", ".join(f"{dtype}{list(shape)}" for shape, dtype in spec["leaves"])
+    return shapes if spec["tree"] == LEAF else f"{shapes} in {spec['structure']}"
+
+
+_input_report = record(status=one_of("ok", "end", "partial", "error"), detail=string,
+                       error_type=string, seen=boolean, spec=optional(ELEMENT_SPEC))
+
+
+def input_report(value: Any) -> dict:
+    """One process's outcome of reading a step's input (see ``InputIterator``):
+    ``status``, ``detail`` (the partial batch or the error), ``error_type`` (the error's
+    class name), ``seen`` (whether the process knows the element structure) and
+    ``spec`` (the element spec, with status "ok" only)."""
+    report = _input_report(value)
+    if report["spec"] is not None and report["status"] != "ok":
+        raise ValueError(f"the message has an element spec with status {report['status']!r}")
+    return report
+
+
+#: The chief's ``(value, error)`` of a checkpoint decision (a step or None, a message).
+CHIEF_RESULT = record(value=optional(natural), error=optional(string))
