@@ -43,7 +43,6 @@ from __future__ import annotations
 
 import logging
 import os
-import pickle
 import time
 import weakref
 from collections.abc import Callable
@@ -54,6 +53,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jreplicate import _wire
 from jreplicate._checkpoint_checks import mismatch, one_line, path_problem, quiet_orbax
 from jreplicate._checkpoint_tree import (
     checksum_table,
@@ -476,9 +476,10 @@ class CheckpointManager:
         value, err = chief_fn()
         if self._agreement is None:
             return value, err
-        reports = self._agreement.all_gather(
-            pickle.dumps((value, err) if self.is_chief else None), what)
-        return pickle.loads(reports[0])
+        mine = {"value": value, "error": err} if self.is_chief else \
+            {"value": None, "error": None}
+        chief = self._agreement.exchange(mine, what, _wire.CHIEF_RESULT)[0]
+        return chief["value"], chief["error"]
 
     def _broadcast(self, host: Any) -> Any:
         if self._strategy.num_workers == 1:
