@@ -6,6 +6,7 @@ installed (the `test` extra installs it).
 """
 
 import os
+import sys
 import time
 
 import jax
@@ -15,19 +16,49 @@ import optax
 import pytest
 
 import jreplicate as jr
+from jreplicate.ps.ray_carrier import ensure_ray
 from tests._ps_helpers import bounded_test  # noqa: F401 (autouse: every test bounded)
+from tests._sockets import is_loopback, listening_sockets
 
 ray = pytest.importorskip("ray", reason="Ray is not installed: pip install 'jreplicate[ray]'")
 
 
 @pytest.fixture(scope="module")
 def local_ray(tmp_path_factory):
+    """The Ray instance the library starts itself (no address given)."""
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # no token file in the home dir
     tmp = tmp_path_factory.mktemp("ray")
-    ray.init(num_cpus=2, _temp_dir=str(tmp), include_dashboard=False,
-             log_to_driver=False, configure_logging=False)
+    saved = {k: os.environ.pop(k, None) for k in ("RAY_ADDRESS", "RAY_TMPDIR")}
+    os.environ["RAY_TMPDIR"] = str(tmp)
+    try:
+        ensure_ray()
+    finally:
+        for k, v in saved.items():
+            os.environ.pop(k, None)
+            if v is not None:
+                os.environ[k] = v
     yield tmp
     ray.shutdown()
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_ray_started_by_the_library_listens_on_loopback_only(local_ray):
+    """GCS, raylet, agents, workers: every listening socket of Ray's processes (children
+    of this one) is on loopback, and no dashboard listens."""
+    @ray.remote(num_cpus=0)
+    class Probe:
+        def ping(self):
+            return "pong"
+
+    probe = Probe.remote()
+    assert ray.get(probe.ping.remote(), timeout=120) == "pong"
+    sockets = listening_sockets(os.getpid())
+    print("\n".join(f"{pid} {addr}:{port} {cmd[:70]}" for pid, cmd, addr, port in sockets))
+    assert len(sockets) >= 4, sockets  # GCS, raylet (2), the workers
+    assert all(is_loopback(addr) for _, _, addr, _ in sockets), sockets
+    # Ray 2.60 runs its dashboard head process even then, but it serves nothing.
+    assert not any("dashboard" in cmd for _, cmd, _, _ in sockets), sockets
+    ray.kill(probe)
 
 
 def _job(tx_fn, **kw):

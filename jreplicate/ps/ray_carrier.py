@@ -16,7 +16,9 @@ The same shard state machine (:class:`jreplicate.ps.shard.PSShard`) and worker
   :class:`jreplicate.ParameterServerError`.
 
 Call ``ray.init(...)`` (e.g. ``ray.init(address="auto")`` on a cluster) before creating
-the strategy's parameters; otherwise a local Ray instance is started. Actors ask for no
+the strategy's parameters, or set ``RAY_ADDRESS``; otherwise :func:`ensure_ray` starts a
+private local Ray instance that listens on 127.0.0.1 only, without a dashboard (Ray's
+processes exchange pickles: keep them off the network). Actors ask for no
 CPUs (``num_cpus=0``) so that shards and workers fit any cluster; pin them with Ray's
 resources if needed. Limits: token-gated starvation is detected by the token deadline
 (``token_timeout``) only, and workers do not hold back to one gradient per step (the
@@ -26,6 +28,7 @@ coordinator does not see their token waits); a step's outputs come back as numpy
 from __future__ import annotations
 
 import dataclasses
+import os
 import time
 from typing import Any
 
@@ -44,6 +47,38 @@ def _ray():
             "ParameterServerStrategy(carrier='ray') needs Ray: pip install "
             "'jreplicate[ray]' (or pip install 'ray>=2.40'), or use carrier='embedded'."
         ) from e
+    return ray
+
+
+def ensure_ray() -> Any:
+    """Ray, initialised: as the caller did, at ``RAY_ADDRESS`` if set, else a private
+    local instance (``address="local"``) whose processes listen on 127.0.0.1 only, with
+    no dashboard.
+
+    Ray turns a loopback ``_node_ip_address`` into the machine's network address unless
+    its clusters are disabled (``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0``, read when Ray is
+    imported); the flag is lowered around this ``ray.init`` only, so that a later
+    ``ray.init(address=...)`` elsewhere in the program behaves as Ray documents.
+    """
+    ray = _ray()
+    if ray.is_initialized():
+        return ray
+    if os.environ.get("RAY_ADDRESS"):  # the user's cluster, as Ray reads it
+        ray.init(include_dashboard=False, log_to_driver=False)
+        return ray
+    try:
+        from ray._private import ray_constants
+        saved = ray_constants.ENABLE_RAY_CLUSTER
+    except (ImportError, AttributeError):  # another Ray: its own address rules
+        ray_constants, saved = None, None
+    if ray_constants is not None:
+        ray_constants.ENABLE_RAY_CLUSTER = False
+    try:
+        ray.init(address="local", _node_ip_address="127.0.0.1", include_dashboard=False,
+                 log_to_driver=False)
+    finally:
+        if ray_constants is not None:
+            ray_constants.ENABLE_RAY_CLUSTER = saved
     return ray
 
 
@@ -109,9 +144,7 @@ class RayCarrier:
 
     def __init__(self, s: Any, tx: Any, placement: Placement, pieces: list, opt_host: Any,
                  restored: list | None):
-        ray = _ray()
-        if not ray.is_initialized():
-            ray.init(include_dashboard=False, log_to_driver=False)
+        ray = ensure_ray()
         ShardActor, WorkerActor = _actor_classes()
         g = s.num_replicas_in_sync
         self.shards = [ShardActor.remote(i, pieces[i], tx, _host_restored(restored, i))
