@@ -38,19 +38,32 @@ def exiting() -> bool:
 
 
 def stop_all(timeout: float = EXIT_JOIN_TIMEOUT) -> list[threading.Thread]:
-    """Stops every live :class:`Prefetcher` and joins its thread, ``timeout`` s in all.
+    """Stops every live :class:`Prefetcher` and waits, ``timeout`` s in all, until each
+    thread has ended or is inside a read from a user's source.
 
     Runs at interpreter exit, before the ``atexit`` handlers (JAX's among them) and before
-    the runtime is torn down. Returns the threads still alive after ``timeout``.
+    the runtime is torn down: a thread inside a JAX call then would abort the process.
+    A thread inside a source's read runs user code, not JAX, and is not waited for (a
+    stalled reader would hold up Ctrl-C): the read, once it returns, raises
+    :class:`InputClosedError` (see :meth:`jreplicate.input.sources.Pipeline.next`), so
+    the thread never goes on into JAX. Returns the threads neither ended nor reading
+    after ``timeout``.
     """
-    _exiting.set()
+    from jreplicate.input.sources import threads_reading  # it imports this module
+
+    _exiting.set()  # before the readers are looked at: see Pipeline.next
     prefetchers = list(_live)
     for p in prefetchers:
         p._stop.set()
     deadline = time.monotonic() + timeout
+
+    def busy(p: Prefetcher) -> bool:
+        return p._thread.is_alive() and p._thread.ident not in threads_reading()
+
     for p in prefetchers:
-        p._thread.join(timeout=max(0.0, deadline - time.monotonic()))
-    return [p._thread for p in prefetchers if p._thread.is_alive()]
+        while busy(p) and time.monotonic() < deadline:
+            p._thread.join(timeout=min(_POLL, max(0.0, deadline - time.monotonic())))
+    return [p._thread for p in prefetchers if busy(p)]
 
 
 def _register_exit_hook() -> None:

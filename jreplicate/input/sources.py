@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import weakref
+from _thread import get_ident
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
@@ -9,6 +11,7 @@ import jax
 import numpy as np
 
 from jreplicate.input.context import InputContext
+from jreplicate.input.prefetch import InputClosedError, _exiting
 
 
 class Pipeline:
@@ -30,7 +33,9 @@ class Pipeline:
     def __init__(self, input_fn: Callable[[InputContext], Any], ctx: InputContext):
         self._fn = input_fn
         self.ctx = ctx
+        self._reader: int | None = None  # the thread inside a read, if any
         self._open(input_fn(ctx))
+        _pipelines.add(self)
 
     def _open(self, source: Any) -> None:
         self._source = source
@@ -42,10 +47,16 @@ class Pipeline:
             self._it = iter(source)
 
     def next(self) -> Any:
-        """The next element; raises StopIteration at the end of the source."""
-        if self.kind == "callable":
-            return self._source()
-        return next(self._it)
+        """The next element; raises StopIteration at the end of the source, and
+        InputClosedError for a read that ends after the process began to exit."""
+        self._reader = get_ident()  # user code, not JAX: see threads_reading
+        try:
+            item = self._source() if self.kind == "callable" else next(self._it)
+        finally:
+            self._reader = None
+        if _exiting.is_set():  # set before the exit looked at _reader: don't go on
+            raise InputClosedError("the process is exiting; the element read is dropped.")
+        return item
 
     def reinitialize(self) -> None:
         """Restarts the pipeline from its first element (no-op for callables)."""
@@ -58,6 +69,16 @@ class Pipeline:
             self._open(self._fn(self.ctx))  # a one-shot iterator: ask input_fn again
         else:
             self._open(self._source)
+
+
+_pipelines: weakref.WeakSet[Pipeline] = weakref.WeakSet()
+
+
+def threads_reading() -> set[int]:
+    """Threads now inside a read from a source (user code, not JAX); once the process
+    began to exit, such a read raises instead of returning (see :meth:`Pipeline.next`).
+    Used by :func:`jreplicate.input.prefetch.stop_all`, which does not wait for them."""
+    return {p._reader for p in list(_pipelines) if p._reader is not None}
 
 
 def _classify(source: Any, ctx: InputContext) -> str:
