@@ -35,6 +35,7 @@ whose NamedTuple has another name but the same fields, shapes and dtypes restore
 
 from __future__ import annotations
 
+import hashlib
 import zlib
 from typing import Any
 
@@ -79,7 +80,7 @@ def normalised(tree: Any, is_leaf=is_array_spec) -> dict[Norm, tuple[tuple, Any]
         if is_leaf(node):
             out[norm] = (path, node)
             return
-        kids = [c for c in _children(node)] if node is not None else []
+        kids = _children(node) if node is not None else []
         if kids and kids[0][0][0] == "i":
             while kids and not _has_leaves(kids[-1][2]):
                 kids.pop()  # trailing leafless elements: no data, no index to keep
@@ -107,6 +108,13 @@ def spec(x: Any) -> str:
     return f"{np.dtype(x.dtype).name}[{', '.join(map(str, np.shape(x)))}]"
 
 
+def state_digest(tree: Any) -> str:
+    """A hex digest of a tree's leaf paths, shapes and dtypes: the same on every process
+    that builds the same state (node data such as a function's address is left out)."""
+    rows = [f"{path_str(p)} {spec(x)}" for p, x in jax.tree_util.tree_leaves_with_path(tree)]
+    return hashlib.sha256("\n".join(rows).encode()).hexdigest()
+
+
 # -- checksums ---------------------------------------------------------------------------
 def _tokens(path: tuple) -> list[str]:
     return [str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))) for k in path]
@@ -131,8 +139,8 @@ def read_table(custom: Any) -> dict[tuple, tuple] | None:
     one (written by an older jreplicate, or by Orbax directly). Raises ValueError when
     the table is there but malformed (the metadata file was changed)."""
     entry = custom.get("jreplicate") if isinstance(custom, dict) else None
-    if entry is None:
-        return None
+    if not isinstance(entry, dict) or entry.get("format") != FORMAT:
+        return None  # none, or a format of a later jreplicate: read without checksums
     try:
         return {tuple(t): (d, tuple(s), int(c)) for t, d, s, c in entry["arrays"]}
     except (KeyError, TypeError, ValueError) as e:

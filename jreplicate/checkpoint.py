@@ -61,6 +61,7 @@ from jreplicate._checkpoint_tree import (
     metadata_problem,
     normalised,
     read_table,
+    state_digest,
     template_leaves,
 )
 from jreplicate._dirlock import LOCK_NAME, DirectoryLock, LockHeldError
@@ -236,6 +237,7 @@ class CheckpointManager:
             template = init_fn()
             host = _to_host(template, "restore_or_initialize: init_fn() returned")
             restored = host
+        self._check_same_state(host)
         state = self._broadcast(restored if self.is_chief else host)
         placed = jax.tree.map(lambda x, t: jax.device_put(x, self._placement(t)),
                               state, template)
@@ -419,10 +421,10 @@ class CheckpointManager:
             if tree is None:
                 raise _Damaged("no metadata")
             table = read_table(getattr(metadata, "custom_metadata", None))
-        except _Damaged:
+        except (_Damaged, MemoryError):  # no memory: not the checkpoint's fault
             raise
         except Exception as e:
-            raise _Damaged(f"its metadata cannot be read: {one_line(e)}") from None
+            raise _Damaged(f"its files cannot be read: {one_line(e)}") from None
         problem = metadata_problem(tree, table)
         if problem:
             raise _Damaged(problem)
@@ -441,6 +443,8 @@ class CheckpointManager:
         try:
             with quiet_orbax():
                 value = self._manager().restore(step, args=ocp.args.StandardRestore(target))
+        except MemoryError:
+            raise
         except Exception as e:  # the data of a committed checkpoint is damaged
             return None, one_line(e)
         damage = data_problem(value, stored, table)
@@ -480,6 +484,20 @@ class CheckpointManager:
             {"value": None, "error": None}
         chief = self._agreement.exchange(mine, what, _wire.CHIEF_RESULT)[0]
         return chief["value"], chief["error"]
+
+    def _check_same_state(self, host: Any) -> None:
+        """Raises on every process alike when init_fn() builds another structure, shape
+        or dtype on some process (the broadcast would otherwise hang or fail on one)."""
+        if self._agreement is None:
+            return
+        digests = self._agreement.all_gather(state_digest(host).encode(),
+                                             "init_fn()'s state")
+        others = [p for p, d in enumerate(digests) if d != digests[0]]
+        if others:
+            raise CheckpointError(
+                f"restore_or_initialize: init_fn() builds another state on process "
+                f"{others[0]} than on process 0 (other paths, shapes or dtypes); every "
+                "process must build the same state (the same model and optimizer).")
 
     def _broadcast(self, host: Any) -> Any:
         if self._strategy.num_workers == 1:

@@ -231,7 +231,7 @@ def test_chief_only_faults_raise_the_same_error_on_every_process_at_once(tmp_pat
         results.setdefault(name, {})[int(rank)] = (kind, float(secs), msg)
     assert set(results) == {"in_the_way", "parent_is_a_file", "second_manager",
                             "after_close", "other_dtype", "damaged_newest", "empty_nodes",
-                            "all_damaged"}, r.stdout[-3000:]
+                            "all_damaged", "init_differs"}, r.stdout[-3000:]
     for name, by_rank in results.items():
         assert set(by_rank) == {0, 1}, name
         (kind0, _, msg0), (kind1, _, msg1) = by_rank[0], by_rank[1]
@@ -251,5 +251,7 @@ def test_chief_only_faults_raise_the_same_error_on_every_process_at_once(tmp_pat
     assert results["empty_nodes"][1][::2] == ("ok", "step=1 w=1.0")
     kind, _, msg = results["all_damaged"][1]
     assert kind == "CheckpointError" and "every checkpoint in" in msg, msg
+    kind, _, msg = results["init_differs"][1]
+    assert kind == "CheckpointError" and "another state on process 1 than on process 0" in msg
     names = sorted(p.name for p in (tmp_path / "damaged").iterdir())
     assert names[0] == "1" and names[1].startswith("2.damaged-"), names

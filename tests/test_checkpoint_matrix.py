@@ -9,6 +9,7 @@ init_fn's fresh state at step 0 while a committed step exists.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 
@@ -105,6 +106,16 @@ def _bad_metadata(step_dir):
     os.truncate(path, os.path.getsize(path) // 2)
 
 
+def _metadata_disagrees(step_dir):
+    """Valid metadata that no longer lists one of the saved arrays."""
+    path = os.path.join(step_dir, "default", "_METADATA")
+    meta = json.load(open(path))
+    arrays = [k for k, v in meta["tree_metadata"].items()
+              if v["value_metadata"]["value_type"] == "np.ndarray"]
+    del meta["tree_metadata"][arrays[0]]
+    json.dump(meta, open(path, "w"))
+
+
 def _uncommitted(root):
     """A newest step 3 whose save was cut short (no commit marker; data half written)."""
     shutil.copytree(os.path.join(root, "2"), os.path.join(root, "3"))
@@ -114,7 +125,7 @@ def _uncommitted(root):
 
 # name: (what it does to the directory, the steps it really damages)
 DAMAGE = {"garbled": _garble, "truncated": _truncate, "deleted": _delete,
-          "metadata": _bad_metadata}
+          "metadata": _bad_metadata, "metadata disagrees": _metadata_disagrees}
 CORRUPTIONS = {"none": (lambda root: None, ()), "uncommitted newest": (_uncommitted, ())}
 for _name, _fn in DAMAGE.items():
     CORRUPTIONS[f"{_name} newest, older good"] = (
@@ -194,3 +205,116 @@ def test_data_back_exactly_or_an_error(saved, strategy, tmp_path, saved_as, rest
         assert not restores or not good, error  # data that matches comes back
         assert moved == [], (before, after)  # nothing moved aside when raising
         assert "init_fn" in error, error
+
+
+# -- the matching rule, as a property (pure: no files) ----------------------------------
+_EMPTIES = (None, {}, (), optax.EmptyState())
+
+
+def _trees():
+    from hypothesis import strategies as st
+    containers = lambda kids: st.one_of(  # noqa: E731
+        st.lists(kids, max_size=3), st.lists(kids, max_size=3).map(tuple),
+        st.dictionaries(st.sampled_from("abc"), kids, max_size=3))
+    return st.recursive(st.just(0), containers, max_leaves=8).map(
+        lambda t: jax.tree.unflatten(jax.tree.structure(t),
+                                     list(range(1, jax.tree.structure(t).num_leaves + 1))))
+
+
+def _has_data(t):
+    return bool(jax.tree.leaves(t))
+
+
+def _harmless(t, draw):
+    """``t`` with empty nodes added and one-element wrappers added or removed."""
+    from hypothesis import strategies as st
+    if isinstance(t, dict):
+        t = {k: _harmless(v, draw) for k, v in t.items()}
+        if draw(st.booleans()):
+            t["zz"] = draw(st.sampled_from(_EMPTIES))
+    elif isinstance(t, (list, tuple)):
+        t = type(t)(_harmless(v, draw) for v in t)
+        if len(t) == 1 and draw(st.booleans()):
+            return t[0]  # unwrap
+        if draw(st.booleans()):
+            t = type(t)([*t, draw(st.sampled_from(_EMPTIES))])
+    return (t,) if draw(st.booleans()) and draw(st.booleans()) else t
+
+
+def _harmful(t):
+    """``t`` with data moved: an empty node before a data element, or a key renamed."""
+    if isinstance(t, (list, tuple)) and _has_data(t):
+        return type(t)([None, *t])
+    if isinstance(t, dict):
+        for k, v in t.items():
+            if _has_data(v):
+                return {**{j: w for j, w in t.items() if j != k}, k + "_renamed": v}
+    return None
+
+
+def _placed(tree):
+    """Which saved leaf (by its value) the rule puts at each normalised path."""
+    from jreplicate._checkpoint_tree import template_leaves
+    leaves = jax.tree.leaves(tree)
+    return {norm: leaves[i] for norm, (_, i) in template_leaves(tree).items()}
+
+
+def _stored(tree):
+    import orbax.checkpoint as ocp
+
+    from jreplicate._checkpoint_tree import normalised
+    serial = ocp.tree.serialize_tree(tree, keep_empty_nodes=True)
+    return {n: v for n, (_, v) in normalised(serial, lambda x: isinstance(x, int)).items()}
+
+
+def test_matching_rule_ignores_empty_nodes_and_wrappers_but_never_moves_data():
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    @settings(max_examples=80, deadline=None)
+    @given(_trees(), st.data())
+    def check(saved_tree, data):
+        stored = _stored(saved_tree)
+        assert sorted(stored.values()) == jax.tree.leaves(saved_tree)  # every array, once
+        edited = _harmless(saved_tree, data.draw)
+        assert _placed(edited) == stored, (saved_tree, edited)
+        moved = _harmful(saved_tree)
+        if moved is not None:
+            assert _placed(moved) != stored, (saved_tree, moved)
+    check()
+
+
+# -- across strategies, NNX, checkpoints written without jreplicate's checksums -----------
+def _equal(got, want):
+    got, want = jax.tree.leaves(got), jax.tree.leaves(want)
+    return len(got) == len(want) and all(
+        np.asarray(g).dtype == w.dtype and np.array_equal(np.asarray(g), w)
+        for g, w in zip(got, want, strict=True))
+
+
+def test_saved_under_one_strategy_restored_under_another(tmp_path):
+    eight, one = MirroredStrategy(), MirroredStrategy(devices=[0])
+    for saver, restorer, name in ((eight, one, "adam"), (one, eight, "nnx")):
+        path = tmp_path / name
+        with CheckpointManager(path, saver) as m:
+            replicated = jax.device_put(_values(name, 5), jax.sharding.NamedSharding(
+                saver.mesh, jax.sharding.PartitionSpec()))
+            m.save(5, replicated)
+        with CheckpointManager(path, restorer) as m:
+            step, state = m.restore_or_initialize(STATES[name])
+        assert step == 5 and _equal(state, _values(name, 5))
+        for leaf in jax.tree.leaves(state):  # placed on the restoring strategy's devices
+            assert set(leaf.sharding.device_set) == set(restorer.mesh.devices.flat)
+    model = nnx.Linear(64, 32, rngs=nnx.Rngs(1))
+    nnx.update(model, state)  # an NNX state restores into a module
+    assert np.array_equal(np.asarray(model.kernel[...]), _values("nnx", 5)["kernel"][...])
+
+
+def test_checkpoint_written_by_orbax_alone_restores(tmp_path, strategy):
+    import orbax.checkpoint as ocp
+    with ocp.CheckpointManager(tmp_path, item_handlers=ocp.StandardCheckpointHandler()) as m:
+        m.save(3, args=ocp.args.StandardSave(_values("adam", 3)))  # no checksum table
+        m.wait_until_finished()
+    with CheckpointManager(tmp_path, strategy) as m:
+        step, state = m.restore_or_initialize(STATES["adamw"])
+    assert step == 3 and _equal(state, _values("adam", 3))

@@ -232,8 +232,8 @@ def test_checkpoint_of_other_shapes_is_an_error_not_restored(tmp_path):
     # Other processes would wait for init_fn()'s shapes in the broadcast: all must raise.
     rep = Replicator(MirroredStrategy())
     CheckpointManager(tmp_path, rep).save(1, {"w": jnp.arange(3.0)})
-    with pytest.raises(CheckpointError, match=r"checkpoint 1 .* holds \['w'\] with shape "
-                                              r"\(3,\) but init_fn\(\) gives shape \(4,\)"):
+    with pytest.raises(CheckpointError, match=r"checkpoint 1 .* \['w'\] is float32\[3\] in the "
+                                              r"checkpoint but init_fn\(\) gives float32\[4\]"):
         CheckpointManager(tmp_path, rep).restore_or_initialize(lambda: {"w": jnp.zeros(4)})
     step, state = CheckpointManager(tmp_path, rep).restore_or_initialize(
         lambda: {"w": jnp.zeros(3)})
@@ -265,7 +265,7 @@ def test_save_interval_and_errors(tmp_path):
     with pytest.raises(TypeError, match=r"\['name'\] is a str, not an array"):
         mngr.save(10, {"name": "x"})
     mngr.close()  # one manager per directory
-    with pytest.raises(CheckpointError, match="checkpoint 5 .* does not have the structure"):
+    with pytest.raises(CheckpointError, match=r"checkpoint 5 .* does not match init_fn"):
         CheckpointManager(tmp_path, rep).restore_or_initialize(lambda: {"w": jnp.ones(3)})
     with pytest.raises(TypeError, match="must be a jreplicate Strategy or Replicator"):
         CheckpointManager(tmp_path, object())

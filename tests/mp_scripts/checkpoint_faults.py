@@ -81,10 +81,15 @@ def main() -> None:
         with CheckpointManager(os.path.join(d, "damaged"), rep) as m:
             m.restore_or_initialize(f32)
 
+    def init_differs():  # process 1 builds another state: an error everywhere, no hang
+        with CheckpointManager(os.path.join(d, "init_differs"), rep) as m:
+            m.restore_or_initialize(lambda: {**f32(), **({"x": np.zeros(1)} if me else {})})
+
     scenarios = [("in_the_way", in_the_way), ("parent_is_a_file", parent_is_a_file),
                  ("second_manager", second_manager), ("after_close", after_close),
                  ("other_dtype", other_dtype), ("damaged_newest", damaged_newest),
-                 ("empty_nodes", empty_nodes), ("all_damaged", all_damaged)]
+                 ("empty_nodes", empty_nodes), ("all_damaged", all_damaged),
+                 ("init_differs", init_differs)]
     for name, fn in scenarios:
         t0 = time.monotonic()
         try:
