@@ -27,6 +27,30 @@ LEAF = "*"
 MAX_DEPTH = 100  # of a described structure; deeper ones are refused, not recursed into
 
 
+# -- encoding ------------------------------------------------------------------------
+class Encoded(dict):
+    """A JSON object whose text is computed once (a cached message part: never modify
+    it); :func:`dumps` splices the text in."""
+
+    __slots__ = ("text",)
+
+    def __init__(self, value: dict):
+        super().__init__(value)
+        self.text = json.dumps(value, allow_nan=False, separators=(",", ":"))
+
+
+def dumps(message: Any) -> bytes:
+    """``message`` as compact JSON (no NaN or infinity); top-level :class:`Encoded`
+    fields are not encoded again."""
+    def text(v):
+        return v.text if isinstance(v, Encoded) else json.dumps(
+            v, allow_nan=False, separators=(",", ":"))
+    if isinstance(message, dict):
+        return ("{" + ",".join(f"{json.dumps(str(k))}:{text(v)}" for k, v in message.items())
+                + "}").encode()
+    return text(message).encode()
+
+
 # -- checkers ------------------------------------------------------------------------
 def _fail(where: str, want: str, value: Any) -> ValueError:
     return ValueError(f"{where} must be {want}, got {json.dumps(value)[:80]}")
@@ -86,14 +110,18 @@ def record(**fields: Checker) -> Callable[[Any], dict]:
 
 def dtype_name(value: Any, where: str) -> str:
     """A NumPy dtype's canonical name (``"float32"``, ``"bfloat16"``); no objects."""
-    string(value, where)
+    if not (isinstance(value, str) and _is_dtype_name(value)):
+        raise _fail(where, "a dtype name such as 'float32'", value)
+    return value
+
+
+@functools.lru_cache(maxsize=64)
+def _is_dtype_name(value: str) -> bool:
     try:
         dt = np.dtype(value)
     except TypeError:
-        raise _fail(where, "a dtype name such as 'float32'", value) from None
-    if str(dt) != value or dt.hasobject:
-        raise _fail(where, "a dtype name such as 'float32'", value)
-    return value
+        return False
+    return str(dt) == value and not dt.hasobject
 
 
 # -- pytree structures ---------------------------------------------------------------
@@ -250,9 +278,15 @@ ELEMENT_SPEC = record(structure=string, tree=structure, leaves=list_of(_leaf_spe
 
 
 def element_spec(treedef: Any, leaves: Sequence[np.ndarray]) -> dict:
-    """The :data:`ELEMENT_SPEC` message of an element of ``treedef`` with ``leaves``."""
-    return {"structure": str(treedef), "tree": describe(treedef),
-            "leaves": [[list(x.shape), str(x.dtype)] for x in leaves]}
+    """The :data:`ELEMENT_SPEC` message of an element of ``treedef`` with ``leaves``
+    (shared between calls: do not modify it)."""
+    return _element_spec(treedef, tuple((x.shape, x.dtype) for x in leaves))
+
+
+@functools.lru_cache(maxsize=64)
+def _element_spec(treedef: Any, leaves: tuple) -> Encoded:
+    return Encoded({"structure": str(treedef), "tree": describe(treedef),
+                    "leaves": [[list(shape), str(dtype)] for shape, dtype in leaves]})
 
 
 def leaf_specs(spec: dict) -> list[tuple[tuple[int, ...], str]]:

@@ -231,6 +231,19 @@ def test_well_formed_messages_come_back_in_process_order(monkeypatch):
     assert json.loads(kv.values["p/0/1"]) == REPORT  # published as JSON
 
 
+def test_checked_messages_are_cached_by_their_bytes_only(monkeypatch):
+    """A repeated message is not checked again; a different one always is."""
+    kv = _FakeKV({"p/0/0": json.dumps(REPORT).encode(), "p/1/0": b'{"status": 1}'})
+    monkeypatch.setattr(cluster._jax_compat, "distributed_client", lambda: kv)
+    agreement = Agreement("p", 2, 1, timeout=1)
+    spec = REPORT["spec"]
+    mine = {**REPORT, "spec": _wire.Encoded(spec)}  # spliced in as computed once
+    assert json.loads(_wire.dumps(mine)) == REPORT
+    assert agreement.exchange(mine, "x", _wire.input_report) == [REPORT, REPORT]
+    with pytest.raises(MessageError, match="process 0 sent a malformed message"):
+        agreement.exchange(mine, "x", _wire.input_report)
+
+
 def test_checkpoint_chief_result_schema():
     assert _wire.CHIEF_RESULT({"value": 3, "error": None}) == {"value": 3, "error": None}
     for bad in ({"value": "3", "error": None}, {"value": True, "error": None},

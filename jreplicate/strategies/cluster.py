@@ -39,7 +39,7 @@ from typing import Any
 
 import jax
 
-from jreplicate import _jax_compat
+from jreplicate import _jax_compat, _wire
 
 logger = logging.getLogger("jreplicate")
 
@@ -542,6 +542,8 @@ class Agreement:
         self._timeout_ms = max(1, int(timeout * 1000))
         self._timeout = timeout
         self._count = 0
+        # Messages already checked (each step's input report is usually the last one's).
+        self._checked: dict[tuple[Callable, bytes], Any] = {}
 
     def all_gather(self, value: bytes, what: str) -> list[bytes]:
         """Publishes ``value`` and returns every process's value, in process order.
@@ -583,12 +585,21 @@ class Agreement:
     def exchange[T](self, message: Any, what: str, check: Callable[[Any], T]) -> list[T]:
         """Publishes ``message`` (JSON-serialisable) and returns every process's message
         in process order, each parsed and checked by ``check`` (see
-        :func:`decode_message`); this process's own goes through the same check.
+        :func:`decode_message`); this process's own goes through the same check. A
+        message equal to one checked before is not parsed again: the values returned
+        are shared, do not modify them.
 
         Raises:
           MessageError: a process's message is malformed (every process raises it).
           ClusterError: a process did not publish within the timeout.
         """
-        data = json.dumps(message, allow_nan=False, separators=(",", ":")).encode()
-        return [decode_message(raw, p, what, check)
-                for p, raw in enumerate(self.all_gather(data, what))]
+        data = _wire.dumps(message)
+        out = []
+        for p, raw in enumerate(self.all_gather(data, what)):
+            key = (check, bytes(raw))
+            if key not in self._checked:
+                if len(self._checked) >= 64:
+                    self._checked.clear()
+                self._checked[key] = decode_message(raw, p, what, check)
+            out.append(self._checked[key])
+        return out
