@@ -134,6 +134,17 @@ def checksum_table(host: Any) -> dict:
     return {"jreplicate": {"format": FORMAT, "arrays": rows}}
 
 
+def save_args(host: Any) -> Any:
+    """Orbax's save arguments for ``host`` with its checksum table (where this Orbax
+    takes custom metadata; an older one saves without, and restores read unchecked)."""
+    import dataclasses
+
+    import orbax.checkpoint as ocp
+    if "custom_metadata" in {f.name for f in dataclasses.fields(ocp.args.StandardSave)}:
+        return ocp.args.StandardSave(host, custom_metadata=checksum_table(host))
+    return ocp.args.StandardSave(host)
+
+
 def read_table(custom: Any) -> dict[tuple, tuple] | None:
     """``{stored path tokens: (dtype, shape, crc)}``, or None for a checkpoint without
     one (written by an older jreplicate, or by Orbax directly). Raises ValueError when

@@ -56,11 +56,11 @@ from jax.sharding import PartitionSpec as P
 from jreplicate import _wire
 from jreplicate._checkpoint_checks import mismatch, one_line, path_problem, quiet_orbax
 from jreplicate._checkpoint_tree import (
-    checksum_table,
     data_problem,
     metadata_problem,
     normalised,
     read_table,
+    save_args,
     state_digest,
     template_leaves,
 )
@@ -458,15 +458,13 @@ class CheckpointManager:
         return jax.tree.unflatten(jax.tree.structure(template), leaves), None
 
     def _write(self, step: int, host: Any) -> str | None:
-        import orbax.checkpoint as ocp
         try:
             mngr = self._manager()
             if step in mngr.all_steps():
                 return (f"checkpoint {step} already exists in {self._dir}; save each step "
                         "once, or restore it with restore_or_initialize before training on.")
             with quiet_orbax():
-                mngr.save(step, args=ocp.args.StandardSave(
-                    host, custom_metadata=checksum_table(host)), force=True)
+                mngr.save(step, args=save_args(host), force=True)
                 mngr.wait_until_finished()
         except OSError as e:  # reported to every process
             return f"could not write checkpoint {step}: " + path_problem(self._dir, e)
