@@ -400,7 +400,8 @@ class CheckpointManager:
             return step, value, None
         if not damaged:
             return None, None, None
-        listed = "; ".join(f"{s}: {why}" for s, why in damaged)
+        listed = "; ".join(f"{s}: {why}" for s, why in damaged[:5]) + (
+            f"; and {len(damaged) - 5} more" if len(damaged) > 5 else "")
         return None, None, (
             f"every checkpoint in {self._dir} is damaged ({listed}). Nothing was moved and "
             "training does not restart from step 0 on its own: restore the files from a "
