@@ -109,8 +109,8 @@ class _Source:
     """Elements 0, 1, ... ``n - 1``; reading element ``i`` in ``bad`` raises (once: the
     next read goes on with ``i + 1``, as a source that skips a bad record would)."""
 
-    def __init__(self, n, bad):
-        self.i, self.n, self.bad = 0, n, set(bad)
+    def __init__(self, n, bad, error=OSError):
+        self.i, self.n, self.bad, self.error = 0, n, set(bad), error
 
     def __iter__(self):
         return self
@@ -120,7 +120,7 @@ class _Source:
         if i >= self.n:
             raise StopIteration
         if i in self.bad:
-            raise OSError(f"bad record {i}")
+            raise self.error(f"bad record {i}")
         return np.full((1,), i, np.float32)
 
 
@@ -181,6 +181,22 @@ def test_an_input_error_mid_loop_runs_the_steps_before_it(prefetch):
         rep.run(_see, it, n, steps=4)
     with pytest.raises(StopIteration):
         rep.run(_see, it, n, steps=4)
+
+
+def test_ctrl_c_while_a_loop_reads_keeps_the_steps_read():
+    """Ctrl-C while reading step 2 of a loop of 4 (in line): K separate runs would have
+    run steps 0 and 1; the loop keeps them for the next call, which fills it on."""
+    rep = _rep()
+    it = rep.prepare_input(lambda ctx: _Source(N, {2} if ctx.input_pipeline_id else (),
+                                               KeyboardInterrupt),
+                           M.PER_REPLICA, prefetch_on_device=False)
+    n = rep.replicate(jnp.int32(0))
+    with pytest.raises(KeyboardInterrupt):
+        rep.run(_see, it, n, steps=4)
+    n, got = _run(rep, it, n, 4)
+    assert got == [0, 1, 3, 4]  # step 2's elements were being read: gone, as in line
+    n, rest = _until_end(rep, it, n, 4)
+    assert rest == [5, 6, 7, 8, 9] and int(n) == N - 1
 
 
 # -- 5a: an error in one pipeline is never a quiet end ----------------------------------

@@ -181,8 +181,13 @@ class PrefetchStaging:
             else:
                 self._keep_steps(singles, k)
                 self._keep(kind, payload)
-        marker = self._fill(singles, k)
-        self._keep_steps(singles, k)
+        try:
+            marker = self._fill(singles, k)
+        except BaseException:  # Ctrl-C: keep what was read; the next read fills the loop
+            self._reform = True
+            raise
+        finally:
+            self._keep_steps(singles, k)
         if marker is not None:
             self._keep(*marker)
 
@@ -245,7 +250,8 @@ class PrefetchStaging:
         """Up to ``self._chunk`` steps read on the host and placed with one transfer.
         Fewer at the end of the input, or where a read raises after the first step (K
         separate runs would run the steps before it): the error is kept for the next
-        read (:attr:`_deferred`)."""
+        read (:attr:`_deferred`). Interrupted (Ctrl-C) on the calling thread, the steps
+        read so far are put back for the next read."""
         hosts = []
         for _ in range(self._chunk):
             try:
@@ -257,8 +263,17 @@ class PrefetchStaging:
                     raise
                 self._deferred = e
                 break
+            except BaseException:
+                if hosts and getattr(self._producing, "notes", None) is None:
+                    self._put_back(self._assemble_steps(hosts), len(hosts))
+                raise
         if not hosts:
             raise StopIteration
+        return self._assemble_steps(hosts)
+
+    def _assemble_steps(self, hosts: list) -> tuple[Any, int]:
+        """Steps read on the host (``_produce_host()`` results) as one device loop's
+        ``(batch, n)``, placed with one transfer."""
         treedef = hosts[0][1]
         stacked = [[np.stack([h[0][r][j] for h in hosts]) for j in range(len(hosts[0][0][r]))]
                    for r in range(len(hosts[0][0]))]
