@@ -43,6 +43,15 @@ class InputIterator(PrefetchStaging):
     ``ctx.batch_mask`` to count real examples only; the iteration ends when every
     pipeline has run out.
 
+    **Failures.** A ``run`` that raises (its step fails to trace, an argument is
+    rejected, Ctrl-C) consumes no input: its batch, or its device loop's batches, go
+    back to the front of the iterator, in order, for the next ``run``, a single step or
+    a loop of any length. An error reading the input (raised by ``input_fn``'s
+    iterator, or by an element's check) is raised by the step that reads it, even when
+    another pipeline ends in that step, and the next step reads on; in a device loop the
+    complete steps before it run (a shorter loop) and the next call raises it: a loop
+    of K steps sees what K separate runs would, with or without prefetch.
+
     **Across processes** (:class:`jreplicate.MultiWorkerStrategy`): each step, every
     process reads its own replicas' elements and the processes agree on the outcome
     through the coordination service (about a millisecond on loopback; use
