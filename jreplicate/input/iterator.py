@@ -49,9 +49,9 @@ class InputIterator(PrefetchStaging):
     a loop of any length. An error reading the input (raised by ``input_fn``'s
     iterator, or by an element's check) is raised by the step that reads it, even when
     another pipeline ends in that step, and the next step reads on (across processes
-    the input ends there, on every process); in a device loop the
-    complete steps before it run (a shorter loop) and the next call raises it: a loop
-    of K steps sees what K separate runs would, with or without prefetch.
+    the input ends there, on every process); in a device loop the complete steps
+    before it run (a shorter loop) and the next call raises it: a loop of K steps sees
+    what K separate runs would, with or without prefetch.
 
     **Across processes** (:class:`jreplicate.MultiWorkerStrategy`): each step, every
     process reads its own replicas' elements and the processes agree on the outcome
