@@ -226,6 +226,14 @@ class Replicator:
             (``params, opt = rep.run(step, inputs, params, opt, donate_argnums=(0, 1))``),
             never state you read again (an evaluation step's ``params``). The state of
             Flax NNX arguments, which ``run`` replaces in place, is always donated.
+            An array another live object also holds (``nnx.clone(model)``, a teacher or
+            EMA sharing the model's arrays, ``best = params``, ``old = w``) is never
+            destroyed: a copy of it is donated instead (one device copy, usually once).
+            A container nested in a donated argument and held elsewhere too
+            (``best = state["params"]`` for ``donate_argnums`` on ``state``) is not
+            seen: copy it (``jax.tree.map(jnp.copy, ...)``). A step that fails while
+            running has consumed the donated state: its error says so; reading the
+            module's Variables afterwards raises the step's error.
 
         Returns:
           ``fn``'s outputs: each leaf identical on all replicas comes back as one

@@ -69,18 +69,21 @@ def test_nnx_state_is_donated_by_default_and_the_module_stays_usable():
     rep = jr.Replicator(jr.MirroredStrategy())
     with rep.scope():
         model = nnx.Linear(4, 2, rngs=nnx.Rngs(0))
-    old = model.kernel[...]
-    before = np.asarray(old)
+    before = np.asarray(jnp.copy(model.kernel.get_value()))  # (a NumPy view pins it)
+    buffers = [s.data.unsafe_buffer_pointer()
+               for s in model.kernel.get_value().addressable_shards]
 
     def step(ctx, model):
         model.kernel[...] = model.kernel[...] + 1
         return ctx.all_sum(jnp.sum(model.kernel[...]))
 
     rep.run(step, None, model)
-    with pytest.raises(Exception, match="deleted or donated"):
-        np.asarray(old)  # the old buffer was reused for the new state
+    assert [s.data.unsafe_buffer_pointer()  # donated: the old buffers hold the new state
+            for s in model.kernel.get_value().addressable_shards] == buffers
+    old = model.kernel.get_value()  # held elsewhere now: copied, never donated
     rep.run(step, None, model)
     np.testing.assert_allclose(np.asarray(model.kernel[...]), before + 2)
+    np.testing.assert_allclose(np.asarray(old), before + 1)
 
 
 def test_donate_argnums_errors_name_the_fix():

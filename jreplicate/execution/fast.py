@@ -12,7 +12,9 @@ check the leaf types, and call the compiled program: ``jax.jit``'s own C++ dispa
 checks shapes, dtypes and weak types.
 
 What ``jax.jit`` alone would let through is sent back to the full path, so that the
-result is always the full path's:
+result is always the full path's (a call that fails once it has started running raises
+its error and is never run again there: only :class:`Retrace` and a call refused before
+running, see ``_refused``, go to the full path):
 
 * a new shape, dtype or weak type makes ``jax.jit`` trace again; the step's body
   raises :class:`Retrace` while the steady-state call is in progress (before anything
@@ -20,6 +22,9 @@ result is always the full path's:
 * a NumPy array or Python number (its 64-bit values are checked on the full path), a
   tracer, a deleted (donated) array, an array placed elsewhere: the full path;
 * an argument passed twice in a call that donates: the full path (which names it);
+* a donated array (NNX state, ``donate_argnums``) that another live object holds (a
+  reference count above its holder's, :mod:`jreplicate.execution.donation`): the full
+  path, which donates a copy;
 * with several logical devices per replica, a leaf whose sharding differs from the
   recorded one (the program keeps model shardings it was built for): the full path;
 * an NNX Variable now shared, holding something other than an array, or of another
@@ -39,7 +44,7 @@ import jax
 
 from jreplicate._jax_compat import array_type
 from jreplicate.context import PerReplica
-from jreplicate.execution import nnx_args
+from jreplicate.execution import donation, nnx_args
 from jreplicate.execution.base import NOT_RUN
 
 _MAX_ENTRIES = 256
@@ -61,16 +66,18 @@ def retrace_guarded() -> bool:
 
 
 class _Entry:
-    __slots__ = ("fn", "jitted", "num_out", "out_def", "donate", "shardings", "placed",
-                 "order", "num_plain", "variables")
+    __slots__ = ("fn", "jitted", "num_out", "out_def", "donate", "limit", "arg_limit",
+                 "shardings", "placed", "order", "num_plain", "variables")
 
     def __init__(self, fn: Callable[[], Any], program: Any, out_def: Any,
                  shardings: tuple | None, order: list[int] | None, num_plain: int,
-                 variables: list | None, placed: tuple):
+                 variables: list | None, placed: tuple, limit: tuple, arg_limit: tuple):
         self.fn = fn  # returns the step function, or None once it is freed
         self.jitted, self.num_out, self.out_def = program.jitted, program.num_out, out_def
         self.donate, self.shardings = program.jitted_donate, shardings
         self.placed = placed  # the inputs' shardings (compared only when a call fails)
+        self.limit = limit  # see donation.held_elsewhere
+        self.arg_limit = arg_limit
         # NNX arguments: the flat leaves in the program's order (plain leaves, then the
         # Variables, whose values are read), and how many are plain.
         self.order, self.num_plain = order, num_plain
@@ -119,8 +126,11 @@ class FastPath:
         for x in inputs:
             if type(x) is not _ARRAY:
                 return MISS
-        if entry.donate and len(set(map(id, inputs))) != len(inputs):
-            return MISS
+        if entry.donate:
+            x = None  # the loop's reference to the last input
+            if len(set(map(id, inputs))) != len(inputs) \
+                    or donation.held_elsewhere(inputs, entry.limit, args, entry.arg_limit):
+                return MISS  # the full path copies what another object holds
         if entry.shardings is not None and any(
                 x.sharding != s for x, s in zip(inputs, entry.shardings)):
             return MISS
@@ -130,7 +140,7 @@ class FastPath:
         except Retrace:  # a new signature: the full path builds its program
             return MISS
         except Exception as e:
-            if _refused(inputs, entry.placed):
+            if _refused(e, inputs, entry.placed):
                 return MISS  # refused before running: the full path's clearer error
             if variables is not None:
                 nnx_args.note_failed_step(e, variables)
@@ -181,16 +191,37 @@ class FastPath:
             self._nnx_fns.clear()
         if order is not None:
             self._nnx_fns.add(id(fn))
-        self._entries[(id(fn), treedef, has_batch, steps, donate_argnums)] = _Entry(
-            _ref(fn), program, out_def, shardings, order, num_plain, signature, placed)
+        key = (id(fn), treedef, has_batch, steps, donate_argnums)
+        self._entries[key] = _Entry(
+            _ref(fn, self._entries, key), program, out_def, shardings, order, num_plain,
+            signature, placed,
+            _donation_limit(inputs, program.jitted_donate, args, num_plain, order is not None),
+            donation.argument_limit(args, program.donate_args, 0))
 
 
-def _refused(inputs: list, placed: tuple) -> bool:
-    """Whether a failed call was refused before anything ran: a deleted (donated) input,
-    one placed elsewhere than recorded (jax.jit's lowering fails), or a call inside
-    another trace (a nested run, which traces rather than runs). Anything else failed
-    while running, and must not run again on the full path."""
-    if any(x.is_deleted() or x.sharding != s for x, s in zip(inputs, placed)):
+def _donation_limit(inputs: list, donated: tuple, args: tuple, num_plain: int,
+                    nnx_call: bool) -> tuple:
+    """The most references each donated input may have in :meth:`FastPath.call` for
+    nothing else to hold it (:mod:`jreplicate.execution.donation`): its holder,
+    ``inputs``, and ``leaves`` when that is another list (NNX calls; plain leaves)."""
+    direct = {id(a) for a in args}
+    out = []
+    for i in donated:
+        is_state = i >= num_plain
+        kind = donation.holder(inputs[i], inputs[i], direct, is_state)
+        out.append((i, kind + 1 + (nnx_call and not is_state) + 1))
+    return tuple(out)
+
+
+def _refused(e: Exception, inputs: list, placed: tuple) -> bool:
+    """Whether a failed call was refused before anything ran: a deleted (donated) input
+    (jax.jit says so; a call that ran has deleted its donated inputs too), one placed
+    elsewhere than recorded (jax.jit's lowering fails), or a call inside another trace
+    (a nested run, which traces rather than runs). Anything else failed while running,
+    and must not run again on the full path."""
+    if "deleted" in str(e) and any(x.is_deleted() for x in inputs):
+        return True
+    if any(x.sharding != s for x, s in zip(inputs, placed)):
         return True
     try:
         from jax._src import core
@@ -210,10 +241,16 @@ def _flatten(batch: Any, args: tuple) -> tuple[list, Any]:
     return _tree_flatten((batch, args))
 
 
-def _ref(fn: Callable) -> Callable[[], Any]:
-    """A weak reference to ``fn`` (a strong one if it can't be weakly referenced, as
-    ``jax.jit`` holds such functions)."""
+def _ref(fn: Callable, entries: dict, key: Any) -> Callable[[], Any]:
+    """A weak reference to ``fn`` that drops ``entries[key]`` (and with it the compiled
+    program) once ``fn`` is freed; a strong one if it can't be weakly referenced, as
+    ``jax.jit`` holds such functions."""
+    def forget(ref: weakref.ref) -> None:
+        entry = entries.get(key)
+        if entry is not None and entry.fn is ref:
+            del entries[key]
+
     try:
-        return weakref.ref(fn)
+        return weakref.ref(fn, forget)
     except TypeError:
         return lambda: fn

@@ -42,6 +42,7 @@ class Signature:
                             # ("m", spec): replicated over replicas, split over "model"
     steps: int | None
     donate: tuple[int, ...]  # flat leaf indices donated to the program
+    donate_args: tuple = ()  # ((argument position, its flat leaf indices), ...) donated
 
 
 class Program:
@@ -66,6 +67,7 @@ class Program:
         options = _jax_compat.compiler_options(layout.devices[0].platform, partial)
         self.jitted = jax.jit(call, donate_argnums=sig.donate, compiler_options=options)
         self.jitted_donate = sig.donate  # flat input indices donated
+        self.donate_args = sig.donate_args
         # Under an outer jax.jit, whose compilation options are the caller's.
         self.jitted_nested = jax.jit(call, donate_argnums=sig.donate) if options \
             else self.jitted

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import sys
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -16,7 +17,7 @@ from jax.sharding import PartitionSpec as P
 
 from jreplicate._tree import check_fits, covers, is_array_like, path_str
 from jreplicate.context import PerReplica
-from jreplicate.execution import fast, nnx_args
+from jreplicate.execution import donation, fast, nnx_args
 from jreplicate.execution.base import Executor
 from jreplicate.execution.cache import ProgramCache
 from jreplicate.execution.program import Program, Signature
@@ -187,13 +188,21 @@ class SPMDExecutor(Executor):
         if program is None:
             if node_pos and variables is None:
                 nnx_args.check_writable(args, node_pos, state)
-            donate = _donated_leaves(treedef, node_pos, donate_argnums, len(args))
-            sig = Signature(has_batch, treedef, graphdef, node_pos, kinds, steps, donate)
+            groups = _argument_leaves(treedef, node_pos, donate_argnums, len(args))
+            donate = _donated_leaves(treedef, groups)
+            sig = Signature(has_batch, treedef, graphdef, node_pos, kinds, steps, donate,
+                            groups)
             program = self._programs.put(fn, rest, lambda f: Program(f, sig, self.layout))
         if node_pos:
             _copy_shared_state(arrays, treedef)
         if donate_argnums:
             _check_donated_once(arrays, program.jitted_donate, treedef, node_pos)
+        if program.jitted_donate:
+            copied = plain is not args  # a tuple of the plain arguments holds them too
+            donation.copy_held_elsewhere(
+                arrays, _donation_limit(leaves, arrays, program.jitted_donate, treedef,
+                                        args, copied),
+                args, donation.argument_limit(args, program.donate_args, copied, leaves))
         return program, arrays, (treedef, node_pos, state, variables), homes, traced
 
     def _place(self, leaves: list, treedef: Any, node_pos: tuple,
@@ -382,21 +391,27 @@ def _read_now(x: Any) -> Any:
     return np.array(x) if isinstance(x, np.ndarray) else x
 
 
-def _donated_leaves(treedef: Any, node_pos: tuple, donate_argnums: tuple[int, ...],
-                    num_args: int) -> tuple[int, ...]:
-    """Flat leaf indices of the donated plain arguments and of all NNX state (which
-    ``run`` replaces in place, so its old buffers are never read again)."""
-    batch_t, plain_t, state_t = treedef.children()
+def _argument_leaves(treedef: Any, node_pos: tuple, donate_argnums: tuple[int, ...],
+                     num_args: int) -> tuple:
+    """``((position, flat leaf indices), ...)`` of the donated plain arguments."""
+    batch_t, plain_t, _ = treedef.children()
     sizes = [c.num_leaves for c in plain_t.children()]
     plain_ids = [i for i in range(num_args) if i not in node_pos]
     start = batch_t.num_leaves
-    donated = []
+    out = []
     for k, i in enumerate(plain_ids):
         if i in donate_argnums:
-            donated.extend(range(start, start + sizes[k]))
+            out.append((i, tuple(range(start, start + sizes[k]))))
         start += sizes[k]
-    donated.extend(range(start, start + state_t.num_leaves))
-    return tuple(donated)
+    return tuple(out)
+
+
+def _donated_leaves(treedef: Any, groups: tuple) -> tuple[int, ...]:
+    """Flat leaf indices of the donated plain arguments (``groups``) and of all NNX
+    state (which ``run`` replaces in place, so its old buffers are never read again)."""
+    state_start = treedef.num_leaves - treedef.children()[2].num_leaves
+    return tuple(i for _, idx in groups for i in idx) + \
+        tuple(range(state_start, treedef.num_leaves))
 
 
 def _copy_shared_state(arrays: list, treedef: Any) -> None:
@@ -411,6 +426,33 @@ def _copy_shared_state(arrays: list, treedef: Any) -> None:
         if id(arrays[i]) in seen:
             arrays[i] = jnp.copy(arrays[i])
         seen.add(id(arrays[i]))
+
+
+def _donation_limit(leaves: list, arrays: list, donated: tuple[int, ...], treedef: Any,
+                    args: tuple, plain_copied: bool) -> tuple:
+    """The most references each donated leaf may have in ``_prepare`` for nothing else
+    to hold it (see :mod:`jreplicate.execution.donation`): its holder, ``arrays``,
+    ``leaves`` (unless a PerReplica holds it), NNX state's list of values, the tuple of
+    plain arguments when it is not ``args`` itself. A leaf placed anew for the step (from
+    one logical device) may share the buffers of the leaf passed: the passed one is
+    counted then, and a copy is donated (limit 0) if anything else holds it."""
+    state_start = treedef.num_leaves - treedef.children()[2].num_leaves
+    direct = {id(a) for a in args}
+    out = []
+    for i in donated:
+        a = arrays[i]
+        if not isinstance(a, jax.Array) or isinstance(a, jax.core.Tracer):
+            continue  # under an outer jax.jit: the caller's program decides
+        x = leaves[i]
+        placed = x is not a and isinstance(x, jax.Array)
+        kind = donation.holder(x, x if placed else a, direct, i >= state_start)
+        own = 1 + (i >= state_start) + (kind == donation.ARGUMENT and plain_copied)
+        if placed:  # x: held by leaves, this loop's x, getrefcount's argument
+            if sys.getrefcount(x) > kind + own + 2:
+                out.append((i, 0))
+            continue
+        out.append((i, kind + own + (x is a) + 1))
+    return tuple(out)
 
 
 def _check_donated_once(arrays: list, donated: tuple[int, ...], treedef: Any,
