@@ -2,9 +2,10 @@
 
 After a KeyboardInterrupt ended the program, most of the exit is the interpreter's
 teardown: its garbage collections over every object of JAX, NumPy and the program
-(about 0.2 s of CPU after ``import jax``, seven times that in wall time on a host
-loaded seven to one). An exit hook freezes the garbage collector then (``gc.freeze()``:
-objects alive now are never collected again), which leaves about 0.04 s.
+(0.2-0.25 s of CPU after ``import jax``; on a loaded host the wall time is a multiple
+of that). An exit hook freezes the garbage collector then (``gc.freeze()``: objects
+alive now are never collected again), which leaves about 0.04 s of CPU from SIGINT to
+the end (tests/test_exit.py).
 
 Nothing a program saves is skipped: ``atexit`` handlers, ``weakref.finalize``
 callbacks, ``logging.shutdown`` and ``with``/``finally`` blocks all run as before, and
