@@ -64,11 +64,11 @@ def sync_replicas(
       otherwise. With ``replicas_to_aggregate == total`` this is plain synchronous
       data-parallel training. The arrival order is a total order whatever the times
       (compared as float32): ``-inf`` first, then finite times (``-0.0`` equals
-      ``0.0``), ``+inf`` after every finite time, NaN ("never arrived") after
-      everything, and equal times (NaN among them) by replica id; so exactly
-      ``min(replicas_to_aggregate - state.num_accumulated, fresh)`` gradients are
-      averaged in, never more. Times known when ``update`` is traced (a constant, a
-      NumPy array) must not be NaN: ``ValueError``.
+      ``0.0``), ``+inf`` after every finite time, NaN after ``+inf`` (the last to
+      arrive, still averaged in if needed), and equal times (NaN among them) by
+      replica id; so exactly ``min(replicas_to_aggregate - state.num_accumulated,
+      fresh)`` gradients are averaged in, never more. Times known when ``update`` is
+      traced (a constant, a NumPy array) must not be NaN: ``ValueError``.
     * **Host driver** (outside a replica context): each call is ONE replica's push of a
       gradient computed at ``local_step`` (default: the current ``global_step``). The
       updates are zero until the ``replicas_to_aggregate``-th fresh push of the step,
