@@ -1,6 +1,5 @@
 """jreplicate: replicate a JAX step function across devices, hosts and clusters."""
 
-from jreplicate import _exit  # noqa: F401  (its exit hook: a prompt exit after Ctrl-C)
 from jreplicate.checkpoint import CheckpointError, CheckpointManager
 from jreplicate.context import PerReplica, ReplicaContext
 from jreplicate.input import InputContext, InputIterator, InputReplicationMode

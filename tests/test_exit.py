@@ -66,7 +66,7 @@ def test_ctrl_c_with_a_stalled_reader_exits_at_once(mode, tmp_path):
     for a CPU, which is the load's) stays under 2 s; the whole, on a loaded host, well
     under the 60 s stall. The exit used to wait 5 s for a prefetch thread stalled in a
     source (prefetch-one-pipeline), and spends most of its CPU in the interpreter's
-    teardown (0.25 s; 0.04 s once the garbage collector is frozen, jreplicate/_exit.py)."""
+    teardown (0.25 s of CPU)."""
     err_path = tmp_path / "stderr"
     with open(err_path, "w") as err_file:
         p = subprocess.Popen([sys.executable, "-u", str(SCRIPTS / "stalled_reader.py"), mode],
