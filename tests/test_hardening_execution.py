@@ -378,3 +378,23 @@ def test_dropped_step_functions_hold_at_most_1_5x_what_jax_jit_functions_hold():
     assert out.returncode == 0, out.stderr[-2000:]
     jit, run = json.loads(out.stdout.strip().splitlines()[-1])
     assert run <= 1.5 * jit + 4.0, (run, jit)
+
+
+@pytest.mark.parametrize("placement", ["model-sharded", "logical-variables"])
+def test_donate_argnums_with_logical_devices_keeps_what_another_object_holds(placement):
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+    rep = jr.Replicator(_strategy("logical"))
+    if placement == "model-sharded":
+        p = {"w": jax.device_put(np.zeros((4, 4), np.float32),
+                                 NamedSharding(rep.mesh, P(None, jr.MODEL_AXIS)))}
+    else:
+        with rep.scope(), rep.logical_device_for_variables(1):
+            p = {"w": jnp.zeros((4, 4))}
+    for _ in range(2):
+        p, _ = rep.run(_sgd, None, p, donate_argnums=0)
+    teacher = p["w"]
+    for _ in range(2):
+        p, _ = rep.run(_sgd, None, p, donate_argnums=0)
+    np.testing.assert_array_equal(np.asarray(teacher), np.full((4, 4), -2.0))
+    np.testing.assert_array_equal(np.asarray(p["w"]), np.full((4, 4), -4.0))

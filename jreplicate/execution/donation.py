@@ -45,7 +45,14 @@ def held_elsewhere(arrays: list, limit: tuple, args: tuple = (),
     lists of ``run`` that hold it where this is called, and ``getrefcount``'s argument),
     or a donated argument that is a container (``args[k]``) more than ``arg_limit``
     allows (``((k, most references, its leaf indices), ...)``: ``best = params``)."""
-    return bool(_held(arrays, limit, args, arg_limit))
+    getrefcount = sys.getrefcount  # (the steady-state path: one loop, early exit)
+    for i, n in limit:
+        if getrefcount(arrays[i]) > n:
+            return True
+    for k, n, _ in arg_limit:
+        if getrefcount(args[k]) > n:
+            return True
+    return False
 
 
 def copy_held_elsewhere(arrays: list, limit: tuple, args: tuple = (),
