@@ -191,11 +191,17 @@ class InputIterator(PrefetchStaging):
                 try:
                     got.append(take(k))
                 except StopIteration:
-                    if not self._pad:
+                    if not self._pad and len(self._pipelines) == 1:
                         self._warn(_dropped_message(len(got), n))
                         raise
+                    # Every pipeline is read, in order, as the concurrent reads below
+                    # do: another pipeline's error in this step is raised, not hidden
+                    # by this end.
                     got.append(padding.ENDED)  # padded below while others have data
             if got and all(e is padding.ENDED for e in got):
+                raise StopIteration
+            if not self._pad and any(e is padding.ENDED for e in got):
+                self._warn(_dropped_message(sum(e is not padding.ENDED for e in got), n))
                 raise StopIteration
             return got
         # Distinct pipelines per replica: read them concurrently, on daemon threads kept

@@ -1,0 +1,65 @@
+"""Defects found by an adversarial review of issue 15 (hardening), where features meet.
+
+Each test failed before its fix.
+"""
+
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jreplicate as jr
+
+M = jr.InputReplicationMode
+
+
+def _see(ctx, batch, n):
+    return n + 1, batch[0]
+
+
+def _pipelines(ctx):
+    """Per replica 4 elements, except replica 1 (3: it ends in the last step) and
+    replica 3, which raises at its element 3 (in that same step)."""
+    r = ctx.input_pipeline_id
+    for i in range(4 - (r == 1)):
+        if r == 3 and i == 3:
+            raise OSError("pipeline 3 failed")
+        yield np.full((1,), i, np.float32)
+
+
+@pytest.mark.parametrize("enforce_ordering", [False, True])
+@pytest.mark.parametrize("steps", [None, 2])
+def test_enforce_ordering_never_hides_a_pipelines_error_behind_another_ones_end(
+        enforce_ordering, steps):
+    """Item 5 with ordered reads: a pipeline of a lower index ending in the step where a
+    later one raises was a quiet end of the input ("dropped a final partial batch")."""
+    rep = jr.Replicator(jr.MirroredStrategy(devices=jax.local_devices()[:4]))
+    it = rep.prepare_input(_pipelines, M.PER_REPLICA, enforce_ordering=enforce_ordering,
+                           prefetch_on_device=False)
+    n = rep.replicate(jnp.int32(0))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no "dropped a partial batch": it is an error
+        with pytest.raises(OSError, match="pipeline 3 failed"):
+            for _ in range(4):
+                n, _ = rep.run(_see, it, n, steps=steps)
+    assert int(n) == 3
+
+
+@pytest.mark.parametrize("enforce_ordering", [False, True])
+def test_ordered_reads_still_drop_an_uneven_end_with_a_warning(enforce_ordering):
+    rep = jr.Replicator(jr.MirroredStrategy(devices=jax.local_devices()[:4]))
+
+    def uneven(ctx):
+        return iter([np.full((1,), i, np.float32)
+                     for i in range(3 - (ctx.input_pipeline_id == 1))])
+
+    it = rep.prepare_input(uneven, M.PER_REPLICA, enforce_ordering=enforce_ordering,
+                           prefetch_on_device=False)
+    n = rep.replicate(jnp.int32(0))
+    for _ in range(2):
+        n, _ = rep.run(_see, it, n)
+    with pytest.warns(UserWarning, match=r"ran out after 3 of 4 replicas"):
+        with pytest.raises(StopIteration):
+            rep.run(_see, it, n)
