@@ -63,3 +63,31 @@ def test_ordered_reads_still_drop_an_uneven_end_with_a_warning(enforce_ordering)
     with pytest.warns(UserWarning, match=r"ran out after 3 of 4 replicas"):
         with pytest.raises(StopIteration):
             rep.run(_see, it, n)
+
+
+def test_a_loop_whose_read_ends_at_exit_never_places_the_steps_read():
+    """Ctrl-C at exit: a read that returns after the exit began raises InputClosedError,
+    so that the reading thread (which the exit does not wait for) never goes on into
+    JAX while it is torn down. A device loop took that error for an input error at step
+    k and placed its k complete steps (a device transfer during teardown)."""
+    from jreplicate.input import prefetch
+
+    rep = jr.Replicator(jr.MirroredStrategy(devices=jax.local_devices()[:1]))
+
+    def source(ctx):
+        for i in range(6):
+            if i == 2:
+                prefetch._exiting.set()  # the exit begins while this element is read
+            yield np.full((1,), i, np.float32)
+
+    it = rep.prepare_input(source, prefetch_on_device=False)
+    placed = []
+    assemble = it._executor.assemble
+    it._executor = type("Spy", (), {"assemble": lambda self, *a: placed.append(a)
+                                    or assemble(*a)})()
+    try:
+        with pytest.raises(prefetch.InputClosedError):
+            rep.run(_see, it, rep.replicate(jnp.int32(0)), steps=4)
+    finally:
+        prefetch._exiting.clear()
+    assert placed == []

@@ -258,6 +258,8 @@ class PrefetchStaging:
                 hosts.append(self._produce_host())
             except StopIteration:
                 break
+            except prefetch_mod.InputClosedError:
+                raise  # the process exits: the steps read never go on into JAX
             except Exception as e:
                 if not hosts:
                     raise
