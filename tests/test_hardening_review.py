@@ -3,6 +3,7 @@
 Each test failed before its fix.
 """
 
+import threading
 import warnings
 
 import jax
@@ -85,9 +86,39 @@ def test_a_loop_whose_read_ends_at_exit_never_places_the_steps_read():
     assemble = it._executor.assemble
     it._executor = type("Spy", (), {"assemble": lambda self, *a: placed.append(a)
                                     or assemble(*a)})()
+    n, raised = rep.replicate(jnp.int32(0)), []
+
+    def read():  # on a daemon thread, as the exit does not wait for one
+        try:
+            rep.run(_see, it, n, steps=4)
+        except BaseException as e:  # noqa: BLE001 - checked below
+            raised.append(e)
+
+    thread = threading.Thread(target=read, daemon=True)
     try:
-        with pytest.raises(prefetch.InputClosedError):
-            rep.run(_see, it, rep.replicate(jnp.int32(0)), steps=4)
+        thread.start()
+        thread.join(timeout=60)
     finally:
         prefetch._exiting.clear()
+    assert len(raised) == 1 and isinstance(raised[0], prefetch.InputClosedError), raised
     assert placed == []
+
+
+def test_a_training_thread_outliving_the_main_thread_keeps_reading_in_line():
+    """The exit hook runs when the main thread ends, before the interpreter joins the
+    other (non-daemon) threads: a training thread reading its input in line got
+    InputClosedError ("the process is exiting") on its next read. Only daemon threads,
+    which the exit does not wait for, must stop reading. (With prefetch, Python 3.12
+    itself refuses to start a thread at that point.)"""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    env = {k: v for k, v in __import__("os").environ.items()
+           if not k.startswith(("JAX_", "XLA_"))}
+    env["PYTHONPATH"] = str(root)
+    r = subprocess.run([sys.executable, str(root / "tests" / "mp_scripts" /
+                                            "train_in_thread.py"), "no-prefetch"],
+                       cwd=root, env=env, capture_output=True, text=True, timeout=120)
+    assert "DONE 3" in r.stdout, r.stdout + r.stderr[-2000:]

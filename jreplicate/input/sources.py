@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 import weakref
 from _thread import get_ident
 from collections.abc import Callable, Iterable, Mapping
@@ -54,7 +55,10 @@ class Pipeline:
             item = self._source() if self.kind == "callable" else next(self._it)
         finally:
             self._reader = None
-        if _exiting.is_set():  # set before the exit looked at _reader: don't go on
+        # Set before the exit looked at _reader: a daemon thread (prefetch, reader), which
+        # the exit does not wait for, must not go on into JAX. A non-daemon thread (a
+        # user's training thread outliving the main thread) is joined before teardown.
+        if _exiting.is_set() and threading.current_thread().daemon:
             raise InputClosedError("the process is exiting; the element read is dropped.")
         return item
 
