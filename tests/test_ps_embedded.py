@@ -244,7 +244,7 @@ def _straggler_ratio():
     return step_time[False] / step_time[True]
 
 
-def test_max_staleness_bounds_the_clock_gap():
+def test_max_staleness_bounds_the_staleness():
     s, rep, w, opt, step = _linear(num_workers=3, max_staleness=1)
     for k in range(3):
         s.set_worker_delay(k, 0.01)
@@ -253,10 +253,11 @@ def test_max_staleness_bounds_the_clock_gap():
         rep.run(step, None, w, opt)
     rep.join()
     st = s.stats()
-    assert st["max_clock_gap"] <= 1
+    assert st["max_alongside"] <= 1
     # Bounded: the straggler does a fair share instead of being left behind.
     assert st["completed_by"][2] >= 6, st["completed_by"]
-    assert max(s.staleness_histogram()) <= 4
+    for led in s.ledger():
+        assert max(led["staleness"]) <= 1 and led["applied"] == 30, led
 
 
 def test_nnx_optimizer_update_becomes_a_push():
@@ -298,8 +299,8 @@ def test_nnx_optimizer_update_becomes_a_push():
 
 
 def test_a_dead_worker_leaves_the_bounded_delay_minimum():
-    """max_staleness=0 with a worker killed mid-training: the others do not wait for
-    its clock, and every step completes."""
+    """max_staleness=0 (sequential) with a worker killed mid-training: the others do
+    not wait for it, and every step completes."""
     s, rep, w, opt, step = _linear(num_workers=3, max_staleness=0)
     for k in range(3):
         s.set_worker_delay(k, 0.005)
@@ -311,4 +312,5 @@ def test_a_dead_worker_leaves_the_bounded_delay_minimum():
     assert time.monotonic() - t0 < 30
     st = s.stats()
     assert st["alive"] == [True, True, False] and st["completed"] == 20
-    assert s.ledger()[0]["applied"] == 20 and st["max_clock_gap"] == 0
+    assert s.ledger()[0]["applied"] == 20 and st["max_alongside"] == 0
+    assert s.staleness_histogram() == {0: 20}

@@ -10,6 +10,7 @@ import optax
 import pytest
 
 import jreplicate as jr
+from jreplicate.ps.shard import _sync_state
 from tests._ps_helpers import bounded_test  # noqa: F401 (autouse: every test bounded)
 
 
@@ -51,9 +52,14 @@ def test_token_gated_training_with_a_backup_worker():
     _invariant(s)
     gs = s.global_step
     led0, led1 = s.ledger()
-    assert gs >= 9 and led0["applied"] in (2 * gs, 2 * gs + 1)
-    assert s._executor.call_shard(1, "step") == gs  # shard 1 applied the same steps
-    assert led1["applied"] == 2 * gs  # only the pushes of completed steps
+    # An accepted gradient of the last, incomplete step sits in every shard's
+    # accumulators (TF's), and every shard's ledger and state say so alike.
+    state = s.state()["shards"]
+    acc = [int(_sync_state(sh["opt_state"]).num_accumulated) if sh["params"] else
+           int(sh["opt_state"]["accumulated"]) for sh in state]
+    assert gs >= 9 and acc[0] == acc[1] in (0, 1)
+    assert [int(sh["step"]) for sh in state] == [gs, gs]  # shard 1 has the same steps
+    assert led0 == led1 and led0["applied"] == 2 * gs + acc[0]
     np.testing.assert_allclose(s.parameters(), np.full(4, -0.1 * gs), rtol=1e-5)
 
 
@@ -111,7 +117,7 @@ def test_token_waits_that_nothing_can_satisfy_end_with_a_clear_error():
     t0 = time.monotonic()
     with pytest.raises(jr.StepCancelledError, match="cannot go on"):
         rep.join()
-    assert time.monotonic() - t0 < 5
+    assert time.monotonic() - t0 < 3
     assert all(v.done() for v in values) and not s._executor.coordinator._inflight
     assert s.stats()["alive"] == [True, True]
 

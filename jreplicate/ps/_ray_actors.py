@@ -31,11 +31,12 @@ if ray is not None:
         """A :class:`PSShard` in its own process: pulls and pushes in the ``"io"`` group,
         blocking token waits in ``"tokens"``, so neither blocks the other."""
 
-        def __init__(self, index, params, tx, restored):
+        def __init__(self, index, params, tx, restored, num_shards=1, max_staleness=None):
             r = restored or {}
             ledger = Ledger.from_arrays(r["ledger"]) if "ledger" in r else None
             self.shard = PSShard(index, params, tx, opt_state=r.get("opt_state"),
-                                 step=r.get("step", 0), ledger=ledger)
+                                 step=r.get("step", 0), ledger=ledger,
+                                 num_shards=num_shards, max_staleness=max_staleness)
 
         @ray.method(concurrency_group="io")
         def call(self, name, *args):

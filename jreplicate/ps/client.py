@@ -49,13 +49,14 @@ class ShardClient:
         got = self._fan([(s, "pull", ()) for s in self.shards])
         return [g[0] for g in got], self.placement.join([g[1] for g in got])
 
-    def push(self, push_id: int, worker: int, fetched: Sequence[int], grads: Any) -> Decision:
+    def push(self, push_id: int, worker: int, fetched: Sequence[int], grads: Any,
+             attempt: int = 0) -> Decision:
         """Pushes ``grads`` (a numpy pytree like the parameters) to every shard.
 
         Asynchronous mode: each shard applies its pieces (``fetched[i]``: the step of
-        shard ``i`` when the parameters were pulled). Token-gated mode: shard 0 decides
-        (``fetched[0]`` is the worker's ``local_step``); the other shards get the
-        gradient only when shard 0 accepted it, else only the ledger entry.
+        shard ``i`` when the parameters were pulled). Token-gated mode (``fetched[0]``
+        is the worker's ``local_step``): the pieces are staged on the other shards, shard
+        0 decides, and its decision is committed on the others (:meth:`settle`).
 
         Returns:
           Shard 0's decision.
@@ -65,21 +66,35 @@ class ShardClient:
             got = self._fan([(s, "push", (push_id, worker, int(fetched[i]), pieces[i]))
                              for i, s in enumerate(self.shards)])
             return got[0]
-        first = self.shards[0].push(push_id, worker, int(fetched[0]), pieces[0])
-        if len(self.shards) > 1 and self.between_shards is not None:
+        rest = self.shards[1:]
+        if self.token_gated:
+            self._fan([(s, "stage", (push_id, attempt, pieces[i]))
+                       for i, s in enumerate(rest, 1)])
+        first = self.shards[0].push(push_id, worker, int(fetched[0]), pieces[0], None,
+                                    attempt)
+        if rest and self.between_shards is not None:
             self.between_shards(1)
-        calls = []
-        for i in range(1, len(self.shards)):
-            shard = self.shards[i]
-            if not self.token_gated:
-                calls.append((shard, "push", (push_id, worker, int(fetched[i]), pieces[i])))
-            elif first.kind == "applied":
-                calls.append((shard, "push", (push_id, worker, int(fetched[0]), pieces[i],
-                                              first)))
-            else:
-                calls.append((shard, "record", (push_id, first)))
-        self._fan(calls)
+        if self.token_gated:
+            self.settle(push_id, first)
+        else:
+            self._fan([(s, "push", (push_id, worker, int(fetched[i]), pieces[i]))
+                       for i, s in enumerate(rest, 1)])
         return first
+
+    def settle(self, push_id: int, decision: Decision | None = None) -> None:
+        """Token-gated: commits shard 0's decision for ``push_id`` on the other shards
+        (their staged pieces) and tells shard 0 the steps they reached, which releases
+        the next step's tokens. The coordinator calls it for a worker lost mid-push (the
+        decision is then read from shard 0; nothing happens if there is none)."""
+        if not self.token_gated or len(self.shards) == 1:
+            return
+        if decision is None:
+            decision = self._fan([(self.shards[0], "decision", (push_id,))])[0]
+            if decision is None:
+                return
+        steps = self._fan([(s, "commit", (push_id, decision)) for s in self.shards[1:]])
+        if decision.kind == "applied" and max(steps) > decision.step:
+            self._fan([(self.shards[0], "ack", (steps,))])
 
 
 def to_numpy(tree: Any) -> Any:

@@ -16,10 +16,20 @@ calls a worker actor). Outcomes:
 * a lost shard (:class:`ShardClosedError` while not shutting down, or the Ray actor of a
   shard dead): :class:`ParameterServerError` for this and every pending step.
 
-Bounded delay (``max_staleness=tau``, Li et al., OSDI'14): a worker's clock counts the
-steps it completed; a worker whose clock is more than ``tau`` ahead of the slowest live
-worker running a step waits before taking the next one (idle and dead workers leave
-the minimum; an idle worker taking work catches its clock up).
+Bounded staleness (``max_staleness=tau``, Li et al., OSDI'14): the staleness of an
+applied update is the number of updates applied between the worker's pull and the
+application of its push; none may exceed tau. Every update a shard applies while a step
+runs comes from a step that ran alongside it, so the coordinator counts, for each
+running step, the steps that ran alongside it (``alongside``), and a worker waits
+before starting a step while that would bring any running step's count above tau
+(tau = 0: one step at a time, sequential). The shards drop a push staler than tau all
+the same (``stale`` in the ledger), which only a step outliving its worker can cause.
+
+Token-gated mode: a worker counts as waiting for a token only while it blocks on a queue
+holding none it may take; when every running step does, none is queued and shard 0 has
+no token to give, nothing can push the gradients the next step needs, and ``join``
+cancels the waits (:class:`StepCancelledError`). A worker lost mid-push has its
+decided push committed on the other shards (``settle``) before its step runs again.
 """
 
 from __future__ import annotations
@@ -67,10 +77,14 @@ class Coordinator:
                  is_shard_failure: Callable[[BaseException], bool] | None = None,
                  interrupt: Callable[[], None] | None = None,
                  on_worker_lost: Callable[[int], None] | None = None,
-                 on_relax: Callable[[bool], None] | None = None):
+                 on_relax: Callable[[bool], None] | None = None,
+                 settle: Callable[[int], None] | None = None,
+                 starved: Callable[[], bool] | None = None):
         self._runners = runners
         self._interrupt = interrupt or (lambda: None)
         self._on_worker_lost = on_worker_lost or (lambda alive: None)
+        self._settle = settle or (lambda push_id: None)
+        self._starved = starved or (lambda: True)
         # Token-gated: every running step waits for a token and nothing is queued, so
         # no other worker can push; on_relax(True) lets the waiters take a second token
         # of the current step (one gradient per worker and step is only a preference),
@@ -86,8 +100,8 @@ class Coordinator:
         self._inflight: dict[int, Closure] = {}  # worker -> closure
         self._token_waiting: set[int] = set()
         self._alive = [True] * len(runners)
-        self.clock = [0] * len(runners)
-        self.max_clock_gap = 0
+        self._alongside: dict[int, int] = {}  # worker -> steps its step ran alongside
+        self.max_alongside = 0
         self._progress = 0  # token waits ended and steps finished
         self.rescheduled = 0
         self.scheduled = 0
@@ -136,40 +150,37 @@ class Coordinator:
             self._on_relax(False)
         return rv
 
+    #: Seconds every running step must wait for a token, none queued and no progress,
+    #: before shard 0 is asked whether a token is there and, if none, join cancels.
+    STARVED_AFTER = 0.5
+    #: The longest a wait on the condition lasts (every change notifies; a safety net).
+    MAX_WAIT = 5.0
+
     def join(self, timeout: float | None = None) -> None:
         """Waits until every scheduled step finished; re-raises the first error.
 
         Raises:
           TimeoutError: ``timeout`` seconds passed with steps still pending.
           ParameterServerError: a shard was lost.
-          RuntimeError: steps wait for tokens no running step can produce.
+          StepCancelledError: steps wait for tokens no running step can produce.
         """
         end = None if timeout is None else time.monotonic() + timeout
-        starved_since, progress = None, -1
+        starved = [None, -1]  # since when every running step waits, at which progress
         with self._cond:
-            while self._queue or self._inflight:
-                if self._fatal is not None:
-                    break
-                if not self._queue and self._inflight and \
-                        set(self._inflight) <= self._token_waiting:
-                    # Held for a second with no progress: not a token just handed out.
-                    if starved_since is None or progress != self._progress:
-                        starved_since, progress = time.monotonic(), self._progress
-                    elif time.monotonic() - starved_since > 1.0:
-                        self._cancel_starved()
-                else:
-                    starved_since = None
-                if self._fatal is not None:
-                    break
+            while (self._queue or self._inflight) and self._fatal is None:
                 if not any(self._alive) and self._queue:
                     self._fail_all(ParameterServerError(
                         "every worker died; the remaining steps cannot run."))
+                    break
+                recheck = self._check_starved(starved)
+                if self._fatal is not None:
                     break
                 left = None if end is None else end - time.monotonic()
                 if left is not None and left <= 0:
                     raise TimeoutError(f"join: {len(self._queue) + len(self._inflight)} "
                                        f"steps still pending after {timeout} s.")
-                self._cond.wait(0.2 if left is None else min(left, 0.2))
+                self._cond.wait(min(t for t in (recheck, left, self.MAX_WAIT)
+                                    if t is not None))
             if self._fatal is not None:
                 self._cond.release()
                 try:
@@ -178,13 +189,45 @@ class Coordinator:
                     self._cond.acquire()
             grace = time.monotonic() + 60.0
             while self._inflight and self._fatal is not None and time.monotonic() < grace:
-                self._cond.wait(0.2)  # the workers notice the failure at once
+                self._cond.wait(min(grace - time.monotonic(), self.MAX_WAIT))
             err = self._fatal or self._first_error
             self._first_error = None
             if isinstance(self._fatal, StepCancelledError):
                 self._fatal = None  # starved token waits: later steps may run again
         if err is not None:
             raise err
+
+    @property
+    def pending(self) -> int:
+        """Steps scheduled and not finished (queued or running)."""
+        with self._cond:
+            return len(self._queue) + len(self._inflight)
+
+    def _check_starved(self, starved: list) -> float | None:
+        """Cancels the running steps if every one of them waits for a token, none is
+        queued, nothing progressed for ``STARVED_AFTER`` seconds and shard 0 has no
+        token to give. Returns when to look again (None: not waiting on tokens)."""
+        if self._queue or not self._inflight or \
+                not set(self._inflight) <= self._token_waiting:
+            starved[0] = None
+            return None
+        now = time.monotonic()
+        if starved[0] is None or starved[1] != self._progress:
+            starved[0], starved[1] = now, self._progress
+            return self.STARVED_AFTER
+        if now - starved[0] < self.STARVED_AFTER:
+            return self.STARVED_AFTER - (now - starved[0])
+        progress = self._progress
+        self._cond.release()  # shard 0 is asked outside the coordinator's lock
+        try:
+            none_to_give = self._starved()
+        finally:
+            self._cond.acquire()
+        if none_to_give and progress == self._progress and not self._queue and \
+                self._inflight and set(self._inflight) <= self._token_waiting:
+            self._cancel_starved()
+        starved[0] = None
+        return self.STARVED_AFTER
 
     def _cancel_starved(self) -> None:
         """Every running step waits for a token and none is queued: nothing can push the
@@ -230,25 +273,36 @@ class Coordinator:
                     idle_since = time.monotonic()
                     if self._may_start(w):
                         c = self._queue.popleft()
-                        self._inflight[w] = c
+                        self._start(w, c)
                         return c
-                elif time.monotonic() - idle_since > self.IDLE_EXIT:
+                    self._cond.wait(self.MAX_WAIT)  # a finishing step notifies
+                    continue
+                left = self.IDLE_EXIT - (time.monotonic() - idle_since)
+                if left <= 0:
                     self._threads[w] = None  # restarted by the next schedule
                     return None
-                self._cond.wait(0.5)
+                self._cond.wait(left)
 
     def _may_start(self, w: int) -> bool:
-        others = [self.clock[v] for v in self._inflight if v != w and self._alive[v]]
-        if not others:
+        """Bounded staleness: starting a step on ``w`` keeps every running step's count
+        of steps alongside it (the bound on its staleness) at most tau."""
+        if self._tau is None:
             return True
-        slowest = min(others)
-        if self.clock[w] < slowest:  # it was idle: catch up
-            self.clock[w] = slowest
-        gap = self.clock[w] - slowest
-        if self._tau is not None and gap > self._tau:
-            return False
-        self.max_clock_gap = max(self.max_clock_gap, gap)
-        return True
+        running = [v for v in self._inflight if v != w]
+        return len(running) <= self._tau and \
+            all(self._alongside[v] < self._tau for v in running)
+
+    def _start(self, w: int, c: Closure) -> None:
+        for v in self._inflight:
+            self._alongside[v] += 1
+            self.max_alongside = max(self.max_alongside, self._alongside[v])
+        self._alongside[w] = len(self._inflight)
+        self.max_alongside = max(self.max_alongside, self._alongside[w])
+        self._inflight[w] = c
+
+    def _stop(self, w: int) -> None:
+        self._inflight.pop(w, None)
+        self._alongside.pop(w, None)
 
     def _token_wait(self, w: int, waiting: bool) -> None:
         with self._cond:
@@ -273,6 +327,7 @@ class Coordinator:
                 return
             rv = self._values[c.step_id]
             rv.attempts += 1
+            c.attempt = rv.attempts
             try:
                 out = self._runners[w](c, lambda waiting, w=w: self._token_wait(w, waiting))
             except ApplicationError as e:
@@ -294,11 +349,10 @@ class Coordinator:
     def _finish(self, w: int, c: Closure, value: Any = None,
                 error: BaseException | None = None) -> None:
         with self._cond:
-            self._inflight.pop(w, None)
+            self._stop(w)
             self._progress += 1
             rv = self._values.pop(c.step_id)
             if error is None:
-                self.clock[w] += 1
                 self.completed += 1
                 self.completed_by[w] += 1
                 self.finish_times[w].append(time.monotonic())
@@ -321,13 +375,18 @@ class Coordinator:
             return self._fatal
 
     def _worker_lost(self, w: int, c: Closure, e: BaseException) -> None:
-        try:
-            self._on_worker_lost(sum(self._alive) - (1 if self._alive[w] else 0))
-        except Exception:  # a lost shard shows up on the next push or pull
-            pass
+        # Its push, if shard 0 decided it, is committed on the other shards first (the
+        # rerun's push is then a duplicate everywhere); a lost shard shows up on the next
+        # push or pull.
+        for call in (lambda: self._settle(c.step_id),
+                     lambda: self._on_worker_lost(sum(self._alive) - self._alive[w])):
+            try:
+                call()
+            except Exception:
+                pass
         with self._cond:
             self._alive[w] = False
-            self._inflight.pop(w, None)
+            self._stop(w)
             rv = self._values[c.step_id]
             if rv.attempts >= self._max_attempts:
                 self._values.pop(c.step_id)

@@ -27,7 +27,8 @@ class EmbeddedCarrier:
             r = restored[i] if restored else {}
             self.shards.append(PSShard(i, pieces[i], tx, device=s.shard_devices[i],
                                        opt_state=r.get("opt_state"), step=r.get("step", 0),
-                                       ledger=r.get("ledger")))
+                                       ledger=r.get("ledger"), num_shards=s.num_ps,
+                                       max_staleness=s.max_staleness))
         gated = self.shards[0].token_gated
         self.workers = [PSWorker(w, list(grp), ShardClient(self.shards, placement, gated),
                                  opt_host, token_timeout=s.token_timeout,
@@ -38,6 +39,10 @@ class EmbeddedCarrier:
 
     def is_shard_failure(self, e: BaseException) -> bool:
         return False
+
+    def starved(self) -> bool:
+        """Whether shard 0 has no token a waiting worker could take."""
+        return not self.shards[0].takeable()
 
     def interrupt(self) -> None:
         self.shards[0].interrupt()

@@ -22,6 +22,7 @@ from jreplicate.ps.embedded import EmbeddedCarrier
 from jreplicate.ps.ledger import Ledger
 from jreplicate.ps.placement import Placement, place_parameters
 from jreplicate.ps.remote import RemoteValue
+from jreplicate.ps.shard import _is_sync
 from jreplicate.ps.worker import Closure, HostBatch, NnxArg
 
 if TYPE_CHECKING:
@@ -64,6 +65,12 @@ class ParameterServerExecutor(Executor):
                 "transformation was initialised inside rep.scope(). Use one (e.g. "
                 "optax.multi_transform for parts of the parameters).")
         s = self.strategy
+        if s.max_staleness is not None and _is_sync(opt_state):
+            raise ValueError(
+                f"ParameterServerStrategy(max_staleness={s.max_staleness}) bounds the "
+                "staleness of asynchronous updates; a sync_replicas transformation is "
+                "token-gated (no stale gradient is applied). Drop max_staleness, or use a "
+                "plain optax transformation.")
         if "flax.nnx" in sys.modules:  # nnx.Optimizer passes a State of Variables
             from flax import nnx
             if isinstance(params, nnx.State):
@@ -87,12 +94,14 @@ class ParameterServerExecutor(Executor):
             self._carrier = EmbeddedCarrier(s, self._tx, self.placement, pieces,
                                             opt_host, restored)
         self.client = self._carrier.client
+        starved = getattr(self._carrier, "starved", None)
         self.coordinator = Coordinator(
             self._carrier.runners, max_staleness=s.max_staleness,
             max_attempts=s.max_attempts, is_shard_failure=self._carrier.is_shard_failure,
             interrupt=self._carrier.interrupt, on_worker_lost=self._carrier.workers_alive,
             on_relax=lambda relax: self._carrier.workers_alive(
-                0 if relax else sum(self.coordinator.alive)))
+                0 if relax else sum(self.coordinator.alive)),
+            settle=self.client.settle, starved=starved)
         self._carrier.set_live_workers(lambda: sum(self.coordinator.alive))
 
     def call_shard(self, i: int, what: str) -> Any:
@@ -107,6 +116,34 @@ class ParameterServerExecutor(Executor):
         if not 0 <= i < self.strategy.num_ps:
             raise ValueError(f"shard={i} is not in [0, {self.strategy.num_ps}).")
         self._carrier.kill_shard(i)
+
+    def snapshot(self) -> dict[str, Any]:
+        """Every shard's state and ledger, taken while no step is scheduled or running
+        (so no push moves a shard between two shards' reads).
+
+        Raises:
+          RuntimeError: steps are scheduled or running (call ``rep.join()`` first), or
+            the shards are not at one step (token-gated).
+        """
+        c = self.coordinator
+        pending = c.pending
+        if pending:
+            raise RuntimeError(
+                f"ParameterServerStrategy.state(): {pending} steps are scheduled or running, "
+                "so the shards may be at different steps. Call rep.join() first, then "
+                "state().")
+        shards = [self.call_shard(i, "state") for i in range(self.strategy.num_ps)]
+        if c.pending:
+            raise RuntimeError(
+                "ParameterServerStrategy.state(): steps were scheduled while the shards "
+                "were read; call rep.join() first and schedule no steps meanwhile.")
+        steps = [int(sh["step"]) for sh in shards]
+        if self.client.token_gated and len(set(steps)) > 1:
+            raise RuntimeError(
+                f"ParameterServerStrategy.state(): the shards are at global steps {steps}; "
+                "a push is half committed (a worker lost mid-push whose step never ran "
+                "again). Restore the last checkpoint.")
+        return {"shards": shards, "next_step_id": np.array(self.next_id, np.int32)}
 
     def restore(self, state: dict[str, Any]) -> None:
         if self.coordinator is None:

@@ -147,7 +147,8 @@ class RayCarrier:
         ray = ensure_ray()
         ShardActor, WorkerActor = _actor_classes()
         g = s.num_replicas_in_sync
-        self.shards = [ShardActor.remote(i, pieces[i], tx, _host_restored(restored, i))
+        self.shards = [ShardActor.remote(i, pieces[i], tx, _host_restored(restored, i),
+                                         s.num_ps, s.max_staleness)
                        for i in range(s.num_ps)]
         gated = bool(ray.get(self.shards[0].call.remote("token_gated"), timeout=300))
         platform = s.worker_devices[0][0].platform

@@ -15,10 +15,21 @@ Two modes, chosen by the transformation:
 * **token-gated** (a :func:`jreplicate.sync_replicas` transformation): shard 0 runs the
   transform's host driver (each push is one replica's push with ``local_step``), owns
   ``global_step`` and the token queue (:meth:`PSShard.take_token` blocks with a
-  deadline). Its :class:`Decision` for each push (accepted as the ``index``-th gradient
-  of ``step``, stale or backup) travels with the push to the other shards, which apply
-  exactly the pushes shard 0 accepted, in shard 0's order: their parameters are those a
-  single shard would hold.
+  deadline). A push is two-phase: the worker first *stages* its pieces on the other
+  shards (:meth:`PSShard.stage`), then pushes to shard 0, whose :class:`Decision`
+  (accepted as the ``index``-th gradient of ``step``, stale or backup) is then
+  *committed* on the others (:meth:`PSShard.commit`): they feed exactly the pushes
+  shard 0 accepted, in shard 0's order, into their own accumulators, so their
+  parameters are those a single shard would hold. A worker that dies after shard 0's
+  decision leaves its staged pieces behind; the coordinator commits them
+  (:meth:`jreplicate.ps.client.ShardClient.settle`). A token of ``global_step`` is
+  handed out only after every shard acknowledged that step (:meth:`PSShard.ack`;
+  TensorFlow's "only after all variables have been updated"), so no worker pulls a mix
+  of steps.
+
+With ``max_staleness=tau`` (asynchronous mode) a push whose staleness would exceed tau
+is dropped and counted as ``stale`` (the coordinator's admission keeps this from
+happening; the shard is where the bound is guaranteed).
 """
 
 from __future__ import annotations
@@ -26,9 +37,11 @@ from __future__ import annotations
 import dataclasses
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 
@@ -58,12 +71,18 @@ class Decision:
       step: the global step the gradient counts for (accepted), else the step then.
       index: the push's position among step ``step``'s accepted gradients.
       completes: the push completed step ``step`` (shard 0 applied the aggregate).
+      attempt: the run of the step whose gradient shard 0 decided on (the other shards
+        feed the pieces that run staged).
+      duplicate: returned for a second push of a decided id (the fields are the
+        original decision's).
     """
 
     kind: str
     step: int
     index: int = -1
     completes: bool = False
+    attempt: int = 0
+    duplicate: bool = False
 
 
 def _is_sync(state: Any) -> bool:
@@ -88,11 +107,16 @@ class PSShard:
       opt_state: a restored optimizer state (default ``tx.init(params)``).
       step: the restored step (default 0).
       ledger: a restored :class:`Ledger`.
+      num_shards: the shards of the job (token-gated shard 0 hands out a step's tokens
+        once the ``num_shards - 1`` others acknowledged the step).
+      max_staleness: asynchronous mode: pushes staler than this are dropped (None: no
+        bound).
     """
 
     def __init__(self, index: int, params: dict[str, np.ndarray], tx: Any, *,
                  device: Any = None, opt_state: Any = None, step: int = 0,
-                 ledger: Ledger | None = None):
+                 ledger: Ledger | None = None, num_shards: int = 1,
+                 max_staleness: int | None = None):
         self.index = index
         self._tx = tx
         self._device = device
@@ -105,6 +129,7 @@ class PSShard:
         self._opt_state = None if self.empty else put(opt_state) if opt_state is not None \
             else put(tx.init(self._params))
         self.token_gated = _is_sync(self._opt_state)
+        self._tau = max_staleness
         self._step = int(step)
         self.ledger = ledger or Ledger()
         self._cond = threading.Condition(threading.Lock())
@@ -112,15 +137,50 @@ class PSShard:
         self._interrupts = 0
         self._k: int | None = None  # replicas_to_aggregate, learnt at the first update
         self._live: int | None = None  # workers alive, as the coordinator last said
-        # Token-gated, shards > 0: accepted pushes waiting for their step's turn.
-        self._pending: dict[int, dict[int, dict[str, np.ndarray]]] = {}
-        self._complete_count: dict[int, int] = {}
-        self._apply = jax.jit(self._apply_fn, donate_argnums=(1,))
+        # Token-gated, shard 0: the step each other shard acknowledged having reached.
+        self._acked = [self._step] * max(int(num_shards), 1)
+        # Token-gated, shards > 0: pieces staged per push id and run (attempt), and the
+        # accepted pushes of a step waiting for their turn (shard 0's order).
+        self._staged: dict[int, dict[int, Any]] = {}
+        self._pending: dict[int, dict[int, Any]] = {}
+        self._need: dict[int, int] = {}
+        # Accepted pushes of the current step fed so far (an empty shard keeps the count
+        # as its whole optimizer state).
+        self._fed = int(_sync_state(self._opt_state).num_accumulated) if self.token_gated \
+            else int(np.asarray(opt_state["accumulated"])) if self.empty and \
+            isinstance(opt_state, dict) and "accumulated" in opt_state else 0
         self.apply_seconds = 0.0
+        if self.token_gated:
+            self._update = jax.jit(self._sync_fn, donate_argnums=(1,))
+            self._take = jax.jit(take_token)
+            self._available = jax.jit(tokens_available)
+        else:
+            self._update = jax.jit(self._apply_fn, donate_argnums=(1,))
+        self._compile()
 
     def _apply_fn(self, params, opt_state, grads):
         updates, opt_state = self._tx.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state
+
+    def _sync_fn(self, params, opt_state, grads, local_step):
+        # Updates are zero until the step completes: params + 0 leaves them unchanged.
+        updates, opt_state = self._tx.update(grads, opt_state, params,
+                                             local_step=local_step)
+        return optax.apply_updates(params, updates), opt_state
+
+    def _compile(self) -> None:
+        """Compiles the update (and the token queue's functions) now, on throwaway
+        copies, so that no push or token take compiles while holding the shard's lock."""
+        if self.empty:
+            return
+        copy = lambda t: jax.tree.map(jnp.copy, t)  # noqa: E731
+        zeros = jax.tree.map(jnp.zeros_like, self._params)
+        if self.token_gated:
+            self._update(self._params, copy(self._opt_state), zeros, np.int32(-1))
+            self._take(self._opt_state)
+            self._available(self._opt_state)
+        else:
+            self._update(self._params, copy(self._opt_state), zeros)
 
     # -- reading ---------------------------------------------------------------------
     @property
@@ -141,13 +201,16 @@ class PSShard:
         with self._cond:
             params, opt, step = self._params, self._opt_state, self._step
             ledger = self.ledger.to_arrays()
-        return {"params": jax.tree.map(np.asarray, params),
-                "opt_state": jax.tree.map(np.asarray, opt) if opt is not None else {},
-                "step": np.array(step, np.int32), "ledger": ledger}
+            params = jax.tree.map(np.asarray, params)
+            opt = jax.tree.map(np.asarray, opt) if opt is not None else \
+                {"accumulated": np.array(self._fed, np.int32)}
+        return {"params": params, "opt_state": opt, "step": np.array(step, np.int32),
+                "ledger": ledger}
 
     # -- pushing ---------------------------------------------------------------------
     def push(self, push_id: int, worker: int, fetched_step: int,
-             grads: dict[str, np.ndarray], decision: Decision | None = None) -> Decision:
+             grads: dict[str, np.ndarray], decision: Decision | None = None,
+             attempt: int = 0) -> Decision:
         """Applies (or drops) one worker's gradients for this shard's pieces.
 
         Args:
@@ -155,111 +218,176 @@ class PSShard:
           worker: the pushing worker (for errors and statistics).
           fetched_step: the step of the parameters the gradient was computed from
             (asynchronous), or the worker's ``local_step`` token (token-gated).
-          grads: ``{key: numpy array}`` like the shard's parameters; ``None`` when
-            shard 0 dropped the push (only its ledger entry travels).
-          decision: token-gated, shards > 0: shard 0's decision for this push.
+          grads: ``{key: numpy array}`` like the shard's parameters.
+          decision: token-gated, shards > 0: shard 0's decision for this push (a
+            :meth:`stage` and a :meth:`commit` in one call).
+          attempt: the run of the step (token-gated shard 0 records it in its decision).
 
         Returns:
-          The push's :class:`Decision` (a duplicate returns the original one).
+          The push's :class:`Decision` (a duplicate returns the original one, marked
+          ``duplicate``).
         """
+        if decision is not None:
+            self.stage(push_id, decision.attempt, grads)
+            self.commit(push_id, decision)
+            return decision
         with self._cond:
             self._check_open()
             if self.ledger.seen(push_id):
                 self.ledger.record(push_id, "duplicate")
-                return self.ledger.decisions.get(push_id, Decision("duplicate", self._step))
+                d = self.ledger.decisions.get(push_id, Decision("applied", self._step))
+                return dataclasses.replace(d, duplicate=True)
             if self.empty:
-                self.ledger.record(push_id, "applied", None if decision else 0)
-                if decision is None or decision.completes:
-                    self._step += 1
-                return decision or Decision("applied", self._step - 1)
+                self.ledger.record(push_id, "applied", 0)
+                self._step += 1
+                return Decision("applied", self._step - 1)
             if not self.token_gated:
                 return self._push_async(push_id, fetched_step, grads)
-            if self.index == 0:
-                return self._push_driver(push_id, fetched_step, grads)
-            return self._push_follower(push_id, grads, decision)
-
-    def record(self, push_id: int, decision: Decision) -> None:
-        """Records shard 0's drop of a push (its gradient is never sent here)."""
-        with self._cond:
-            self._check_open()
-            kind = "duplicate" if self.ledger.seen(push_id) else decision.kind
-            self.ledger.record(push_id, kind)
+            if self.index != 0:
+                raise ValueError(
+                    f"PSShard {self.index}: a token-gated push goes to shard 0; the other "
+                    "shards take stage() and commit() with shard 0's decision.")
+            return self._push_driver(push_id, fetched_step, grads, attempt)
 
     def _push_async(self, push_id, fetched_step, grads):
         staleness = self._step - int(fetched_step)
+        if self._tau is not None and staleness > self._tau:
+            self.ledger.record(push_id, "stale")
+            return Decision("stale", self._step)
         t0 = time.perf_counter()
-        self._params, self._opt_state = self._apply(self._params, self._opt_state,
-                                                    self._put(grads))
+        self._params, self._opt_state = self._update(self._params, self._opt_state,
+                                                     self._put(grads))
         self.apply_seconds += time.perf_counter() - t0
         self._step += 1
         self.ledger.record(push_id, "applied", staleness)
         self._cond.notify_all()
         return Decision("applied", self._step - 1)
 
-    def _push_driver(self, push_id, local_step, grads):
+    def _push_driver(self, push_id, local_step, grads, attempt):
         s = _sync_state(self._opt_state)
-        before = (int(s.global_step), int(s.num_accumulated), int(s.dropped_stale),
-                  int(s.dropped_backup))
-        updates, opt = self._tx.update(self._put(grads), self._opt_state, self._params,
-                                       local_step=int(local_step))
-        new = _sync_state(opt)
-        gs = int(new.global_step)
-        if int(new.dropped_stale) > before[2]:
-            d = Decision("stale", before[0])
-        elif int(new.dropped_backup) > before[3]:
-            d = Decision("backup", before[0])
+        gs, acc = int(s.global_step), int(s.num_accumulated)
+        stale, backup = int(s.dropped_stale), int(s.dropped_backup)
+        self._params, self._opt_state = self._update(
+            self._params, self._opt_state, self._put(grads), np.int32(local_step))
+        new = _sync_state(self._opt_state)
+        new_gs = int(new.global_step)
+        if int(new.dropped_stale) > stale:
+            d = Decision("stale", gs)
+        elif int(new.dropped_backup) > backup:
+            d = Decision("backup", gs)
         else:
-            d = Decision("applied", before[0], before[1], completes=gs > before[0])
+            d = Decision("applied", gs, acc, completes=new_gs > gs, attempt=attempt)
         if d.completes:
             self._k = d.index + 1
-            self._params = optax.apply_updates(self._params, updates)
-        self._opt_state = opt
-        self._step = gs
+        self._step = new_gs
         self.ledger.record(push_id, d.kind, 0 if d.kind == "applied" else None)
         self.ledger.decisions[push_id] = d
         if d.completes:
-            self._cond.notify_all()  # new tokens
+            self._cond.notify_all()  # new tokens (once the other shards acknowledge)
         return d
 
-    def _push_follower(self, push_id, grads, d):
-        if d is None or d.kind != "applied":
-            raise ValueError(
-                f"PSShard {self.index}: a token-gated push needs shard 0's decision "
-                "(Decision('applied', step, index)); dropped pushes go through record().")
-        self.ledger.record(push_id, "applied", 0)
-        self._pending.setdefault(d.step, {})[d.index] = grads
-        if d.completes:
-            self._complete_count[d.step] = d.index + 1
-        self._drain()
-        return d
+    def decision(self, push_id: int) -> Decision | None:
+        """Shard 0's decision for ``push_id`` (None: not pushed here yet)."""
+        with self._cond:
+            return self.ledger.decisions.get(push_id)
 
-    def _drain(self):
-        """Feeds the pending steps, in order, once all their accepted pushes arrived."""
-        while True:
-            gs = self._step
-            need = self._complete_count.get(gs)
-            got = self._pending.get(gs, {})
-            if need is None or len(got) < need:
-                return
-            for i in range(need):
-                updates, self._opt_state = self._tx.update(
-                    self._put(got[i]), self._opt_state, self._params, local_step=gs)
-            new_gs = int(_sync_state(self._opt_state).global_step)
-            if new_gs != gs + 1:
+    # -- token-gated, shards > 0 -------------------------------------------------------
+    def stage(self, push_id: int, attempt: int, grads: dict[str, np.ndarray]) -> None:
+        """Keeps run ``attempt``'s pieces of push ``push_id`` until shard 0's decision
+        is committed (ignored for an id already decided)."""
+        with self._cond:
+            self._check_open()
+            if not self.ledger.seen(push_id):
+                self._staged.setdefault(push_id, {})[int(attempt)] = grads
+
+    def commit(self, push_id: int, decision: Decision) -> int:
+        """Applies shard 0's ``decision`` for ``push_id``: an accepted push's staged
+        pieces (of the run shard 0 decided on) are fed to the accumulators in shard 0's
+        order; a dropped one is only recorded. Returns this shard's step afterwards.
+
+        Raises:
+          RuntimeError: the decided run's pieces were never staged here.
+        """
+        with self._cond:
+            self._check_open()
+            staged = self._staged.pop(push_id, {})
+            if self.ledger.seen(push_id):
+                self.ledger.record(push_id, "duplicate")
+                return self._step
+            d = decision
+            if d.kind != "applied":
+                self.ledger.record(push_id, d.kind)
+                return self._step
+            if d.attempt not in staged and not self.empty:
                 raise RuntimeError(
-                    f"PSShard {self.index}: step {gs} took {need} gradients on shard 0 but "
-                    "did not complete here; shards must be built with the same "
-                    "sync_replicas transformation.")
-            self._params = optax.apply_updates(self._params, updates)
-            self._step = new_gs
-            del self._pending[gs], self._complete_count[gs]
+                    f"PSShard {self.index}: push {push_id} (run {d.attempt}) was accepted "
+                    "by shard 0 but its pieces were never staged here; stage() every "
+                    "shard before pushing to shard 0.")
+            self.ledger.record(push_id, "applied", 0)
+            self.ledger.decisions[push_id] = d
+            self._pending.setdefault(d.step, {})[d.index] = staged.get(d.attempt)
+            if d.completes:
+                self._need[d.step] = d.index + 1
+            self._feed()
+            self._cond.notify_all()
+            return self._step
 
-    # -- tokens ----------------------------------------------------------------------
+    def record(self, push_id: int, decision: Decision) -> None:
+        """Records shard 0's drop of a push (:meth:`commit` of a dropped decision)."""
+        self.commit(push_id, decision)
+
+    def _feed(self) -> None:
+        """Feeds accepted pushes to the accumulators in shard 0's order, index by index
+        as they arrive, so this shard's state agrees with its ledger and with shard 0's
+        at every quiescent point; the step advances when the transform completes it."""
+        while self._feed_step():
+            pass
+
+    def _feed_step(self) -> bool:
+        gs = self._step
+        got = self._pending.get(gs, {})
+        done = False
+        while not done and self._fed in got:
+            grads = got.pop(self._fed)
+            self._fed += 1
+            if self.empty:  # only the count: the step ends with shard 0's last push
+                done = self._need.get(gs) == self._fed
+                continue
+            self._params, self._opt_state = self._update(
+                self._params, self._opt_state, self._put(grads), np.int32(gs))
+            done = int(_sync_state(self._opt_state).global_step) > gs
+        if not done:
+            return False
+        need = self._need.pop(gs, self._fed)
+        if need != self._fed:
+            raise RuntimeError(
+                f"PSShard {self.index}: step {gs} took {need} gradients on shard 0 but "
+                f"{self._fed} here; shards must be built with the same sync_replicas "
+                "transformation.")
+        self._pending.pop(gs, None)
+        self._step, self._fed = gs + 1, 0
+        return True
+
+    # -- tokens (shard 0) ------------------------------------------------------------
+    def ack(self, steps: list[int]) -> None:
+        """The other shards' steps as a worker saw them after its commits: tokens of a
+        step are handed out once every shard reached it."""
+        with self._cond:
+            for i, st in enumerate(steps, 1):
+                if i < len(self._acked):
+                    self._acked[i] = max(self._acked[i], int(st))
+            self._cond.notify_all()
+
+    def _released(self) -> bool:
+        return min(self._acked[1:], default=self._step) >= self._step
+
     def take_token(self, deadline: float, *, skip_stale: bool = True, min_step: int = 0,
-                   live_workers: int = 0) -> int:
+                   live_workers: int = 0,
+                   on_wait: Callable[[bool], None] | None = None) -> int:
         """Dequeues a token (shard 0, token-gated): the ``local_step`` of the caller's
         next gradient. Blocks until one is available or ``time.monotonic()`` passes
-        ``deadline``.
+        ``deadline``. A token of ``global_step`` is available only once every shard
+        reached that step (see :meth:`ack`).
 
         Args:
           deadline: a ``time.monotonic()`` value.
@@ -272,6 +400,8 @@ class PSShard:
             of the same step and turn that worker's gradient into a backup). Applied only
             while ``live_workers`` is at least ``replicas_to_aggregate``.
           live_workers: the workers alive (see ``min_step``).
+          on_wait: called with True when the caller starts blocking (no token it may
+            take) and with False when it stops; never under the shard's lock.
 
         Raises:
           TokenTimeoutError: the deadline passed.
@@ -280,26 +410,52 @@ class PSShard:
         """
         with self._cond:
             generation = self._interrupts
+        waiting = False
+        try:
             while True:
-                self._check_open()
-                if self._interrupts != generation:
-                    raise TokenWaitInterrupted("the token wait was cancelled")
-                live = live_workers if self._live is None else min(live_workers, self._live)
-                wait_step = skip_stale and self._k is not None and live >= self._k \
-                    and self._step < min_step
-                while not wait_step and int(tokens_available(self._opt_state)) > 0:
-                    token, self._opt_state = take_token(self._opt_state)
-                    token = int(token)
-                    if not skip_stale or token >= self._step:
+                with self._cond:
+                    token = self._try_take(generation, skip_stale, min_step, live_workers)
+                    if token is not None:
                         return token
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise TokenTimeoutError(
-                        f"no token for global step {self._step} before the deadline: fewer "
-                        "than replicas_to_aggregate fresh gradients of that step arrived "
-                        "(workers lost or out of work). Schedule more steps, lower "
-                        "replicas_to_aggregate, or raise token_timeout.")
-                self._cond.wait(min(left, 1.0))
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        raise TokenTimeoutError(
+                            f"no token for global step {self._step} before the deadline: "
+                            "fewer than replicas_to_aggregate fresh gradients of that step "
+                            "arrived (workers lost or out of work). Schedule more steps, "
+                            "lower replicas_to_aggregate, or raise token_timeout.")
+                    if waiting or on_wait is None:
+                        self._cond.wait(left)
+                        continue
+                on_wait(True)  # outside the lock; the next round re-checks, then waits
+                waiting = True
+        finally:
+            if waiting:
+                on_wait(False)
+
+    def _try_take(self, generation, skip_stale, min_step, live_workers) -> int | None:
+        self._check_open()
+        if self._interrupts != generation:
+            raise TokenWaitInterrupted("the token wait was cancelled")
+        if not self._released():
+            return None
+        live = live_workers if self._live is None else min(live_workers, self._live)
+        if skip_stale and self._k is not None and live >= self._k and \
+                self._step < min_step:
+            return None
+        while int(self._available(self._opt_state)) > 0:
+            token, self._opt_state = self._take(self._opt_state)
+            token = int(token)
+            if not skip_stale or token >= self._step:
+                return token
+        return None
+
+    def takeable(self) -> bool:
+        """Whether a token waiter could take a token now (every shard reached
+        ``global_step`` and the queue holds one)."""
+        with self._cond:
+            return self.token_gated and self._released() and \
+                int(self._available(self._opt_state)) > 0
 
     def return_token(self, token: int) -> None:
         """Puts back a token a lost worker took but never used (if still current)."""
@@ -330,7 +486,7 @@ class PSShard:
 
     def tokens_available(self) -> int:
         with self._cond:
-            return int(tokens_available(self._opt_state)) if self.token_gated else 0
+            return int(self._available(self._opt_state)) if self.token_gated else 0
 
     # -- lifecycle -------------------------------------------------------------------
     def close(self, reason: str = "closed") -> None:

@@ -58,6 +58,7 @@ class Closure:
     param_index: int
     opt_index: int | None
     fn_key: int = -1  # the same function has the same key (Ray sends it once per worker)
+    attempt: int = 0  # the run of the step (set by the coordinator)
 
 
 @dataclasses.dataclass
@@ -127,25 +128,25 @@ class PSWorker:
         :class:`WorkerLostError` (or any other exception) for worker failures."""
         token = None
         if self.client.token_gated and self.local_step is not None:
-            if on_token_wait:
-                on_token_wait(True)
+            # The coordinator counts this worker as waiting only while it blocks on an
+            # empty queue (on_wait), not while it takes a token that is there.
+            kw = {"on_wait": on_token_wait} if on_token_wait else {}
             try:
                 token = self.client.shards[0].take_token(
                     time.monotonic() + self.token_timeout, skip_stale=self.skip_stale_tokens,
-                    min_step=self._min_step, live_workers=self.live_workers())
+                    min_step=self._min_step, live_workers=self.live_workers(), **kw)
             except TokenWaitInterrupted as e:
                 raise StepCancelledError(str(e)) from None
             except TokenTimeoutError as e:
                 raise ApplicationError(e) from e
-            finally:
-                if on_token_wait:
-                    on_token_wait(False)
         try:
             out, decision = self._run(c, token)
         except BaseException:
             if token is not None:
                 self.client.shards[0].return_token(token)
             raise
+        if decision.duplicate and token is not None:  # a rerun of a decided push
+            self.client.shards[0].return_token(token)
         self.steps_done += 1
         return out, decision
 
@@ -154,7 +155,9 @@ class PSWorker:
         if self.client.token_gated:
             if token is None:
                 token = steps[0]
-            fetched = [token]
+            # A shard behind the token's step (never, once tokens wait for every shard;
+            # a worker's first step takes none) makes the gradient stale, not mixed.
+            fetched = [min(token, *steps)]
         else:
             fetched = steps
         args = [a.build() if isinstance(a, NnxArg) else a for a in c.args]
@@ -183,7 +186,7 @@ class PSWorker:
         if self.kill_at == "compute":
             raise WorkerLostError(f"worker {self.index} died computing step {c.step_id}")
         self.client.ordered = self.kill_at == "push"
-        decision = self.client.push(c.step_id, self.index, fetched, grads)
+        decision = self.client.push(c.step_id, self.index, fetched, grads, c.attempt)
         self.local_step = token
         self._min_step = decision.step + 1 if decision.kind == "applied" else 0
         return out, decision

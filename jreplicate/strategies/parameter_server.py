@@ -19,7 +19,7 @@ worker pushes (see :mod:`jreplicate.ps.capture` for the mechanism and its limits
 recognised by identity; the worker passes the freshly pulled parameters in their place.
 
 **Modes.** Any optax transformation: asynchronous training (every push applied as it
-arrives, staleness recorded, ``max_staleness=tau`` bounds the delay). A
+arrives, staleness recorded, ``max_staleness=tau`` bounds it). A
 :func:`jreplicate.sync_replicas` transformation: token-gated synchronous training with
 backup workers, its host driver on shard 0 with a blocking token queue.
 
@@ -68,7 +68,9 @@ class ParameterServerStrategy(Strategy):
         share them.
       placement: ``"round_robin"`` or ``"size_balanced"`` (see
         :func:`jreplicate.ps.placement.place_parameters`).
-      max_staleness: bounded delay tau (None: fully asynchronous).
+      max_staleness: bounded staleness tau (None: fully asynchronous): no applied
+        update is more than tau updates stale (Li et al., OSDI'14); workers wait
+        rather than exceed it, tau = 0 is sequential. Asynchronous mode only.
       token_timeout: seconds a token wait may last (token-gated mode) before the step
         fails with a clear error.
       skip_stale_tokens: token-gated mode: a worker drops tokens older than
@@ -207,12 +209,13 @@ class ParameterServerStrategy(Strategy):
 
     def stats(self) -> dict[str, Any]:
         """Scheduling counters: scheduled, completed, completed_by (per worker),
-        rescheduled, alive, max_clock_gap (the largest clock gap a worker started a step
-        with), finish_times (per worker, ``time.monotonic()`` of each completed step)."""
+        rescheduled, alive, max_alongside (the most steps one step ran alongside: a
+        bound on the staleness of its update, at most ``max_staleness``), finish_times
+        (per worker, ``time.monotonic()`` of each completed step)."""
         c = self._ex().coordinator
         return {"scheduled": c.scheduled, "completed": c.completed,
                 "completed_by": list(c.completed_by), "rescheduled": c.rescheduled,
-                "alive": c.alive, "max_clock_gap": c.max_clock_gap,
+                "alive": c.alive, "max_alongside": c.max_alongside,
                 "finish_times": [list(t) for t in c.finish_times]}
 
     def kill_worker(self, worker: int, when: str = "compute") -> None:
@@ -235,10 +238,13 @@ class ParameterServerStrategy(Strategy):
 
     def state(self) -> dict[str, Any]:
         """Every shard's state and ledger as numpy, for
-        :class:`jreplicate.CheckpointManager` (call after ``rep.join()``)."""
-        ex = self._ex()
-        return {"shards": [ex.call_shard(i, "state") for i in range(self.num_ps)],
-                "next_step_id": np.array(ex.next_id, np.int32)}
+        :class:`jreplicate.CheckpointManager`: a consistent snapshot, every shard at the
+        step its ledger records.
+
+        Raises:
+          RuntimeError: steps are scheduled or running; call ``rep.join()`` first.
+        """
+        return self._ex().snapshot()
 
     def restore(self, state: dict[str, Any]) -> None:
         """Loads :meth:`state`'s output (e.g. from a checkpoint) into the shards."""
