@@ -122,3 +122,38 @@ def test_a_training_thread_outliving_the_main_thread_keeps_reading_in_line():
                                             "train_in_thread.py"), "no-prefetch"],
                        cwd=root, env=env, capture_output=True, text=True, timeout=120)
     assert "DONE 3" in r.stdout, r.stdout + r.stderr[-2000:]
+
+
+class _FakeRay:
+    """Records how ensure_ray initialises Ray (no Ray instance is started)."""
+
+    def __init__(self):
+        self.inits = []
+
+    def is_initialized(self):
+        return bool(self.inits)
+
+    def init(self, **kwargs):
+        self.inits.append(kwargs)
+
+
+@pytest.mark.parametrize("address, private", [(None, True), ("local", True),
+                                               ("auto", False), ("10.0.0.5:6379", False)])
+def test_ray_address_local_gets_the_private_loopback_instance(monkeypatch, address,
+                                                             private):
+    """RAY_ADDRESS=local asks Ray for a new local instance: it was started by a plain
+    ray.init(), which listens on the machine's network address (Ray's processes
+    exchange pickles)."""
+    from jreplicate.ps import ray_carrier
+
+    fake = _FakeRay()
+    monkeypatch.setattr(ray_carrier, "_ray", lambda: fake)
+    if address is None:
+        monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    else:
+        monkeypatch.setenv("RAY_ADDRESS", address)
+    assert ray_carrier.ensure_ray() is fake
+    assert ray_carrier.ensure_ray() is fake  # a second strategy: the same instance
+    assert len(fake.inits) == 1
+    assert (fake.inits[0].get("_node_ip_address") == "127.0.0.1") is private
+    assert fake.inits[0]["include_dashboard"] is False

@@ -51,9 +51,9 @@ def _ray():
 
 
 def ensure_ray() -> Any:
-    """Ray, initialised: as the caller did, at ``RAY_ADDRESS`` if set, else a private
-    local instance (``address="local"``) whose processes listen on 127.0.0.1 only, with
-    no dashboard.
+    """Ray, initialised: as the caller did, at ``RAY_ADDRESS`` if set (other than
+    ``local``), else a private local instance (``address="local"``) whose processes
+    listen on 127.0.0.1 only, with no dashboard.
 
     Ray turns a loopback ``_node_ip_address`` into the machine's network address unless
     its clusters are disabled (``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0``, read when Ray is
@@ -63,7 +63,9 @@ def ensure_ray() -> Any:
     ray = _ray()
     if ray.is_initialized():
         return ray
-    if os.environ.get("RAY_ADDRESS"):  # the user's cluster, as Ray reads it
+    # The user's cluster, as Ray reads it; RAY_ADDRESS=local asks Ray for a new local
+    # instance, which is the private one below.
+    if os.environ.get("RAY_ADDRESS", "").strip() not in ("", "local"):
         ray.init(include_dashboard=False, log_to_driver=False)
         return ray
     try:
