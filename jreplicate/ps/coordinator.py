@@ -101,6 +101,8 @@ class Coordinator:
         self._token_waiting: set[int] = set()
         self._alive = [True] * len(runners)
         self._alongside: dict[int, int] = {}  # worker -> steps its step ran alongside
+        self._idle: dict[int, int] = {}  # worker waiting for a step -> its ticket
+        self._tickets = 0
         self.max_alongside = 0
         self._progress = 0  # token waits ended and steps finished
         self.rescheduled = 0
@@ -266,28 +268,36 @@ class Coordinator:
     def _take(self, w: int) -> Closure | None:
         with self._cond:
             idle_since = time.monotonic()
-            while True:
-                if self._stopping or not self._alive[w]:
-                    return None
-                if self._queue and self._fatal is None:
-                    idle_since = time.monotonic()
-                    if self._may_start(w):
-                        c = self._queue.popleft()
-                        self._start(w, c)
-                        return c
-                    self._cond.wait(self.MAX_WAIT)  # a finishing step notifies
-                    continue
-                left = self.IDLE_EXIT - (time.monotonic() - idle_since)
-                if left <= 0:
-                    self._threads[w] = None  # restarted by the next schedule
-                    return None
-                self._cond.wait(left)
+            self._tickets += 1
+            self._idle[w] = self._tickets
+            try:
+                while True:
+                    if self._stopping or not self._alive[w]:
+                        return None
+                    if self._queue and self._fatal is None:
+                        idle_since = time.monotonic()
+                        if self._may_start(w):
+                            c = self._queue.popleft()
+                            self._start(w, c)
+                            return c
+                        self._cond.wait(self.MAX_WAIT)  # a finishing step notifies
+                        continue
+                    left = self.IDLE_EXIT - (time.monotonic() - idle_since)
+                    if left <= 0:
+                        self._threads[w] = None  # restarted by the next schedule
+                        return None
+                    self._cond.wait(left)
+            finally:
+                self._idle.pop(w, None)
 
     def _may_start(self, w: int) -> bool:
         """Bounded staleness: starting a step on ``w`` keeps every running step's count
-        of steps alongside it (the bound on its staleness) at most tau."""
+        of steps alongside it (the bound on its staleness) at most tau; idle workers
+        start in the order they became idle."""
         if self._tau is None:
             return True
+        if self._idle[w] != min(self._idle.values()):
+            return False  # first come, first served: a finishing worker does not hog
         running = [v for v in self._inflight if v != w]
         return len(running) <= self._tau and \
             all(self._alongside[v] < self._tau for v in running)
