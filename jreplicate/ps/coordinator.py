@@ -153,8 +153,9 @@ class Coordinator:
         return rv
 
     #: Seconds every running step must wait for a token, none queued and no progress,
-    #: before shard 0 is asked whether a token is there and, if none, join cancels.
-    STARVED_AFTER = 0.5
+    #: before shard 0 is asked whether a token is there and, if none, join cancels (a
+    #: token_timeout below it gives its own error first).
+    STARVED_AFTER = 1.0
     #: The longest a wait on the condition lasts (every change notifies; a safety net).
     MAX_WAIT = 5.0
 
