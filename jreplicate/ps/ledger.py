@@ -6,7 +6,8 @@ as the apply, so a push id is applied at most once:
 
 * ``applied``: the gradient went into the parameters (asynchronous mode), or into the
   accumulators of the step it was computed for (token-gated mode);
-* ``stale``: dropped, computed at an old step (token-gated mode);
+* ``stale``: dropped, computed at an old step (token-gated mode), or more than
+  ``max_staleness`` updates stale (asynchronous mode);
 * ``backup``: dropped, enough faster gradients of its step were already aggregated;
 * ``duplicate``: the id was already decided (a rescheduled step whose first attempt
   reached this shard).
