@@ -41,6 +41,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from jreplicate.ps.device_layout import assign_devices
 from jreplicate.ps.executor import ParameterServerExecutor
 from jreplicate.ps.placement import POLICIES, Placement
 from jreplicate.strategies.base import Strategy
@@ -60,12 +61,14 @@ class ParameterServerStrategy(Strategy):
     Args:
       num_ps: parameter-server shards (default 1).
       num_workers: workers (sync groups); default: as many as the devices left after
-        the shards' allow (``(len(devices) - num_ps) // num_replicas_in_sync``).
+        the shards' allow (``(len(devices) - num_ps) // num_replicas_in_sync``, at
+        least 1). Worker groups never share devices (an error names the fix); see
+        :mod:`jreplicate.ps.device_layout` for the policy and its warnings.
       num_replicas_in_sync: devices (replicas) per worker; each group is one SPMD mesh
         that all-reduces inside and pushes once per step.
       devices: local devices to use (default all): the first ``num_ps`` hold the
-        shards, the next ones the workers. With too few devices, shards and workers
-        share them.
+        shards, the next ones the workers. With too few devices for both, the shards
+        share the workers' devices (with a warning).
       placement: ``"round_robin"`` or ``"size_balanced"`` (see
         :func:`jreplicate.ps.placement.place_parameters`).
       max_staleness: bounded staleness tau (None: fully asynchronous): no applied
@@ -115,10 +118,8 @@ class ParameterServerStrategy(Strategy):
             raise ValueError(
                 f"ParameterServerStrategy(num_replicas_in_sync={g}) needs {g} devices per "
                 f"worker but {len(devs)} are available; use at most {len(devs)}.")
-        spare = len(devs) - num_ps
-        if num_workers is None:
-            num_workers = max(spare // g, 1)
-        num_workers = _count("num_workers", num_workers, 1, "the workers (sync groups)")
+        if num_workers is not None:
+            num_workers = _count("num_workers", num_workers, 1, "the workers (sync groups)")
         if placement not in POLICIES:
             raise ValueError(f"ParameterServerStrategy(placement={placement!r}) must be one "
                              f"of {POLICIES}.")
@@ -131,19 +132,8 @@ class ParameterServerStrategy(Strategy):
         if not isinstance(token_timeout, (int, float)) or token_timeout <= 0:
             raise ValueError(f"ParameterServerStrategy(token_timeout={token_timeout!r}) must "
                              "be a positive number of seconds.")
-        if spare >= num_workers * g:  # distinct devices for shards and workers
-            self.shard_devices = tuple(devs[:num_ps])
-            pool = devs[num_ps:]
-        else:
-            self.shard_devices = tuple(devs[i % len(devs)] for i in range(num_ps))
-            pool = devs[num_ps:] if spare >= g else devs
-        self.worker_devices = tuple(
-            tuple(pool[(w * g + j) % len(pool)] for j in range(g)) for w in range(num_workers))
-        for w, grp in enumerate(self.worker_devices):
-            if len(set(grp)) < g:
-                raise ValueError(
-                    f"ParameterServerStrategy: worker {w} would use a device twice; pass "
-                    f"num_replicas_in_sync dividing the {len(pool)} worker devices.")
+        self.shard_devices, self.worker_devices = assign_devices(
+            devs, num_ps, num_workers, g, carrier)
         self.num_ps = num_ps
         self.max_staleness = max_staleness
         self.token_timeout = float(token_timeout)
