@@ -175,11 +175,17 @@ class Replicator:
                 f"prepare_input(prefetch_on_device={prefetch_on_device!r}) must be None "
                 "(prefetch once reads are seen to cost), True or False."
             )
-        it = InputIterator(
-            self, self._strategy, self._executor, fn, replication_mode=replication_mode,
-            prefetch_buffer_size=prefetch_buffer_size if prefetch_on_device is not False
-            else 0, enforce_ordering=bool(enforce_ordering), partial_batch=partial_batch,
-            auto_prefetch=prefetch_on_device is None)
+        # An executor that reads input where the steps run (ParameterServerStrategy's
+        # workers) builds its own PER_WORKER iterator; the driver reads nothing.
+        per_worker = getattr(self._executor, "per_worker_input", None)
+        if per_worker is not None and replication_mode is InputReplicationMode.PER_WORKER:
+            it = per_worker(self, fn, partial_batch=partial_batch)
+        else:
+            it = InputIterator(
+                self, self._strategy, self._executor, fn, replication_mode=replication_mode,
+                prefetch_buffer_size=prefetch_buffer_size if prefetch_on_device is not False
+                else 0, enforce_ordering=bool(enforce_ordering), partial_batch=partial_batch,
+                auto_prefetch=prefetch_on_device is None)
         self._iterators.add(it)
         return it
 

@@ -18,6 +18,7 @@ from jreplicate.ps.ledger import Ledger
 from jreplicate.ps.ray_carrier import _ShardProxy
 from jreplicate.ps.shard import PSShard
 from jreplicate.ps.worker import PSWorker
+from jreplicate.ps.worker_input import WorkerInput
 
 try:
     import ray
@@ -64,6 +65,7 @@ if ray is not None:
             self.worker = PSWorker(index, jax.local_devices()[:g], client, opt_host,
                                    token_timeout=token_timeout, skip_stale_tokens=skip_stale)
             self.fns = {}
+            self.input_fns = {}  # PER_WORKER input_fn by key, sent once
 
         @ray.method(num_returns=2)
         def run(self, closure, live_workers):
@@ -72,6 +74,11 @@ if ray is not None:
             else:
                 closure = dataclasses.replace(
                     closure, fn=self.fns.setdefault(closure.fn_key, closure.fn))
+            m = closure.batch
+            if isinstance(m, WorkerInput):  # input read here, from this actor's pipeline
+                fn = self.input_fns.setdefault(m.key, m.input_fn)
+                closure = dataclasses.replace(closure, batch=dataclasses.replace(
+                    m, input_fn=fn))
             self.worker.live_workers = lambda: live_workers
             out, _ = self.worker.run(closure)
             # The outputs stay in Ray's object store until RemoteValue.fetch asks.

@@ -30,6 +30,12 @@ holding none it may take; when every running step does, none is queued and shard
 no token to give, nothing can push the gradients the next step needs, and ``join``
 cancels the waits (:class:`StepCancelledError`). A worker lost mid-push has its
 decided push committed on the other shards (``settle``) before its step runs again.
+
+Input read on the workers (``PER_WORKER``, :mod:`jreplicate.ps.worker_input`): a worker
+whose pipeline of an iterator is exhausted (:class:`InputEnded`) hands its step back,
+uncounted, and takes no more steps of that iterator; once every live worker's is, the
+queued steps of that iterator end with ``StopIteration`` (not run, not an error for
+``join``) and scheduling another raises ``StopIteration``.
 """
 
 from __future__ import annotations
@@ -50,6 +56,7 @@ from jreplicate.ps.remote import (
 )
 from jreplicate.ps.shard import ShardClosedError
 from jreplicate.ps.worker import ApplicationError, Closure
+from jreplicate.ps.worker_input import InputEnded, WorkerInput
 
 _LIVE: weakref.WeakSet = weakref.WeakSet()
 
@@ -114,6 +121,9 @@ class Coordinator:
         self._fatal: BaseException | None = None
         self._stopping = False
         self._threads: list[threading.Thread | None] = [None] * len(runners)
+        self._input_ended: dict[int, set[int]] = {}  # input key -> workers at its end
+        self._input_exhausted: set[int] = set()  # input keys ended on every live worker
+        self.not_run_end_of_input = 0
         _LIVE.add(self)
         with self._cond:
             self._start_threads()
@@ -141,6 +151,9 @@ class Coordinator:
                 raise ParameterServerError(
                     "every worker of the ParameterServerStrategy is dead; nothing can run "
                     "the step. Restart the job (restore the last checkpoint).")
+            key = _input_key(closure)
+            if key in self._input_exhausted:
+                raise StopIteration
             rv = RemoteValue(closure.step_id)
             self._values[closure.step_id] = rv
             self._queue.append(closure)
@@ -275,10 +288,12 @@ class Coordinator:
                 while True:
                     if self._stopping or not self._alive[w]:
                         return None
-                    if self._queue and self._fatal is None:
+                    i = self._runnable(w) if self._fatal is None else None
+                    if i is not None:
                         idle_since = time.monotonic()
-                        if self._may_start(w):
-                            c = self._queue.popleft()
+                        c = self._queue[i]
+                        if self._may_start(w, c):
+                            del self._queue[i]
                             self._start(w, c)
                             return c
                         self._cond.wait(self.MAX_WAIT)  # a finishing step notifies
@@ -291,13 +306,25 @@ class Coordinator:
             finally:
                 self._idle.pop(w, None)
 
-    def _may_start(self, w: int) -> bool:
+    def _can_run(self, w: int, c: Closure) -> bool:
+        """Whether ``w`` can run ``c``: not if ``c`` reads an input ended on ``w``."""
+        key = _input_key(c)
+        return key is None or w not in self._input_ended.get(key, ())
+
+    def _runnable(self, w: int) -> int | None:
+        """The queue position of the first closure ``w`` can run, or None."""
+        for i, c in enumerate(self._queue):
+            if self._can_run(w, c):
+                return i
+        return None
+
+    def _may_start(self, w: int, c: Closure) -> bool:
         """Bounded staleness: starting a step on ``w`` keeps every running step's count
         of steps alongside it (the bound on its staleness) at most tau; idle workers
-        start in the order they became idle."""
+        (that can run ``c``) start in the order they became idle."""
         if self._tau is None:
             return True
-        if self._idle[w] != min(self._idle.values()):
+        if self._idle[w] != min(t for v, t in self._idle.items() if self._can_run(v, c)):
             return False  # first come, first served: a finishing worker does not hog
         running = [v for v in self._inflight if v != w]
         return len(running) <= self._tau and \
@@ -341,6 +368,8 @@ class Coordinator:
             c.attempt = rv.attempts
             try:
                 out = self._runners[w](c, lambda waiting, w=w: self._token_wait(w, waiting))
+            except InputEnded:
+                self._end_of_input(w, c)
             except ApplicationError as e:
                 self._finish(w, c, error=e.error)
             except StepCancelledError as e:
@@ -372,6 +401,50 @@ class Coordinator:
             rv._set(value, error)
             self._cond.notify_all()
         self._maybe_relax()
+
+    def _end_of_input(self, w: int, c: Closure) -> None:
+        """``w``'s pipeline of ``c``'s input is exhausted: ``c`` goes back to the front
+        of the queue (this run uncounted) for a worker that still has input."""
+        with self._cond:
+            self._stop(w)
+            self._progress += 1
+            self._values[c.step_id].attempts -= 1
+            self._input_ended.setdefault(_input_key(c), set()).add(w)
+            self._queue.appendleft(c)
+            self._end_exhausted_inputs()
+            self._cond.notify_all()
+
+    def _end_exhausted_inputs(self) -> None:
+        """Inputs ended on every live worker: their queued steps end with
+        StopIteration (not run; no error for join)."""
+        for key, ended in self._input_ended.items():
+            if key in self._input_exhausted or not all(
+                    v in ended for v, alive in enumerate(self._alive) if alive):
+                continue
+            self._input_exhausted.add(key)
+            keep = collections.deque()
+            for c in self._queue:
+                if _input_key(c) != key:
+                    keep.append(c)
+                    continue
+                self.not_run_end_of_input += 1
+                self._values.pop(c.step_id)._set(error=StopIteration(
+                    f"step {c.step_id} was not run: every worker's input pipeline is "
+                    "exhausted"))
+            self._queue = keep
+
+    def input_exhausted(self, key: int) -> bool:
+        """Whether input ``key`` is exhausted on every live worker."""
+        with self._cond:
+            return key in self._input_exhausted
+
+    def reset_input(self, key: int) -> None:
+        """Input ``key`` was restarted (``reinitialize``): every worker may read it."""
+        with self._cond:
+            self._input_ended.pop(key, None)
+            self._input_exhausted.discard(key)
+            self._start_threads()
+            self._cond.notify_all()
 
     def _shard_lost(self, e: BaseException) -> ParameterServerError:
         with self._cond:
@@ -414,6 +487,7 @@ class Coordinator:
             else:
                 self.rescheduled += 1
                 self._queue.appendleft(c)
+            self._end_exhausted_inputs()  # the dead worker's input no longer counts
             self._cond.notify_all()
 
     def _fail_queue(self, error: BaseException) -> None:
@@ -426,3 +500,8 @@ class Coordinator:
     def _fail_all(self, error: BaseException) -> None:
         self._first_error = self._first_error or error
         self._fail_queue(error)
+
+
+def _input_key(c: Closure) -> int | None:
+    """The key of the per-worker input ``c`` reads, or None (no input, or driver-fed)."""
+    return c.batch.key if isinstance(c.batch, WorkerInput) else None

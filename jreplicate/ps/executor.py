@@ -24,6 +24,7 @@ from jreplicate.ps.placement import Placement, place_parameters
 from jreplicate.ps.remote import RemoteValue
 from jreplicate.ps.shard import _is_sync
 from jreplicate.ps.worker import Closure, HostBatch, NnxArg
+from jreplicate.ps.worker_input import WorkerInput, WorkerInputIterator
 
 if TYPE_CHECKING:
     from jreplicate.strategies.parameter_server import ParameterServerStrategy
@@ -163,6 +164,26 @@ class ParameterServerExecutor(Executor):
         self._build([r["params"] for r in restored],
                     jax.tree.map(np.asarray, self._opt_keep[1]), restored)
 
+    # -- input read on the workers (PER_WORKER) -----------------------------------------
+    def per_worker_input(self, owner: object, input_fn: Callable, *,
+                         partial_batch: str = "drop") -> WorkerInputIterator:
+        """The iterator of ``prepare_input(input_fn)`` in ``PER_WORKER`` mode: each
+        worker builds and reads its own pipeline (:mod:`jreplicate.ps.worker_input`)."""
+        if partial_batch != "drop":
+            raise ValueError(
+                f"prepare_input(partial_batch={partial_batch!r}) under "
+                "ParameterServerStrategy with InputReplicationMode.PER_WORKER: each worker "
+                "drops its own final partial batch; padding needs the driver-fed path "
+                "(replication_mode=InputReplicationMode.SINGLE).")
+        return WorkerInputIterator(owner, self.strategy, self, input_fn)
+
+    def input_exhausted(self, key: int) -> bool:
+        return self.coordinator is not None and self.coordinator.input_exhausted(key)
+
+    def reset_input(self, key: int) -> None:
+        if self.coordinator is not None:
+            self.coordinator.reset_input(key)
+
     # -- the executor protocol ---------------------------------------------------------
     def place(self, tree: Any) -> Any:
         return tree
@@ -200,7 +221,7 @@ class ParameterServerExecutor(Executor):
                 "(the shards hold their current values; the worker substitutes them).")
         args = tuple(self._nnx_arg(a) if i in nnx_pos else None if i in (p_idx, o_idx)
                      else a for i, a in enumerate(args))
-        if isinstance(batch, HostBatch) or batch is None:
+        if isinstance(batch, (HostBatch, WorkerInput)) or batch is None:
             pass
         else:
             batch = jax.tree.map(lambda x: np.asarray(x.array) if isinstance(

@@ -37,6 +37,7 @@ from jreplicate.ps.placement import Placement
 from jreplicate.ps.remote import StepCancelledError, WorkerLostError
 from jreplicate.ps.shard import ShardClosedError
 from jreplicate.ps.worker import ApplicationError
+from jreplicate.ps.worker_input import InputEnded, WorkerInput
 
 
 def _ray():
@@ -172,17 +173,23 @@ class RayCarrier:
         ray = _ray()
 
         sent: set = set()
+        sent_inputs: set = set()  # PER_WORKER input_fns this actor holds (by key)
 
         def run(closure, on_token_wait):
             send, out = closure, None
             if closure.fn_key in sent:
                 send = dataclasses.replace(closure, fn=None)
+            read = closure.batch if isinstance(closure.batch, WorkerInput) else None
+            if read is not None and read.key in sent_inputs:
+                send = dataclasses.replace(send, batch=dataclasses.replace(read, input_fn=None))
             try:
                 # live_workers=0: no "one gradient per worker and step" wait on Ray,
                 # where the coordinator does not see token waits to relax it.
                 done, out = self.workers[w].run.remote(send, 0)
                 ray.get(done)
                 sent.add(closure.fn_key)
+                if read is not None:
+                    sent_inputs.add(read.key)
                 return LazyRef(out)
             except ray.exceptions.RayTaskError as e:
                 try:  # the outputs' ref holds the error too: fetch it, or Ray logs it
@@ -190,7 +197,9 @@ class RayCarrier:
                 except Exception:
                     pass
                 cause = getattr(e, "cause", None)
-                if isinstance(cause, (ApplicationError, StepCancelledError,
+                if read is not None:  # the actor built the pipeline (or failed to)
+                    sent_inputs.add(read.key)
+                if isinstance(cause, (ApplicationError, StepCancelledError, InputEnded,
                                       ShardClosedError, _ShardLost)):
                     raise cause from None
                 raise WorkerLostError(f"worker {w}: {type(cause).__name__}: {cause}") from e

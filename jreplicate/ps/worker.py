@@ -33,6 +33,7 @@ from jreplicate.ps.capture import capturing
 from jreplicate.ps.client import ShardClient
 from jreplicate.ps.remote import StepCancelledError, WorkerLostError
 from jreplicate.ps.shard import Decision, TokenTimeoutError, TokenWaitInterrupted
+from jreplicate.ps.worker_input import InputEnded, WorkerInput, WorkerPipelines
 from jreplicate.strategies.layout import mesh_layout, replica_mesh
 
 
@@ -115,6 +116,7 @@ class PSWorker:
         self.steps_done = 0
         self._min_step = 0  # after an accepted push for step s: s + 1 (token-gated)
         self.live_workers: Callable[[], int] = lambda: 1
+        self.inputs = WorkerPipelines(index, len(devices))  # PER_WORKER input, read here
         client.between_shards = self._between_shards
 
     def _between_shards(self, i: int) -> None:
@@ -124,8 +126,12 @@ class PSWorker:
     def run(self, c: Closure, on_token_wait: Callable[[bool], None] | None = None
             ) -> tuple[Any, Decision]:
         """Runs one closure; returns its outputs (on this worker's devices) and shard 0's
-        decision. Raises :class:`ApplicationError` for the step's own errors and
-        :class:`WorkerLostError` (or any other exception) for worker failures."""
+        decision. Raises :class:`ApplicationError` for the step's own errors (reading
+        its input included), :class:`InputEnded` when its input (read here, before any
+        token) is exhausted, and :class:`WorkerLostError` (or any other exception) for
+        worker failures."""
+        if isinstance(c.batch, WorkerInput):
+            c = dataclasses.replace(c, batch=self._read_input(c.batch))
         token = None
         if self.client.token_gated and self.local_step is not None:
             # The coordinator counts this worker as waiting only while it blocks on an
@@ -149,6 +155,16 @@ class PSWorker:
             self.client.shards[0].return_token(token)
         self.steps_done += 1
         return out, decision
+
+    def _read_input(self, m: WorkerInput) -> HostBatch:
+        """This step's elements from this worker's own pipeline (PER_WORKER input)."""
+        try:
+            elements, treedef = self.inputs.read(m)
+        except InputEnded:
+            raise
+        except Exception as e:  # input_fn or the source raised: the step's error
+            raise ApplicationError(e) from e
+        return HostBatch(elements, treedef)
 
     def _run(self, c: Closure, token: int | None) -> tuple[Any, Decision]:
         steps, params = self.client.pull()

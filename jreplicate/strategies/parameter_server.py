@@ -23,9 +23,17 @@ arrives, staleness recorded, ``max_staleness=tau`` bounds it). A
 :func:`jreplicate.sync_replicas` transformation: token-gated synchronous training with
 backup workers, its host driver on shard 0 with a blocking token queue.
 
-**Input.** ``rep.prepare_input`` reads on the coordinator (this process): each
-``get_next`` is one step's batch for one sync group (``num_replicas_in_sync``
-elements), shipped to whichever worker runs the step.
+**Input.** ``rep.prepare_input(input_fn)`` with ``InputReplicationMode.PER_WORKER``
+(the default) runs ``input_fn`` on each worker (its thread, or its Ray actor) with
+``InputContext(input_pipeline_id=worker, num_input_pipelines=num_workers)``, as
+TensorFlow's ``ClusterCoordinator.create_per_worker_dataset``: the driver neither
+reads nor ships batches, a step takes ``num_replicas_in_sync`` elements from the
+pipeline of the worker that runs it. A rerun of a dead worker's step reads the new
+worker's pipeline; when every live worker's pipeline is exhausted, ``run`` raises
+``StopIteration`` and queued steps are not run (see
+:mod:`jreplicate.ps.worker_input`). ``SINGLE`` reads on the coordinator (this
+process): each ``get_next`` is one step's batch for one sync group, shipped to
+whichever worker runs the step.
 
 **Carriers.** ``carrier="embedded"`` (default): shards and workers are threads of this
 process on distinct local devices (8 devices, ``num_ps=2``: 2 shards + 6 workers;

@@ -1,0 +1,208 @@
+"""Input read on the workers (``InputReplicationMode.PER_WORKER`` under
+:class:`jreplicate.ParameterServerStrategy`), as TensorFlow's
+``ClusterCoordinator.create_per_worker_dataset``.
+
+``rep.prepare_input(input_fn)`` returns a :class:`WorkerInputIterator`: the driver
+never calls ``input_fn`` and never reads a batch. Each ``rep.run(step, it, ...)``
+schedules a closure whose batch is a :class:`WorkerInput` marker (no data); the worker
+that runs it takes its next ``num_replicas_in_sync`` elements from its own pipeline,
+built on the worker (its thread, or its Ray actor) by ``input_fn(InputContext(
+input_pipeline_id=worker, num_input_pipelines=num_workers, ...))`` at its first step.
+
+Semantics:
+
+* each worker reads its pipeline in order, one element per replica of its sync group
+  per step; with no faults every element is used exactly once;
+* at-least-once execution: a step rerun after its worker died reads the next element of
+  the new worker's pipeline; what the dead worker's pipeline still held is never read
+  (as in TensorFlow). The push ledger stays exact (one application per step id);
+* end of input: a worker whose pipeline is exhausted hands the step back (it runs on a
+  worker that still has input) and takes no more steps of this iterator; once every
+  live worker's pipeline is exhausted, the steps still queued are not run (their
+  ``RemoteValue.fetch()`` raises ``StopIteration``; ``join`` does not: the end of input
+  is no failure) and ``rep.run(step, it, ...)`` raises ``StopIteration``;
+* ``reinitialize()`` restarts every worker's pipeline before that worker's next step
+  of this iterator (steps already scheduled read the restarted pipelines).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+from jreplicate.input.context import InputContext, InputReplicationMode
+from jreplicate.input.iterator import InputIterator, _flatten
+from jreplicate.input.sources import Pipeline
+
+_KEYS = itertools.count()
+
+
+class InputEnded(Exception):
+    """A worker's pipeline is exhausted: the step goes back to the queue (not an error)."""
+
+    def __init__(self, key: int, worker: int):
+        super().__init__(f"worker {worker}: the input pipeline {key} is exhausted")
+        self.key, self.worker = key, worker
+
+    def __reduce__(self):  # crosses Ray
+        return (InputEnded, (self.key, self.worker))
+
+
+@dataclasses.dataclass
+class WorkerInput:
+    """A scheduled step's batch under ``PER_WORKER``: which iterator to read on the
+    worker. ``input_fn`` is None where the worker has it already (Ray sends it once)."""
+
+    key: int
+    generation: int
+    input_fn: Callable | None
+    num_workers: int
+    num_replicas: int
+
+
+class _WorkerPipeline:
+    """One iterator's pipeline on one worker, and the first step's element spec."""
+
+    def __init__(self, pipeline: Pipeline, generation: int):
+        self.pipeline, self.generation = pipeline, generation
+        self.ended = False
+        self.spec: tuple | None = None  # (treedef, [(shape, dtype)]) of the first step
+
+
+class WorkerPipelines:
+    """The pipelines of one worker (``g`` replicas), one per :class:`WorkerInput` key."""
+
+    def __init__(self, index: int, g: int):
+        self.index, self.g = index, g
+        self._pipes: dict[int, _WorkerPipeline] = {}
+        self.read_count: dict[int, int] = {}  # elements read, per key (for tests)
+
+    def read(self, m: WorkerInput) -> tuple[list, Any]:
+        """The next step's elements (flat leaves per replica) and their structure.
+
+        Raises:
+          InputEnded: the pipeline is exhausted (or its final step is partial).
+          Exception: what ``input_fn`` or the source raised.
+        """
+        p = self._pipes.get(m.key)
+        if p is None:
+            ctx = InputContext(num_replicas=m.num_replicas, num_replicas_in_sync=self.g,
+                               input_pipeline_id=self.index, num_input_pipelines=m.num_workers)
+            p = self._pipes[m.key] = _WorkerPipeline(Pipeline(m.input_fn, ctx), m.generation)
+        elif p.generation < m.generation:  # reinitialize() on the driver
+            p.pipeline.reinitialize()
+            p.generation, p.ended = m.generation, False
+        if p.ended:
+            raise InputEnded(m.key, self.index)
+        elements = []
+        for k in range(self.g):
+            try:
+                elements.append(_flatten(p.pipeline.next(), self.index * self.g + k))
+            except StopIteration:
+                p.ended = True
+                if elements:
+                    self._dropped(f"an input pipeline ran out after {len(elements)} of "
+                                  f"{self.g} replicas got an element")
+                raise InputEnded(m.key, self.index) from None
+            self.read_count[m.key] = self.read_count.get(m.key, 0) + 1
+        return self._check(p, m.key, elements)
+
+    def _check(self, p: _WorkerPipeline, key: int, elements: list) -> tuple[list, Any]:
+        treedef = elements[0][1]
+        specs = [[(x.shape, x.dtype) for x in leaves] for leaves, _, _ in elements]
+        if p.spec is None:
+            p.spec = (treedef, specs[0])
+        for k, (_, td, _) in enumerate(elements):
+            rid = self.index * self.g + k
+            if td != p.spec[0]:
+                raise ValueError(
+                    f"worker {self.index}: input element of replica {rid} has structure "
+                    f"{td}, the first step's {p.spec[0]}. Every element must keep one "
+                    "structure.")
+            for (shape, dtype), (s0, d0) in zip(specs[k], p.spec[1]):
+                if (shape, dtype) == (s0, d0):
+                    continue
+                if len(shape) == len(s0) and shape and shape[1:] == s0[1:] \
+                        and shape[0] < s0[0] and dtype == d0:
+                    p.ended = True
+                    self._dropped(f"a final partial batch (replica {rid} got {shape[0]} "
+                                  f"examples, the first step {s0[0]})")
+                    raise InputEnded(key, self.index)
+                raise ValueError(
+                    f"worker {self.index}: input element of replica {rid} has a leaf of "
+                    f"shape {shape} and dtype {dtype}, the first step's had {s0} and {d0}. "
+                    "Elements must keep one shape and dtype (only a smaller final batch is "
+                    "allowed, and it is dropped).")
+        return [leaves for leaves, _, _ in elements], treedef
+
+    def _dropped(self, what: str) -> None:
+        warnings.warn(f"jreplicate: worker {self.index} dropped {what}; its input "
+                      "pipeline is exhausted.", stacklevel=3)
+
+
+class WorkerInputIterator(InputIterator):
+    """The driver's side of ``PER_WORKER`` input under ParameterServerStrategy: it
+    holds no pipeline and reads nothing (see the module docstring).
+
+    Each ``get_next()`` is a :class:`WorkerInput` marker for one scheduled step.
+    """
+
+    def __init__(self, owner: object, strategy: Any, executor: Any,
+                 input_fn: Callable[[InputContext], Any]):
+        # Not InputIterator.__init__: that would call input_fn on the driver.
+        self._owner, self._strategy, self._executor = owner, strategy, executor
+        self._fn = input_fn
+        self._key = next(_KEYS)
+        self._generation = 0
+        self._mode = InputReplicationMode.PER_WORKER
+        self._buffer = 0
+        self._closed = False
+
+    @property
+    def num_input_pipelines(self) -> int:
+        """One pipeline per worker (each built on its worker)."""
+        return self._strategy.num_ps_workers
+
+    @property
+    def prefetching(self) -> bool:
+        """False: the workers read in line (a worker's read overlaps the others' steps)."""
+        return False
+
+    def get_next(self) -> WorkerInput:
+        """A marker for the next scheduled step (the worker reads the batch).
+
+        Raises:
+          StopIteration: every live worker's pipeline is exhausted.
+        """
+        if self._closed:
+            raise RuntimeError("the input iterator was closed; prepare a new one.")
+        if self._executor.input_exhausted(self._key):
+            raise StopIteration
+        return WorkerInput(self._key, self._generation, self._fn,
+                           self._strategy.num_ps_workers, self._strategy.num_replicas)
+
+    def reinitialize(self) -> list:
+        """Restarts every worker's pipeline before that worker's next step of this
+        iterator (steps already scheduled read the restarted pipelines); returns ``[]``."""
+        self._generation += 1
+        self._executor.reset_input(self._key)
+        return []
+
+    def close(self) -> None:
+        self._closed = True
+
+    def _get_steps(self, steps: int) -> Any:
+        raise ValueError(
+            "Replicator.run(..., steps=K) under ParameterServerStrategy: device loops "
+            "are not supported (each step is one push); call run once per step.")
+
+    def _put_back(self, item: Any, steps: int | None) -> None:
+        """A marker holds no data: nothing to put back."""
+
+    def __repr__(self) -> str:
+        return (f"WorkerInputIterator(pipelines={self.num_input_pipelines}, "
+                f"key={self._key})")
+
