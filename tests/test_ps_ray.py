@@ -127,3 +127,47 @@ def test_token_gated_on_ray(local_ray):
     assert gs >= 4 and s._executor.call_shard(1, "step") == gs
     np.testing.assert_allclose(s.parameters(), np.full(4, -0.1 * gs), rtol=1e-5)
     s.shutdown()
+
+
+def test_per_worker_input_is_read_in_the_worker_actors(local_ray):
+    """PER_WORKER input: input_fn runs in each worker actor's process (with its
+    InputContext); a step ships no batch; at the end of every pipeline run raises
+    StopIteration; the parameters are the sum of the batches applied."""
+    s = jr.ParameterServerStrategy(num_ps=1, num_workers=2, carrier="ray")
+    rep = jr.Replicator(s)
+    with rep.scope():
+        w = jnp.zeros(3)
+        tx = jr.pushable(optax.sgd(1.0))
+        opt = tx.init(w)
+
+    def input_fn(ctx):  # [pipeline, index, the reading process's pid]
+        return [np.array([ctx.input_pipeline_id, i, os.getpid()], np.float32)
+                for i in range(3)]
+
+    def step(ctx, x, w, opt):
+        u, opt = tx.update(jax.grad(lambda w: jnp.sum(w * x))(w), opt, w)
+        return optax.apply_updates(w, u), opt, x
+
+    it = rep.prepare_input(input_fn)
+    values = []
+    for _ in range(200):
+        try:
+            values.append(rep.run(step, it, w, opt))
+        except StopIteration:
+            break
+        if len(values) >= 7:
+            rep.join()
+    rep.join()
+    used = []
+    for v in values:
+        try:
+            used.append((v.worker, np.asarray(v.fetch()[2]).reshape(3)))
+        except StopIteration:
+            pass
+    assert sorted((int(b[0]), int(b[1])) for _, b in used) == \
+        [(p, i) for p in range(2) for i in range(3)]
+    assert all(int(b[0]) == wk for wk, b in used)
+    assert os.getpid() not in {int(b[2]) for _, b in used}  # read in the actors
+    np.testing.assert_allclose(s.parameters(), -sum(b for _, b in used), rtol=1e-6)
+    _invariant(s, scheduled=6)
+    s.shutdown()
