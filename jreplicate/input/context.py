@@ -11,7 +11,9 @@ class InputReplicationMode(enum.Enum):
     * ``SINGLE``: ``input_fn`` is called once (on worker 0); every replica, on every
       worker, reads from that one pipeline.
     * ``PER_WORKER`` (default): ``input_fn`` is called once per worker (process); the
-      replicas of a worker read from that worker's pipeline.
+      replicas of a worker read from that worker's pipeline. Under
+      :class:`jreplicate.ParameterServerStrategy` a worker is a PS worker: ``input_fn``
+      runs on it (its thread, or its Ray actor) and the driver reads nothing.
     * ``PER_REPLICA``: ``input_fn`` is called once per replica; each replica reads its
       own pipeline.
 
