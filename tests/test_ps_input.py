@@ -164,3 +164,56 @@ def test_sync_group_reads_one_element_per_replica_and_errors_surface():
     with pytest.raises(ValueError, match="SINGLE"):
         rep.prepare_input(input_fn, partial_batch="pad")
     s.shutdown()
+
+
+@pytest.mark.parametrize("when", ["push", "compute"])
+def test_token_gated_per_worker_input_with_a_killed_worker_keeps_the_ledger_exact(when):
+    s = jr.ParameterServerStrategy(num_ps=2, num_workers=3, token_timeout=30)
+    rep = jr.Replicator(s)
+    with rep.scope():
+        w = jnp.zeros(4)
+        tx = jr.pushable(jr.sync_replicas(optax.sgd(0.1), replicas_to_aggregate=2,
+                                          total_num_replicas=3))
+        opt = tx.init(w)
+
+    def step(ctx, x, w, opt):
+        u, opt = tx.update(jax.grad(lambda w: jnp.sum(w * x))(w), opt, w)
+        return optax.apply_updates(w, u), opt, x
+
+    def input_fn(ctx):
+        return [np.array([ctx.input_pipeline_id, i, 0, 0], np.float32) for i in range(40)]
+
+    for k in range(3):
+        s.set_worker_delay(k, 0.003)
+    it = rep.prepare_input(input_fn)
+    s.kill_worker(1, when=when)
+    values = [rep.run(step, it, w, opt) for _ in range(18)]
+    rep.join()
+    used = _used(values)
+    assert len(used) == 18 and s.stats()["rescheduled"] == 1
+    for k in (0, 2):  # no element read twice or skipped on a live worker
+        mine = sorted(int(b[1]) for wk, b in used if wk == k)
+        assert mine == list(range(len(mine)))
+    led = s.ledger()
+    for sh in led:
+        assert sh["pushes"] == sh["applied"] + sh["stale"] + sh["backup"] + \
+            sh["duplicate"], sh
+    assert led[0]["duplicate"] == (1 if when == "push" else 0)
+    assert s.global_step == s._executor.call_shard(1, "step") >= 5
+    s.shutdown()
+
+
+def test_a_final_partial_batch_is_dropped_on_the_worker_and_ends_its_input():
+    s, rep, w, opt, step, _, _ = _job(1, 0)
+    it = rep.prepare_input(lambda ctx: [np.ones((2, 4), np.float32), 2 * np.ones(
+        (2, 4), np.float32), np.ones((1, 4), np.float32)])
+    with pytest.warns(UserWarning, match="worker 0 dropped a final partial batch"):
+        values = [rep.run(step, it, w, opt) for _ in range(3)]
+        rep.join()
+    assert [float(v.fetch()[2].flat[0]) for v in values[:2]] == [1.0, 2.0]
+    with pytest.raises(StopIteration, match="not run"):
+        values[2].fetch()
+    with pytest.raises(StopIteration):
+        rep.run(step, it, w, opt)
+    np.testing.assert_allclose(s.parameters(), np.full(4, -LR * 6.0))
+    s.shutdown()
