@@ -109,7 +109,6 @@ class _Worker:
     alive: bool = True
     local_step: int | None = None  # token-gated: the token of its last push
     min_step: int = 0
-    ticket: int = 0
 
 
 def grad(pid: int, attempt: int, shard: int) -> np.ndarray:
@@ -147,7 +146,7 @@ class Sim:
         self.applied: list[dict[int, int]] = [{} for _ in self.shards]  # pid -> attempt
         self.now = 0.0
         self.completed = self.deaths = self.half_pushes = self.cancelled = 0
-        self.relaxed = False
+        self.relaxed = 0  # times every running step waited and the waits were relaxed
         self._last_pass: tuple | None = None
         self.returned = 0  # tokens given back (shard 0 may have one again)
         self.update_times: list[float] = []  # virtual time of each shard-0 update
@@ -172,13 +171,12 @@ class Sim:
 
     def _unstick(self) -> bool:
         """Every running step waits for a token: relax one gradient per worker and step
-        (the coordinator's on_relax); if still no token, the waits are cancelled."""
-        if not self.relaxed:
-            self.relaxed = True
-            self.shards[0].set_live_workers(0)
-            self._dispatch()
-            return bool(self.events)
-        return False
+        (the coordinator's on_relax); if still no token, the waits are cancelled
+        (starvation: returns False)."""
+        self.relaxed += 1
+        self.shards[0].set_live_workers(0)
+        self._dispatch()
+        return bool(self.events)
 
     # -- scheduling (Coordinator's rules) --------------------------------------------
     def _may_start(self, w: int) -> bool:
