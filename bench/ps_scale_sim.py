@@ -366,7 +366,9 @@ class Sim:
                 "shards": self.cfg.shards, "steps": self.completed,
                 "updates": updates, "vtime": self.now,
                 "updates_per_s": steady_rate(self.update_times),
-                "grads_per_s": summaries[0]["applied"] / self.now if self.now else 0.0,
+                # accepted gradients at the steady rate (token-gated: k per update)
+                "grads_per_s": steady_rate(self.update_times) * (self.k if self.gated
+                                                                 else 1),
                 "staleness_mean": sum(k * v for k, v in hist.items()) / n if n else 0.0,
                 "staleness_max": max(hist, default=0),
                 "dropped": summaries[0]["stale"] + summaries[0]["backup"],
