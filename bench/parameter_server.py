@@ -36,6 +36,7 @@ import numpy as np  # noqa: E402
 import optax  # noqa: E402
 
 import jreplicate as jr  # noqa: E402
+import jreplicate.testing as jrt  # noqa: E402
 
 SIZES = [64, 256, 256, 10]
 
@@ -87,7 +88,7 @@ def measure(workers: int, tx_fn, steps: int, *, straggler: float = 0.0,
     rep.join()
     one = (time.monotonic() - t0) / 2  # about one step of every worker
     if straggler:
-        s.set_worker_delay(workers - 1, straggler * one)
+        jrt.set_worker_delay(s, workers - 1, straggler * one)
     g0 = s.global_step
     t0 = time.monotonic()
     for _ in range(steps):

@@ -31,6 +31,7 @@ import numpy as np  # noqa: E402
 import optax  # noqa: E402
 
 import jreplicate as jr  # noqa: E402
+import jreplicate.testing as jrt  # noqa: E402
 
 
 def one_run(seed: int, steps: int, join_bound: float) -> tuple[bool, str]:
@@ -48,14 +49,14 @@ def one_run(seed: int, steps: int, join_bound: float) -> tuple[bool, str]:
         return optax.apply_updates(w, u), opt
 
     for k in range(4):
-        s.set_worker_delay(k, rng.uniform(0.002, 0.02))
+        jrt.set_worker_delay(s, k, rng.uniform(0.002, 0.02))
     victim, when = rng.randrange(4), rng.choice(["compute", "push"])
     t0 = time.monotonic()
     for _ in range(steps):
         rep.run(step, None, w, opt)
     while s.stats()["completed"] < 0.4 * steps and time.monotonic() - t0 < join_bound:
         time.sleep(0.001)
-    s.kill_worker(victim, when)
+    jrt.kill_worker(s, victim, when=when)
     try:
         s._executor.coordinator.join(timeout=join_bound)
     except TimeoutError as e:

@@ -12,6 +12,7 @@ import optax
 import pytest
 
 import jreplicate as jr
+import jreplicate.testing as jrt
 from jreplicate.ps.client import ShardClient
 from jreplicate.ps.placement import place_parameters
 from jreplicate.ps.shard import PSShard, TokenTimeoutError, _sync_state
@@ -78,13 +79,13 @@ def test_token_gated_shards_equal_single_shard_training_under_push_kills(seed):
     s, rep, w, opt, step = _coupled()
     assert s.placement.assignment == [0, 1, 2]
     for k in range(3):
-        s.set_worker_delay(k, float(rng.uniform(0.0, 0.02)))
+        jrt.set_worker_delay(s, k, float(rng.uniform(0.0, 0.02)))
     values = [rep.run(step, None, w, opt) for _ in range(24)]
     kill_after, victim = int(rng.integers(2, 12)), int(rng.integers(0, 3))
     end = time.monotonic() + 60
     while s.stats()["completed"] < kill_after and time.monotonic() < end:
         time.sleep(0.002)
-    s.kill_worker(victim, when="push")
+    jrt.kill_worker(s, victim, when="push")
     rep.join()
     st = s.stats()
     assert all(v.done() for v in values) and st["completed"] == 24
@@ -137,8 +138,8 @@ def test_max_staleness_bounds_the_staleness_of_every_applied_update(tau):
     stale (tau = 0: sequential); workers wait instead of pushing stale gradients."""
     s, rep, w, opt, step = _linear(num_workers=4, max_staleness=tau)
     for k in range(4):
-        s.set_worker_delay(k, 0.005)
-    s.set_worker_delay(3, 0.05)
+        jrt.set_worker_delay(s, k, 0.005)
+    jrt.set_worker_delay(s, 3, 0.05)
     for _ in range(24):
         rep.run(step, None, w, opt)
     rep.join()
@@ -178,7 +179,7 @@ def _token_gated(num_ps=2, **kw):
         return optax.apply_updates(w, u), opt
 
     for k in range(2):
-        s.set_worker_delay(k, 0.01)
+        jrt.set_worker_delay(s, k, 0.01)
     return s, rep, w, opt, step
 
 
@@ -212,7 +213,7 @@ def test_a_slow_first_token_take_does_not_cancel_steps(monkeypatch):
 def test_state_while_steps_are_scheduled_names_join():
     s, rep, w, opt, step = _linear(num_workers=2)
     for k in range(2):
-        s.set_worker_delay(k, 0.05)
+        jrt.set_worker_delay(s, k, 0.05)
     for _ in range(6):
         rep.run(step, None, w, opt)
     with pytest.raises(RuntimeError, match=r"rep\.join\(\)"):

@@ -9,6 +9,7 @@ import optax
 import pytest
 
 import jreplicate as jr
+import jreplicate.testing as jrt
 from tests._models import init_mlp, mlp, per_example_loss
 from tests._ps_helpers import bounded_test  # noqa: F401 (autouse: every test bounded)
 
@@ -34,8 +35,8 @@ def test_run_schedules_and_returns_remote_values_at_once():
     s, rep, w, opt, step = _linear(num_workers=2)
     assert (rep.num_replicas, rep.num_replicas_in_sync, s.num_ps_workers) == (2, 1, 2)
     assert {d for g in s.worker_devices for d in g}.isdisjoint(s.shard_devices)
-    s.set_worker_delay(0, 0.2)
-    s.set_worker_delay(1, 0.2)
+    jrt.set_worker_delay(s, 0, 0.2)
+    jrt.set_worker_delay(s, 1, 0.2)
     t0 = time.monotonic()
     values = [rep.run(step, None, w, opt) for _ in range(4)]
     assert time.monotonic() - t0 < 0.15  # scheduled, not run
@@ -96,7 +97,7 @@ def test_errors_name_the_fix():
     with pytest.raises(ValueError, match="max_staleness"):
         jr.ParameterServerStrategy(max_staleness=-1)
     with pytest.raises(ValueError, match="when="):
-        s.kill_worker(0, when="later")
+        jrt.kill_worker(s, 0, when="later")
 
 
 def test_pushable_is_the_transformation_outside_the_ps():
@@ -227,12 +228,12 @@ def _straggler_ratio():
     for straggle in (False, True):
         s, rep, w, opt, step = _linear(num_workers=4)
         for k in range(4):
-            s.set_worker_delay(k, 0.03)
+            jrt.set_worker_delay(s, k, 0.03)
         for _ in range(8):
             rep.run(step, None, w, opt)
         rep.join()  # compiled on every worker
         if straggle:
-            s.set_worker_delay(3, 0.15)
+            jrt.set_worker_delay(s, 3, 0.15)
         for _ in range(60):
             rep.run(step, None, w, opt)
         rep.join()
@@ -247,8 +248,8 @@ def _straggler_ratio():
 def test_max_staleness_bounds_the_staleness():
     s, rep, w, opt, step = _linear(num_workers=3, max_staleness=1)
     for k in range(3):
-        s.set_worker_delay(k, 0.01)
-    s.set_worker_delay(2, 0.06)
+        jrt.set_worker_delay(s, k, 0.01)
+    jrt.set_worker_delay(s, 2, 0.06)
     for _ in range(30):
         rep.run(step, None, w, opt)
     rep.join()
@@ -303,8 +304,8 @@ def test_a_dead_worker_leaves_the_bounded_delay_minimum():
     not wait for it, and every step completes."""
     s, rep, w, opt, step = _linear(num_workers=3, max_staleness=0)
     for k in range(3):
-        s.set_worker_delay(k, 0.005)
-    s.kill_worker(2, when="compute")
+        jrt.set_worker_delay(s, k, 0.005)
+    jrt.kill_worker(s, 2, when="compute")
     for _ in range(20):
         rep.run(step, None, w, opt)
     t0 = time.monotonic()

@@ -12,6 +12,7 @@ import optax
 import pytest
 
 import jreplicate as jr
+import jreplicate.testing as jrt
 from tests._ps_helpers import bounded_test  # noqa: F401 (autouse: every test bounded)
 
 LR = 0.5
@@ -120,9 +121,9 @@ def test_end_of_input_every_pipeline_then_stop_iteration():
 def test_a_killed_worker_rerun_reads_another_pipeline_ledger_exact():
     s, rep, w, opt, step, input_fn, _ = _job(3, 50)
     for k in range(3):
-        s.set_worker_delay(k, 0.003)
+        jrt.set_worker_delay(s, k, 0.003)
     it = rep.prepare_input(input_fn)
-    s.kill_worker(1, when="compute")
+    jrt.kill_worker(s, 1, when="compute")
     values = [rep.run(step, it, w, opt) for _ in range(24)]
     rep.join()
     used = _used(values)
@@ -184,9 +185,9 @@ def test_token_gated_per_worker_input_with_a_killed_worker_keeps_the_ledger_exac
         return [np.array([ctx.input_pipeline_id, i, 0, 0], np.float32) for i in range(40)]
 
     for k in range(3):
-        s.set_worker_delay(k, 0.003)
+        jrt.set_worker_delay(s, k, 0.003)
     it = rep.prepare_input(input_fn)
-    s.kill_worker(1, when=when)
+    jrt.kill_worker(s, 1, when=when)
     values = [rep.run(step, it, w, opt) for _ in range(18)]
     rep.join()
     used = _used(values)

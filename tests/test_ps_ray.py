@@ -16,6 +16,7 @@ import optax
 import pytest
 
 import jreplicate as jr
+import jreplicate.testing as jrt
 from jreplicate.ps.ray_carrier import ensure_ray
 from tests._ps_helpers import bounded_test  # noqa: F401 (autouse: every test bounded)
 from tests._sockets import is_loopback, listening_sockets
@@ -92,12 +93,12 @@ def test_async_on_ray_with_a_worker_killed_at_40_percent(local_ray):
     rep.join()
     assert isinstance(v.fetch()[2], np.ndarray)
     for k in range(4):
-        s.set_worker_delay(k, 0.01)
+        jrt.set_worker_delay(s, k, 0.01)
     values = [rep.run(step, None, w, opt) for _ in range(30)]
     end = time.monotonic() + 60
     while s.stats()["completed"] < 1 + 12 and time.monotonic() < end:
         time.sleep(0.005)
-    s.kill_worker(2, when="process")  # ray.kill: Ray's failure detection reports it
+    jrt.kill_worker(s, 2, when="process")  # ray.kill: Ray's failure detection reports it
     s._executor.coordinator.join(timeout=120)
     st = s.stats()
     assert st["alive"][2] is False and st["completed"] == 31
@@ -108,7 +109,7 @@ def test_async_on_ray_with_a_worker_killed_at_40_percent(local_ray):
     for _ in range(100):
         rep.run(step, None, w, opt)
     t0 = time.monotonic()
-    s.kill_shard(1)
+    jrt.kill_shard(s, 1)
     with pytest.raises(jr.ParameterServerError, match="shard"):
         s._executor.coordinator.join(timeout=60)
     print(f"Ray: lost shard surfaced by join after {time.monotonic() - t0:.3f} s")

@@ -10,6 +10,7 @@ import optax
 import pytest
 
 import jreplicate as jr
+import jreplicate.testing as jrt
 from jreplicate.ps.shard import _sync_state
 from tests._ps_helpers import bounded_test  # noqa: F401 (autouse: every test bounded)
 
@@ -29,7 +30,7 @@ def _job(tx_fn, *, delay=0.0, **kw):
         return optax.apply_updates(w, u), opt
 
     for k in range(s.num_ps_workers):
-        s.set_worker_delay(k, delay)
+        jrt.set_worker_delay(s, k, delay)
     return s, rep, w, opt, step
 
 
@@ -71,7 +72,7 @@ def _updates_per_s(workers, k, straggler):
         rep.run(step, None, w, opt)
     rep.join()  # compiled on every worker
     if straggler:
-        s.set_worker_delay(workers - 1, 0.1)
+        jrt.set_worker_delay(s, workers - 1, 0.1)
     g0, t0 = s.global_step, time.monotonic()
     for _ in range(12 * workers):
         rep.run(step, None, w, opt)
@@ -133,7 +134,7 @@ def test_token_gated_goes_on_when_a_worker_is_lost():
         rep.run(step, None, w, opt)
     rep.join()
     g0 = s.global_step
-    s.kill_worker(1, when="compute")
+    jrt.kill_worker(s, 1, when="compute")
     t0 = time.monotonic()
     for _ in range(12):
         rep.run(step, None, w, opt)
@@ -167,7 +168,7 @@ def _kill_at_40_percent(when, steps=30):
     end = time.monotonic() + 20
     while s.stats()["completed"] < 0.4 * steps and time.monotonic() < end:
         time.sleep(0.002)
-    s.kill_worker(1, when=when)
+    jrt.kill_worker(s, 1, when=when)
     rep.join()
     st = s.stats()
     assert st["alive"][1] is False and st["rescheduled"] == 1, st
@@ -233,7 +234,7 @@ def test_a_lost_shard_is_a_clear_error_within_bounded_time():
         rep.run(step, None, w, opt)
     time.sleep(0.2)
     t0 = time.monotonic()
-    s.kill_shard(1)
+    jrt.kill_shard(s, 1)
     with pytest.raises(jr.ParameterServerError, match="shard failed"):
         rep.join()
     took = time.monotonic() - t0

@@ -6,13 +6,14 @@ import jreplicate
 import jreplicate.execution
 import jreplicate.input
 import jreplicate.strategies
+import jreplicate.testing
 
 sync_module = importlib.import_module("jreplicate.sync_replicas")  # shadowed by the function
 
 
 def test_every_public_name_imports():
     for module in (jreplicate, jreplicate.execution, jreplicate.input, jreplicate.strategies,
-                   sync_module):
+                   sync_module, jreplicate.testing):
         assert module.__all__, module
         for name in module.__all__:
             obj = getattr(module, name)
@@ -37,10 +38,15 @@ def test_submodules_import():
                  "launch", "checkpoint", "sync_replicas", "strategies.parameter_server",
                  "ps.placement", "ps.shard", "ps.ledger", "ps.client", "ps.capture",
                  "ps.worker", "ps.coordinator", "ps.remote", "ps.ray_carrier",
-                 "ps.executor", "ps.embedded"):
+                 "ps.executor", "ps.embedded", "testing"):
         importlib.import_module(f"jreplicate.{name}")
 
 
 def test_sync_replicas_names_are_top_level():
     for name in sync_module.__all__:
         assert getattr(jreplicate, name) is getattr(sync_module, name)
+
+
+def test_fault_injection_is_not_on_the_strategy():
+    for name in jreplicate.testing.__all__:
+        assert not hasattr(jreplicate.ParameterServerStrategy, name), name

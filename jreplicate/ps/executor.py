@@ -108,12 +108,27 @@ class ParameterServerExecutor(Executor):
     def call_shard(self, i: int, what: str) -> Any:
         return self._carrier.call_shard(i, what)
 
-    def set_worker(self, w: int, attr: str, value: Any) -> None:
+    # -- fault injection (reached through jreplicate.testing) ---------------------------
+    def _worker_index(self, w: int) -> int:
         if not 0 <= w < self.strategy.num_ps_workers:
             raise ValueError(f"worker={w} is not in [0, {self.strategy.num_ps_workers}).")
-        self._carrier.set_worker(w, attr, value)
+        return w
+
+    def kill_worker(self, w: int, when: str) -> None:
+        """Worker ``w`` dies during its next step (``"compute"``, ``"push"``) or now
+        (``"process"``, Ray only)."""
+        allowed = ("compute", "push", "process") if self.strategy.carrier == "ray" else \
+            ("compute", "push")
+        if when not in allowed:
+            raise ValueError(f"kill_worker(when={when!r}) must be one of {allowed}.")
+        self._carrier.set_worker(self._worker_index(w), "kill_at", when)
+
+    def set_worker_delay(self, w: int, seconds: float) -> None:
+        """Worker ``w`` spends ``seconds`` more on each step."""
+        self._carrier.set_worker(self._worker_index(w), "delay", float(seconds))
 
     def kill_shard(self, i: int) -> None:
+        """Shard ``i`` is lost (its state is gone)."""
         if not 0 <= i < self.strategy.num_ps:
             raise ValueError(f"shard={i} is not in [0, {self.strategy.num_ps}).")
         self._carrier.kill_shard(i)

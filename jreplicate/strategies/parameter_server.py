@@ -216,24 +216,6 @@ class ParameterServerStrategy(Strategy):
                 "alive": c.alive, "max_alongside": c.max_alongside,
                 "finish_times": [list(t) for t in c.finish_times]}
 
-    def kill_worker(self, worker: int, when: str = "compute") -> None:
-        """Fault injection: worker ``worker`` dies during its next step, after computing
-        (``"compute"``) or between its pushes to shard 0 and shard 1 (``"push"``); with
-        ``carrier="ray"``, ``"process"`` kills its actor now (``ray.kill``)."""
-        allowed = ("compute", "push", "process") if self.carrier == "ray" else \
-            ("compute", "push")
-        if when not in allowed:
-            raise ValueError(f"kill_worker(when={when!r}) must be one of {allowed}.")
-        self._ex().set_worker(worker, "kill_at", when)
-
-    def set_worker_delay(self, worker: int, seconds: float) -> None:
-        """Simulation: worker ``worker`` spends ``seconds`` more on each step."""
-        self._ex().set_worker(worker, "delay", float(seconds))
-
-    def kill_shard(self, shard: int) -> None:
-        """Fault injection: shard ``shard`` is lost (its state is gone)."""
-        self._ex().kill_shard(shard)
-
     def state(self) -> dict[str, Any]:
         """Every shard's state and ledger as numpy, for
         :class:`jreplicate.CheckpointManager`: a consistent snapshot, every shard at the

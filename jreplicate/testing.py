@@ -1,0 +1,61 @@
+"""Fault injection for tests and benchmarks of :class:`jreplicate.ParameterServerStrategy`.
+
+These functions kill workers and shards and slow workers down, to test what a
+training job does when that happens in production. They are not part of training:
+they live here, not on the strategy.
+
+Example:
+  >>> import jreplicate.testing as jrt
+  >>> jrt.set_worker_delay(strategy, 3, 0.05)      # worker 3 is a straggler
+  >>> jrt.kill_worker(strategy, 1, when="push")    # dies between two shards' pushes
+"""
+
+from __future__ import annotations
+
+from jreplicate.ps.executor import ParameterServerExecutor
+from jreplicate.strategies.parameter_server import ParameterServerStrategy
+
+__all__ = ["kill_shard", "kill_worker", "set_worker_delay"]
+
+
+def _executor(strategy: ParameterServerStrategy) -> ParameterServerExecutor:
+    if not isinstance(strategy, ParameterServerStrategy):
+        raise TypeError(f"jreplicate.testing: strategy must be a ParameterServerStrategy, "
+                        f"got {type(strategy).__name__}.")
+    return strategy._ex()
+
+
+def kill_worker(strategy: ParameterServerStrategy, worker: int, *,
+                when: str = "compute") -> None:
+    """Worker ``worker`` dies during its next step.
+
+    Args:
+      strategy: the :class:`jreplicate.ParameterServerStrategy` (its parameters created).
+      worker: the worker index, in ``[0, strategy.num_ps_workers)``.
+      when: ``"compute"`` (after computing its gradients), ``"push"`` (between its pushes
+        to shard 0 and shard 1), or with ``carrier="ray"`` ``"process"`` (its actor is
+        killed now with ``ray.kill``).
+
+    Raises:
+      ValueError: ``worker`` is out of range or ``when`` is not one of the above.
+    """
+    _executor(strategy).kill_worker(worker, when)
+
+
+def set_worker_delay(strategy: ParameterServerStrategy, worker: int,
+                     seconds: float) -> None:
+    """Worker ``worker`` spends ``seconds`` more on each step (a straggler).
+
+    Raises:
+      ValueError: ``worker`` is out of range.
+    """
+    _executor(strategy).set_worker_delay(worker, seconds)
+
+
+def kill_shard(strategy: ParameterServerStrategy, shard: int) -> None:
+    """Shard ``shard`` is lost (its state is gone); steps that reach it fail.
+
+    Raises:
+      ValueError: ``shard`` is out of range.
+    """
+    _executor(strategy).kill_shard(shard)
