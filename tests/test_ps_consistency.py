@@ -61,7 +61,7 @@ def _coupled(**kw):
 
 def _assert_shards_agree(s):
     gs = s.global_step
-    assert [s._executor.call_shard(i, "step") for i in range(s.num_ps)] == [gs] * s.num_ps
+    assert [s._executor.shard_step(i) for i in range(s.num_ps)] == [gs] * s.num_ps
     ledgers = [{k: v for k, v in led.items() if k != "staleness"} for led in s.ledger()]
     assert all(led == ledgers[0] for led in ledgers), ledgers
     for led in ledgers:

@@ -10,6 +10,7 @@ import pytest
 
 import jreplicate as jr
 import jreplicate.testing as jrt
+from jreplicate.ps.handle import Carrier, RemoteShardHandle, ShardHandle
 from tests._models import init_mlp, mlp, per_example_loss
 from tests._ps_helpers import bounded_test  # noqa: F401 (autouse: every test bounded)
 
@@ -50,6 +51,11 @@ def test_run_schedules_and_returns_remote_values_at_once():
     params_seen, _, a_sum = values[0].fetch()
     assert isinstance(a_sum, np.ndarray) and float(a_sum) <= 0.0
     assert s.ledger()[0]["applied"] == s.ledger()[1]["applied"] == 4
+    assert [s._executor.shard_step(i) for i in range(2)] == [4, 4]
+    carrier = s._executor._carrier  # one typed interface, shards called by method
+    assert isinstance(carrier, Carrier)
+    assert all(isinstance(h, ShardHandle) and not isinstance(h, RemoteShardHandle)
+               for h in carrier.client.shards)
     assert rep.finalize() == []
 
 

@@ -200,7 +200,7 @@ def test_token_gated_per_worker_input_with_a_killed_worker_keeps_the_ledger_exac
         assert sh["pushes"] == sh["applied"] + sh["stale"] + sh["backup"] + \
             sh["duplicate"], sh
     assert led[0]["duplicate"] == (1 if when == "push" else 0)
-    assert s.global_step == s._executor.call_shard(1, "step") >= 5
+    assert s.global_step == s._executor.shard_step(1) >= 5
     s.shutdown()
 
 

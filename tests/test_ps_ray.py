@@ -17,6 +17,7 @@ import pytest
 
 import jreplicate as jr
 import jreplicate.testing as jrt
+from jreplicate.ps.handle import Carrier, RemoteShardHandle
 from jreplicate.ps.ray_carrier import ensure_ray
 from tests._ps_helpers import bounded_test  # noqa: F401 (autouse: every test bounded)
 from tests._sockets import is_loopback, listening_sockets
@@ -125,7 +126,10 @@ def test_token_gated_on_ray(local_ray):
     s._executor.coordinator.join(timeout=120)
     _invariant(s)
     gs = s.global_step
-    assert gs >= 4 and s._executor.call_shard(1, "step") == gs
+    assert gs >= 4 and s._executor.shard_step(1) == gs
+    carrier = s._executor._carrier  # one typed interface, shards called by method
+    assert isinstance(carrier, Carrier)
+    assert all(isinstance(h, RemoteShardHandle) for h in carrier.client.shards)
     np.testing.assert_allclose(s.parameters(), np.full(4, -0.1 * gs), rtol=1e-5)
     s.shutdown()
 

@@ -39,14 +39,62 @@ if ray is not None:
                                  step=r.get("step", 0), ledger=ledger,
                                  num_shards=num_shards, max_staleness=max_staleness)
 
+        # The ShardHandle operations (jreplicate.ps.handle) and the driver's queries.
         @ray.method(concurrency_group="io")
-        def call(self, name, *args):
-            if name == "summary":
-                with self.shard._cond:
-                    return self.shard.ledger.summary()
-            if name in ("step", "token_gated"):
-                return getattr(self.shard, name)
-            return getattr(self.shard, name)(*args)
+        def pull(self):
+            return self.shard.pull()
+
+        @ray.method(concurrency_group="io")
+        def push(self, push_id, worker, fetched_step, grads, decision=None, attempt=0):
+            return self.shard.push(push_id, worker, fetched_step, grads, decision, attempt)
+
+        @ray.method(concurrency_group="io")
+        def stage(self, push_id, attempt, grads):
+            return self.shard.stage(push_id, attempt, grads)
+
+        @ray.method(concurrency_group="io")
+        def commit(self, push_id, decision):
+            return self.shard.commit(push_id, decision)
+
+        @ray.method(concurrency_group="io")
+        def decision(self, push_id):
+            return self.shard.decision(push_id)
+
+        @ray.method(concurrency_group="io")
+        def ack(self, steps):
+            return self.shard.ack(steps)
+
+        @ray.method(concurrency_group="io")
+        def record(self, push_id, decision):
+            return self.shard.record(push_id, decision)
+
+        @ray.method(concurrency_group="io")
+        def return_token(self, token):
+            return self.shard.return_token(token)
+
+        @ray.method(concurrency_group="io")
+        def set_live_workers(self, n):
+            return self.shard.set_live_workers(n)
+
+        @ray.method(concurrency_group="io")
+        def interrupt(self):
+            return self.shard.interrupt()
+
+        @ray.method(concurrency_group="io")
+        def step(self):
+            return self.shard.step
+
+        @ray.method(concurrency_group="io")
+        def token_gated(self):
+            return self.shard.token_gated
+
+        @ray.method(concurrency_group="io")
+        def summary(self):
+            return self.shard.summary()
+
+        @ray.method(concurrency_group="io")
+        def state(self):
+            return self.shard.state()
 
         @ray.method(concurrency_group="tokens")
         def take_token(self, seconds, skip_stale, min_step, live_workers):
@@ -85,8 +133,11 @@ if ray is not None:
             return True, jax.tree.map(lambda x: np.asarray(x.array if isinstance(
                 x, PerReplica) else x), out, is_leaf=lambda x: isinstance(x, PerReplica))
 
-        def set_attr(self, name, value):
-            setattr(self.worker, name, value)
+        def set_kill_at(self, when):
+            self.worker.kill_at = when
+
+        def set_delay(self, seconds):
+            self.worker.delay = seconds
 
         def ready(self):
             return len(self.worker.layout.devices)

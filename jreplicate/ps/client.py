@@ -1,33 +1,36 @@
 """A worker's view of the shards: pull all pieces, push to every shard (both carriers).
 
-``shards`` are objects with the methods of :class:`jreplicate.ps.shard.PSShard`
-(``pull``, ``push``, ``record``, ``take_token``, ``return_token``): the shards
-themselves in the embedded carrier, proxies of Ray actors in the Ray carrier.
+``shards`` are :class:`jreplicate.ps.handle.ShardHandle` objects: the shards
+themselves in the embedded carrier, proxies of Ray actors in the Ray carrier
+(:class:`jreplicate.ps.handle.RemoteShardHandle`, called all at once).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 
+from jreplicate.ps.handle import RemoteShardHandle, ShardHandle
 from jreplicate.ps.placement import Placement
 from jreplicate.ps.shard import Decision
+
+T = TypeVar("T")
 
 
 class ShardClient:
     """Pulls and pushes whole parameter pytrees through a :class:`Placement`.
 
     Args:
-      shards: one object per shard with :class:`PSShard`'s methods.
+      shards: one :class:`ShardHandle` per shard.
       placement: how the parameters are split over the shards.
       token_gated: whether shard 0 decides which pushes count (token-gated mode).
       between_shards: called with 1 after shard 0's push, before the others' (a test
         hook to simulate a worker dying mid-push).
     """
 
-    def __init__(self, shards: Sequence[Any], placement: Placement, token_gated: bool,
+    def __init__(self, shards: Sequence[ShardHandle], placement: Placement, token_gated: bool,
                  between_shards: Callable[[int], None] | None = None):
         self.shards = list(shards)
         self.placement = placement
@@ -37,16 +40,19 @@ class ShardClient:
         #: in token-gated mode; in asynchronous mode only when a test arms it).
         self.ordered = False
 
-    def _fan(self, calls: list[tuple[Any, str, tuple]]) -> list:
-        """Calls ``getattr(shard, name)(*args)`` for each call; concurrently where the
-        shards are remote (proxies with ``submit`` and ``gather``, e.g. Ray actors)."""
-        if calls and hasattr(calls[0][0], "submit"):
-            return calls[0][0].gather([s.submit(name, *args) for s, name, args in calls])
-        return [getattr(s, name)(*args) for s, name, args in calls]
+    def _fan(self, op: Callable[[int, ShardHandle], T], first: int = 0,
+             stop: int | None = None) -> list[T]:
+        """``op(i, shard)`` for shards ``first`` to ``stop``; concurrently where the
+        shards are remote (``op`` then runs on ``shard.nowait``, which returns futures,
+        and ``gather`` waits for them all)."""
+        shards = list(enumerate(self.shards))[first:stop]
+        if shards and isinstance(shards[0][1], RemoteShardHandle):
+            return shards[0][1].gather([op(i, s.nowait) for i, s in shards])
+        return [op(i, s) for i, s in shards]
 
     def pull(self) -> tuple[list[int], Any]:
         """``(step of each shard, parameters as a numpy pytree)``."""
-        got = self._fan([(s, "pull", ()) for s in self.shards])
+        got = self._fan(lambda i, s: s.pull())
         return [g[0] for g in got], self.placement.join([g[1] for g in got])
 
     def push(self, push_id: int, worker: int, fetched: Sequence[int], grads: Any,
@@ -63,13 +69,12 @@ class ShardClient:
         """
         pieces = self.placement.split(grads)
         if not self.token_gated and not self.ordered:  # no order needed: all at once
-            got = self._fan([(s, "push", (push_id, worker, int(fetched[i]), pieces[i]))
-                             for i, s in enumerate(self.shards)])
+            got = self._fan(lambda i, s: s.push(push_id, worker, int(fetched[i]),
+                                                pieces[i]))
             return got[0]
         rest = self.shards[1:]
         if self.token_gated:
-            self._fan([(s, "stage", (push_id, attempt, pieces[i]))
-                       for i, s in enumerate(rest, 1)])
+            self._fan(lambda i, s: s.stage(push_id, attempt, pieces[i]), first=1)
         first = self.shards[0].push(push_id, worker, int(fetched[0]), pieces[0], None,
                                     attempt)
         if rest and self.between_shards is not None:
@@ -77,8 +82,8 @@ class ShardClient:
         if self.token_gated:
             self.settle(push_id, first)
         else:
-            self._fan([(s, "push", (push_id, worker, int(fetched[i]), pieces[i]))
-                       for i, s in enumerate(rest, 1)])
+            self._fan(lambda i, s: s.push(push_id, worker, int(fetched[i]), pieces[i]),
+                      first=1)
         return first
 
     def settle(self, push_id: int, decision: Decision | None = None) -> None:
@@ -89,12 +94,12 @@ class ShardClient:
         if not self.token_gated or len(self.shards) == 1:
             return
         if decision is None:
-            decision = self._fan([(self.shards[0], "decision", (push_id,))])[0]
+            decision = self.shards[0].decision(push_id)
             if decision is None:
                 return
-        steps = self._fan([(s, "commit", (push_id, decision)) for s in self.shards[1:]])
+        steps = self._fan(lambda i, s: s.commit(push_id, decision), first=1)
         if decision.kind == "applied" and max(steps) > decision.step:
-            self._fan([(self.shards[0], "ack", (steps,))])
+            self.shards[0].ack(steps)
 
 
 def to_numpy(tree: Any) -> Any:

@@ -47,15 +47,20 @@ class EmbeddedCarrier:
     def interrupt(self) -> None:
         self.shards[0].interrupt()
 
-    def call_shard(self, i: int, what: str) -> Any:
-        sh = self.shards[i]
-        if what == "summary":
-            with sh._cond:
-                return sh.ledger.summary()
-        return sh.step if what == "step" else sh.state()
+    def shard_step(self, i: int) -> int:
+        return self.shards[i].step
 
-    def set_worker(self, w: int, attr: str, value: Any) -> None:
-        setattr(self.workers[w], attr, value)
+    def shard_summary(self, i: int) -> dict[str, Any]:
+        return self.shards[i].summary()
+
+    def shard_state(self, i: int) -> dict[str, Any]:
+        return self.shards[i].state()
+
+    def kill_worker(self, w: int, when: str) -> None:
+        self.workers[w].kill_at = when
+
+    def set_worker_delay(self, w: int, seconds: float) -> None:
+        self.workers[w].delay = seconds
 
     def set_live_workers(self, fn: Callable[[], int]) -> None:
         for w in self.workers:

@@ -19,6 +19,7 @@ from jreplicate.ps import capture
 from jreplicate.ps.client import ShardClient
 from jreplicate.ps.coordinator import Coordinator
 from jreplicate.ps.embedded import EmbeddedCarrier
+from jreplicate.ps.handle import Carrier
 from jreplicate.ps.ledger import Ledger
 from jreplicate.ps.placement import Placement, place_parameters
 from jreplicate.ps.remote import RemoteValue
@@ -43,7 +44,7 @@ class ParameterServerExecutor(Executor):
         self._param_ids: tuple | None = None
         self._opt_ids: tuple | None = None
         self._tx = None
-        self._carrier = None
+        self._carrier: Carrier | None = None
         self._fn_keys: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self._next_key = 0
         self._nnx_cache: dict[int, tuple] = {}
@@ -105,8 +106,13 @@ class ParameterServerExecutor(Executor):
             settle=self.client.settle, starved=starved)
         self._carrier.set_live_workers(lambda: sum(self.coordinator.alive))
 
-    def call_shard(self, i: int, what: str) -> Any:
-        return self._carrier.call_shard(i, what)
+    def shard_step(self, i: int) -> int:
+        """Shard ``i``'s step: updates applied (async) or ``global_step`` (token-gated)."""
+        return self._carrier.shard_step(i)
+
+    def shard_summary(self, i: int) -> dict[str, Any]:
+        """Shard ``i``'s ledger summary."""
+        return self._carrier.shard_summary(i)
 
     # -- fault injection (reached through jreplicate.testing) ---------------------------
     def _worker_index(self, w: int) -> int:
@@ -121,11 +127,11 @@ class ParameterServerExecutor(Executor):
             ("compute", "push")
         if when not in allowed:
             raise ValueError(f"kill_worker(when={when!r}) must be one of {allowed}.")
-        self._carrier.set_worker(self._worker_index(w), "kill_at", when)
+        self._carrier.kill_worker(self._worker_index(w), when)
 
     def set_worker_delay(self, w: int, seconds: float) -> None:
         """Worker ``w`` spends ``seconds`` more on each step."""
-        self._carrier.set_worker(self._worker_index(w), "delay", float(seconds))
+        self._carrier.set_worker_delay(self._worker_index(w), float(seconds))
 
     def kill_shard(self, i: int) -> None:
         """Shard ``i`` is lost (its state is gone)."""
@@ -148,7 +154,7 @@ class ParameterServerExecutor(Executor):
                 f"ParameterServerStrategy.state(): {pending} steps are scheduled or running, "
                 "so the shards may be at different steps. Call rep.join() first, then "
                 "state().")
-        shards = [self.call_shard(i, "state") for i in range(self.strategy.num_ps)]
+        shards = [self._carrier.shard_state(i) for i in range(self.strategy.num_ps)]
         if c.pending:
             raise RuntimeError(
                 "ParameterServerStrategy.state(): steps were scheduled while the shards "

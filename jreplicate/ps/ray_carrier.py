@@ -105,11 +105,45 @@ class LazyRef:
         return _ray().get(self.ref, timeout=300)
 
 
-class _ShardProxy:
-    """A shard actor seen as a :class:`PSShard` (blocking calls through ``ray.get``)."""
+class _ShardCalls:
+    """A shard actor's :class:`ShardHandle` operations returning Ray object refs."""
 
     def __init__(self, actor):
         self.actor = actor
+
+    def pull(self):
+        return self.actor.pull.remote()
+
+    def push(self, push_id, worker, fetched_step, grads, decision=None, attempt=0):
+        return self.actor.push.remote(push_id, worker, fetched_step, grads, decision,
+                                      attempt)
+
+    def stage(self, push_id, attempt, grads):
+        return self.actor.stage.remote(push_id, attempt, grads)
+
+    def commit(self, push_id, decision):
+        return self.actor.commit.remote(push_id, decision)
+
+    def decision(self, push_id):
+        return self.actor.decision.remote(push_id)
+
+    def ack(self, steps):
+        return self.actor.ack.remote(steps)
+
+    def record(self, push_id, decision):
+        return self.actor.record.remote(push_id, decision)
+
+    def return_token(self, token):
+        return self.actor.return_token.remote(token)
+
+
+class _ShardProxy:
+    """A shard actor as a :class:`jreplicate.ps.handle.RemoteShardHandle`: blocking
+    calls through ``ray.get``; ``nowait`` returns the refs, ``gather`` waits for them."""
+
+    def __init__(self, actor):
+        self.actor = actor
+        self.nowait = _ShardCalls(actor)
 
     def _get(self, ref, timeout=None):
         ray = _ray()
@@ -118,23 +152,33 @@ class _ShardProxy:
         except ray.exceptions.RayActorError as e:
             raise _ShardLost(f"a parameter-server shard actor died: {e}") from None
 
-    def submit(self, name, *args):
-        return self.actor.call.remote(name, *args)
-
-    def gather(self, refs):
-        return self._get(refs)
+    def gather(self, futures: list) -> list:
+        return self._get(futures)
 
     def pull(self):
-        return self._get(self.actor.call.remote("pull"))
+        return self._get(self.nowait.pull())
 
-    def push(self, *args):
-        return self._get(self.actor.call.remote("push", *args))
+    def push(self, push_id, worker, fetched_step, grads, decision=None, attempt=0):
+        return self._get(self.nowait.push(push_id, worker, fetched_step, grads, decision,
+                                          attempt))
 
-    def record(self, *args):
-        return self._get(self.actor.call.remote("record", *args))
+    def stage(self, push_id, attempt, grads):
+        return self._get(self.nowait.stage(push_id, attempt, grads))
+
+    def commit(self, push_id, decision):
+        return self._get(self.nowait.commit(push_id, decision))
+
+    def decision(self, push_id):
+        return self._get(self.nowait.decision(push_id))
+
+    def ack(self, steps):
+        return self._get(self.nowait.ack(steps))
+
+    def record(self, push_id, decision):
+        return self._get(self.nowait.record(push_id, decision))
 
     def return_token(self, token):
-        return self._get(self.actor.call.remote("return_token", token))
+        return self._get(self.nowait.return_token(token))
 
     def take_token(self, deadline, *, skip_stale=True, min_step=0, live_workers=0):
         left = max(deadline - time.monotonic(), 0.0)
@@ -153,7 +197,7 @@ class RayCarrier:
         self.shards = [ShardActor.remote(i, pieces[i], tx, _host_restored(restored, i),
                                          s.num_ps, s.max_staleness)
                        for i in range(s.num_ps)]
-        gated = bool(ray.get(self.shards[0].call.remote("token_gated"), timeout=300))
+        gated = bool(ray.get(self.shards[0].token_gated.remote(), timeout=300))
         platform = s.worker_devices[0][0].platform
         if platform == "cpu":
             opts = {"runtime_env": {"env_vars": {
@@ -214,23 +258,32 @@ class RayCarrier:
         self._live = fn
 
     def workers_alive(self, n: int) -> None:
-        _ray().get(self.shards[0].call.remote("set_live_workers", n), timeout=60)
+        _ray().get(self.shards[0].set_live_workers.remote(n), timeout=60)
 
     def interrupt(self) -> None:
         try:
-            self.shards[0].call.remote("interrupt")
+            self.shards[0].interrupt.remote()
         except Exception:  # the actor is gone: nothing waits on it
             pass
 
-    def call_shard(self, i: int, what: str) -> Any:
-        return _ray().get(self.shards[i].call.remote(what), timeout=60)
+    def shard_step(self, i: int) -> int:
+        return int(_ray().get(self.shards[i].step.remote(), timeout=60))
 
-    def set_worker(self, w: int, attr: str, value: Any) -> None:
+    def shard_summary(self, i: int) -> dict[str, Any]:
+        return _ray().get(self.shards[i].summary.remote(), timeout=60)
+
+    def shard_state(self, i: int) -> dict[str, Any]:
+        return _ray().get(self.shards[i].state.remote(), timeout=60)
+
+    def kill_worker(self, w: int, when: str) -> None:
         ray = _ray()
-        if attr == "kill_at" and value == "process":
+        if when == "process":
             ray.kill(self.workers[w], no_restart=True)
             return
-        ray.get(self.workers[w].set_attr.remote(attr, value), timeout=60)
+        ray.get(self.workers[w].set_kill_at.remote(when), timeout=60)
+
+    def set_worker_delay(self, w: int, seconds: float) -> None:
+        _ray().get(self.workers[w].set_delay.remote(seconds), timeout=60)
 
     def kill_shard(self, i: int) -> None:
         _ray().kill(self.shards[i], no_restart=True)

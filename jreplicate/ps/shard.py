@@ -196,6 +196,11 @@ class PSShard:
             step, params = self._step, self._params
         return step, {k: np.asarray(v) for k, v in params.items()}
 
+    def summary(self) -> dict[str, Any]:
+        """The ledger's summary (:meth:`jreplicate.ps.ledger.Ledger.summary`)."""
+        with self._cond:
+            return self.ledger.summary()
+
     def state(self) -> dict[str, Any]:
         """The shard's state as numpy: params, opt_state, step, ledger arrays."""
         with self._cond:

@@ -194,12 +194,12 @@ class ParameterServerStrategy(Strategy):
     @property
     def global_step(self) -> int:
         """Shard 0's step: updates it applied (async) or ``global_step`` (token-gated)."""
-        return int(self._ex().call_shard(0, "step"))
+        return self._ex().shard_step(0)
 
     def ledger(self) -> list[dict[str, Any]]:
         """Each shard's ledger summary: pushes, applied, stale, backup, duplicate and the
         staleness histogram ``{staleness: count}``."""
-        return [self._ex().call_shard(i, "summary") for i in range(self.num_ps)]
+        return [self._ex().shard_summary(i) for i in range(self.num_ps)]
 
     def staleness_histogram(self) -> dict[int, int]:
         """Shard 0's histogram of the staleness of applied updates."""

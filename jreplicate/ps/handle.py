@@ -1,0 +1,86 @@
+"""The typed interfaces between the PS core and its carriers.
+
+:class:`ShardHandle` is one shard's operations as a worker's
+:class:`jreplicate.ps.client.ShardClient` calls them: a :class:`jreplicate.ps.shard.PSShard`
+itself (embedded carrier) or a proxy of a Ray shard actor. A remote handle also has
+``nowait``, the same operations returning futures, and ``gather`` to wait for them, so
+the client calls every shard at once (:class:`RemoteShardHandle`).
+
+:class:`Carrier` is what the executor asks of a carrier (embedded or Ray): the shards'
+step, ledger and state, fault injection, and the hooks of the coordinator.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, Protocol, runtime_checkable
+
+import numpy as np
+
+from jreplicate.ps.shard import Decision
+
+
+@runtime_checkable
+class ShardHandle(Protocol):
+    """One shard's operations (:class:`jreplicate.ps.shard.PSShard`'s signatures)."""
+
+    def pull(self) -> tuple[int, dict[str, np.ndarray]]: ...
+
+    def push(self, push_id: int, worker: int, fetched_step: int,
+             grads: dict[str, np.ndarray], decision: Decision | None = None,
+             attempt: int = 0) -> Decision: ...
+
+    def stage(self, push_id: int, attempt: int, grads: dict[str, np.ndarray]) -> None: ...
+
+    def commit(self, push_id: int, decision: Decision) -> int: ...
+
+    def decision(self, push_id: int) -> Decision | None: ...
+
+    def ack(self, steps: list[int]) -> None: ...
+
+    def record(self, push_id: int, decision: Decision) -> None: ...
+
+    def take_token(self, deadline: float, *, skip_stale: bool = True, min_step: int = 0,
+                   live_workers: int = 0) -> int: ...
+
+    def return_token(self, token: int) -> None: ...
+
+
+@runtime_checkable
+class RemoteShardHandle(ShardHandle, Protocol):
+    """A shard in another process: ``nowait`` has the same operations returning futures;
+    ``gather`` waits for a list of them."""
+
+    nowait: Any
+
+    def gather(self, futures: list) -> list: ...
+
+
+@runtime_checkable
+class Carrier(Protocol):
+    """Shards and workers, wherever they run, as the executor drives them."""
+
+    client: Any  # the driver's ShardClient
+    runners: list[Callable]  # per worker: run(closure, on_token_wait) -> outputs
+
+    def shard_step(self, i: int) -> int: ...
+
+    def shard_summary(self, i: int) -> dict[str, Any]: ...
+
+    def shard_state(self, i: int) -> dict[str, Any]: ...
+
+    def kill_worker(self, w: int, when: str) -> None: ...
+
+    def set_worker_delay(self, w: int, seconds: float) -> None: ...
+
+    def kill_shard(self, i: int) -> None: ...
+
+    def is_shard_failure(self, e: BaseException) -> bool: ...
+
+    def interrupt(self) -> None: ...
+
+    def workers_alive(self, n: int) -> None: ...
+
+    def set_live_workers(self, fn: Callable[[], int]) -> None: ...
+
+    def close(self) -> None: ...
