@@ -38,7 +38,7 @@ def test_submodules_import():
                  "launch", "checkpoint", "sync_replicas", "strategies.parameter_server",
                  "ps.placement", "ps.shard", "ps.ledger", "ps.client", "ps.capture",
                  "ps.worker", "ps.coordinator", "ps.remote", "ps.ray_carrier",
-                 "ps.executor", "ps.embedded", "ps.handle", "testing"):
+                 "ps.executor", "ps.embedded", "ps.handle", "ps._ray_proxy", "testing"):
         importlib.import_module(f"jreplicate.{name}")
 
 

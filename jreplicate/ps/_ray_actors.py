@@ -13,9 +13,9 @@ import jax
 import numpy as np
 
 from jreplicate.context import PerReplica
+from jreplicate.ps._ray_proxy import _ShardProxy
 from jreplicate.ps.client import ShardClient
 from jreplicate.ps.ledger import Ledger
-from jreplicate.ps.ray_carrier import _ShardProxy
 from jreplicate.ps.shard import PSShard
 from jreplicate.ps.worker import PSWorker
 from jreplicate.ps.worker_input import WorkerInput

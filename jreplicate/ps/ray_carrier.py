@@ -29,26 +29,15 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import time
 from typing import Any
 
+from jreplicate.ps._ray_proxy import _ray, _ShardLost, _ShardProxy
 from jreplicate.ps.client import ShardClient
 from jreplicate.ps.placement import Placement
 from jreplicate.ps.remote import StepCancelledError, WorkerLostError
 from jreplicate.ps.shard import ShardClosedError
 from jreplicate.ps.worker import ApplicationError
 from jreplicate.ps.worker_input import InputEnded, WorkerInput
-
-
-def _ray():
-    try:
-        import ray
-    except ImportError as e:
-        raise ImportError(
-            "ParameterServerStrategy(carrier='ray') needs Ray: pip install "
-            "'jreplicate[ray]' (or pip install 'ray>=2.40'), or use carrier='embedded'."
-        ) from e
-    return ray
 
 
 def ensure_ray() -> Any:
@@ -85,10 +74,6 @@ def ensure_ray() -> Any:
     return ray
 
 
-class _ShardLost(RuntimeError):
-    """A worker found a shard actor dead."""
-
-
 def _actor_classes():
     """The actor classes (their module imports Ray, so it is imported only here)."""
     from jreplicate.ps import _ray_actors
@@ -103,87 +88,6 @@ class LazyRef:
 
     def resolve(self) -> Any:
         return _ray().get(self.ref, timeout=300)
-
-
-class _ShardCalls:
-    """A shard actor's :class:`ShardHandle` operations returning Ray object refs."""
-
-    def __init__(self, actor):
-        self.actor = actor
-
-    def pull(self):
-        return self.actor.pull.remote()
-
-    def push(self, push_id, worker, fetched_step, grads, decision=None, attempt=0):
-        return self.actor.push.remote(push_id, worker, fetched_step, grads, decision,
-                                      attempt)
-
-    def stage(self, push_id, attempt, grads):
-        return self.actor.stage.remote(push_id, attempt, grads)
-
-    def commit(self, push_id, decision):
-        return self.actor.commit.remote(push_id, decision)
-
-    def decision(self, push_id):
-        return self.actor.decision.remote(push_id)
-
-    def ack(self, steps):
-        return self.actor.ack.remote(steps)
-
-    def record(self, push_id, decision):
-        return self.actor.record.remote(push_id, decision)
-
-    def return_token(self, token):
-        return self.actor.return_token.remote(token)
-
-
-class _ShardProxy:
-    """A shard actor as a :class:`jreplicate.ps.handle.RemoteShardHandle`: blocking
-    calls through ``ray.get``; ``nowait`` returns the refs, ``gather`` waits for them."""
-
-    def __init__(self, actor):
-        self.actor = actor
-        self.nowait = _ShardCalls(actor)
-
-    def _get(self, ref, timeout=None):
-        ray = _ray()
-        try:
-            return ray.get(ref, timeout=timeout)
-        except ray.exceptions.RayActorError as e:
-            raise _ShardLost(f"a parameter-server shard actor died: {e}") from None
-
-    def gather(self, futures: list) -> list:
-        return self._get(futures)
-
-    def pull(self):
-        return self._get(self.nowait.pull())
-
-    def push(self, push_id, worker, fetched_step, grads, decision=None, attempt=0):
-        return self._get(self.nowait.push(push_id, worker, fetched_step, grads, decision,
-                                          attempt))
-
-    def stage(self, push_id, attempt, grads):
-        return self._get(self.nowait.stage(push_id, attempt, grads))
-
-    def commit(self, push_id, decision):
-        return self._get(self.nowait.commit(push_id, decision))
-
-    def decision(self, push_id):
-        return self._get(self.nowait.decision(push_id))
-
-    def ack(self, steps):
-        return self._get(self.nowait.ack(steps))
-
-    def record(self, push_id, decision):
-        return self._get(self.nowait.record(push_id, decision))
-
-    def return_token(self, token):
-        return self._get(self.nowait.return_token(token))
-
-    def take_token(self, deadline, *, skip_stale=True, min_step=0, live_workers=0):
-        left = max(deadline - time.monotonic(), 0.0)
-        return self._get(self.actor.take_token.remote(left, skip_stale, min_step,
-                                                      live_workers), timeout=left + 30.0)
 
 
 class RayCarrier:
