@@ -5,22 +5,20 @@ worker on its own devices and run by a thread of the :class:`Coordinator`."""
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from jreplicate.ps.client import ShardClient
+from jreplicate.ps.config import PSConfig
 from jreplicate.ps.placement import Placement
 from jreplicate.ps.shard import PSShard
 from jreplicate.ps.worker import PSWorker
-
-if TYPE_CHECKING:
-    from jreplicate.strategies.parameter_server import ParameterServerStrategy
 
 
 class EmbeddedCarrier:
     """Shards and workers as objects of this process; each worker runs on a thread of
     the :class:`Coordinator` with its own devices."""
 
-    def __init__(self, s: ParameterServerStrategy, tx: Any, placement: Placement,
+    def __init__(self, s: PSConfig, tx: Any, placement: Placement,
                  pieces: list, opt_host: Any, restored: list | None):
         self.shards = []
         for i in range(s.num_ps):

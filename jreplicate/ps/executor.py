@@ -8,7 +8,7 @@ import contextlib
 import sys
 import weakref
 from collections.abc import Callable, Iterator, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import jax
 import numpy as np
@@ -17,6 +17,7 @@ from jreplicate.context import PerReplica
 from jreplicate.execution.base import Executor
 from jreplicate.ps import capture
 from jreplicate.ps.client import ShardClient
+from jreplicate.ps.config import PSConfig
 from jreplicate.ps.coordinator import Coordinator
 from jreplicate.ps.embedded import EmbeddedCarrier
 from jreplicate.ps.handle import Carrier
@@ -27,16 +28,14 @@ from jreplicate.ps.shard import _is_sync
 from jreplicate.ps.worker import Closure, HostBatch, NnxArg
 from jreplicate.ps.worker_input import WorkerInput, WorkerInputIterator
 
-if TYPE_CHECKING:
-    from jreplicate.strategies.parameter_server import ParameterServerStrategy
-
 
 class ParameterServerExecutor(Executor):
-    """Schedules steps on the workers of a :class:`ParameterServerStrategy`."""
+    """Schedules steps on the workers of a :class:`ParameterServerStrategy`, built from
+    its frozen :class:`PSConfig`."""
 
-    def __init__(self, strategy: ParameterServerStrategy):
-        super().__init__(strategy.layout)
-        self.strategy = strategy
+    def __init__(self, config: PSConfig):
+        super().__init__(config.layout)
+        self.config = config
         self.client: ShardClient | None = None
         self.placement: Placement | None = None
         self.coordinator: Coordinator | None = None
@@ -66,7 +65,7 @@ class ParameterServerExecutor(Executor):
                 "ParameterServerStrategy holds one optimizer: a second jr.pushable "
                 "transformation was initialised inside rep.scope(). Use one (e.g. "
                 "optax.multi_transform for parts of the parameters).")
-        s = self.strategy
+        s = self.config
         if s.max_staleness is not None and _is_sync(opt_state):
             raise ValueError(
                 f"ParameterServerStrategy(max_staleness={s.max_staleness}) bounds the "
@@ -87,7 +86,7 @@ class ParameterServerExecutor(Executor):
         self._build(self.placement.split(host), jax.tree.map(np.asarray, opt_state))
 
     def _build(self, pieces: list, opt_host: Any, restored: list | None = None) -> None:
-        s = self.strategy
+        s = self.config
         if s.carrier == "ray":
             from jreplicate.ps.ray_carrier import RayCarrier
             self._carrier = RayCarrier(s, self._tx, self.placement, pieces, opt_host,
@@ -116,14 +115,14 @@ class ParameterServerExecutor(Executor):
 
     # -- fault injection (reached through jreplicate.testing) ---------------------------
     def _worker_index(self, w: int) -> int:
-        if not 0 <= w < self.strategy.num_ps_workers:
-            raise ValueError(f"worker={w} is not in [0, {self.strategy.num_ps_workers}).")
+        if not 0 <= w < self.config.num_ps_workers:
+            raise ValueError(f"worker={w} is not in [0, {self.config.num_ps_workers}).")
         return w
 
     def kill_worker(self, w: int, when: str) -> None:
         """Worker ``w`` dies during its next step (``"compute"``, ``"push"``) or now
         (``"process"``, Ray only)."""
-        allowed = ("compute", "push", "process") if self.strategy.carrier == "ray" else \
+        allowed = ("compute", "push", "process") if self.config.carrier == "ray" else \
             ("compute", "push")
         if when not in allowed:
             raise ValueError(f"kill_worker(when={when!r}) must be one of {allowed}.")
@@ -135,8 +134,8 @@ class ParameterServerExecutor(Executor):
 
     def kill_shard(self, i: int) -> None:
         """Shard ``i`` is lost (its state is gone)."""
-        if not 0 <= i < self.strategy.num_ps:
-            raise ValueError(f"shard={i} is not in [0, {self.strategy.num_ps}).")
+        if not 0 <= i < self.config.num_ps:
+            raise ValueError(f"shard={i} is not in [0, {self.config.num_ps}).")
         self._carrier.kill_shard(i)
 
     def snapshot(self) -> dict[str, Any]:
@@ -154,7 +153,7 @@ class ParameterServerExecutor(Executor):
                 f"ParameterServerStrategy.state(): {pending} steps are scheduled or running, "
                 "so the shards may be at different steps. Call rep.join() first, then "
                 "state().")
-        shards = [self._carrier.shard_state(i) for i in range(self.strategy.num_ps)]
+        shards = [self._carrier.shard_state(i) for i in range(self.config.num_ps)]
         if c.pending:
             raise RuntimeError(
                 "ParameterServerStrategy.state(): steps were scheduled while the shards "
@@ -172,9 +171,9 @@ class ParameterServerExecutor(Executor):
             raise ValueError("restore: create the optimizer state inside rep.scope() first.")
         self.coordinator.join()
         shards = state["shards"]
-        if len(shards) != self.strategy.num_ps:
+        if len(shards) != self.config.num_ps:
             raise ValueError(f"restore: the state has {len(shards)} shards, this strategy "
-                             f"{self.strategy.num_ps}; restore with the same num_ps.")
+                             f"{self.config.num_ps}; restore with the same num_ps.")
         self.coordinator.shutdown()
         self._carrier.close()
         restored = [{"params": jax.tree.map(np.asarray, sh["params"]),
@@ -196,7 +195,7 @@ class ParameterServerExecutor(Executor):
                 "ParameterServerStrategy with InputReplicationMode.PER_WORKER: each worker "
                 "drops its own final partial batch; padding needs the driver-fed path "
                 "(replication_mode=InputReplicationMode.SINGLE).")
-        return WorkerInputIterator(owner, self.strategy, self, input_fn)
+        return WorkerInputIterator(owner, self.config, self, input_fn)
 
     def input_exhausted(self, key: int) -> bool:
         return self.coordinator is not None and self.coordinator.input_exhausted(key)

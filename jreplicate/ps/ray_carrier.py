@@ -33,6 +33,7 @@ from typing import Any
 
 from jreplicate.ps._ray_proxy import _ray, _ShardLost, _ShardProxy
 from jreplicate.ps.client import ShardClient
+from jreplicate.ps.config import PSConfig
 from jreplicate.ps.placement import Placement
 from jreplicate.ps.remote import StepCancelledError, WorkerLostError
 from jreplicate.ps.shard import ShardClosedError
@@ -93,7 +94,7 @@ class LazyRef:
 class RayCarrier:
     """Shards and workers as Ray actors (see the module docstring)."""
 
-    def __init__(self, s: Any, tx: Any, placement: Placement, pieces: list, opt_host: Any,
+    def __init__(self, s: PSConfig, tx: Any, placement: Placement, pieces: list, opt_host: Any,
                  restored: list | None):
         ray = ensure_ray()
         ShardActor, WorkerActor = _actor_classes()

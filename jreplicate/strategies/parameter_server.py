@@ -49,6 +49,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from jreplicate.ps.config import PSConfig
 from jreplicate.ps.device_layout import assign_devices
 from jreplicate.ps.executor import ParameterServerExecutor
 from jreplicate.ps.placement import POLICIES, Placement
@@ -171,7 +172,14 @@ class ParameterServerStrategy(Strategy):
         if self._executor is not None:
             raise ValueError("a ParameterServerStrategy serves one Replicator (its shards "
                              "hold that Replicator's parameters); create a new strategy.")
-        self._executor = ParameterServerExecutor(self)
+        self._executor = ParameterServerExecutor(PSConfig(
+            num_ps=self.num_ps, shard_devices=tuple(self.shard_devices),
+            worker_devices=tuple(tuple(g) for g in self.worker_devices),
+            num_replicas_in_sync=self.num_replicas_in_sync, layout=self.layout,
+            carrier=self.carrier, max_staleness=self.max_staleness,
+            max_attempts=self.max_attempts, token_timeout=self.token_timeout,
+            skip_stale_tokens=self.skip_stale_tokens,
+            placement_policy=self.placement_policy, min_slice_bytes=self.min_slice_bytes))
         return self._executor
 
     # -- inspection and control ------------------------------------------------------------

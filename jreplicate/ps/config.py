@@ -1,0 +1,55 @@
+"""The frozen configuration the PS core is built from.
+
+:class:`jreplicate.ParameterServerStrategy` validates its arguments and lays out the
+devices, then hands the executor a :class:`PSConfig`; the executor, carriers and input
+iterators read only this, never the strategy (so ``jreplicate.ps`` does not import
+``jreplicate.strategies``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+
+@dataclasses.dataclass(frozen=True)
+class PSConfig:
+    """What the shards, workers and coordinator need to know.
+
+    Attributes:
+      num_ps: parameter-server shards.
+      shard_devices: one device per shard.
+      worker_devices: per worker (sync group), its devices.
+      num_replicas_in_sync: devices per worker.
+      layout: the :class:`jreplicate.strategies.layout.Layout` of the workers' replicas.
+      carrier: ``"embedded"`` or ``"ray"``.
+      max_staleness: the bounded delay tau, or None.
+      max_attempts: tries of a step before its error is raised.
+      token_timeout: seconds a worker waits for a token (token-gated).
+      skip_stale_tokens: whether a worker skips tokens older than its last step.
+      placement_policy: how leaves are placed on shards (``jreplicate.ps.placement``).
+      min_slice_bytes: the smallest slice when a leaf is split over shards.
+    """
+
+    num_ps: int
+    shard_devices: tuple
+    worker_devices: tuple
+    num_replicas_in_sync: int
+    layout: Any
+    carrier: str
+    max_staleness: int | None
+    max_attempts: int
+    token_timeout: float
+    skip_stale_tokens: bool
+    placement_policy: str
+    min_slice_bytes: int
+
+    @property
+    def num_ps_workers(self) -> int:
+        """Workers (sync groups)."""
+        return len(self.worker_devices)
+
+    @property
+    def num_replicas(self) -> int:
+        """Replicas over all workers."""
+        return self.layout.num_replicas
