@@ -95,14 +95,13 @@ class ParameterServerExecutor(Executor):
             self._carrier = EmbeddedCarrier(s, self._tx, self.placement, pieces,
                                             opt_host, restored)
         self.client = self._carrier.client
-        starved = getattr(self._carrier, "starved", None)
         self.coordinator = Coordinator(
             self._carrier.runners, max_staleness=s.max_staleness,
             max_attempts=s.max_attempts, is_shard_failure=self._carrier.is_shard_failure,
             interrupt=self._carrier.interrupt, on_worker_lost=self._carrier.workers_alive,
             on_relax=lambda relax: self._carrier.workers_alive(
                 0 if relax else sum(self.coordinator.alive)),
-            settle=self.client.settle, starved=starved)
+            settle=self.client.settle, starved=self._carrier.starved)
         self._carrier.set_live_workers(lambda: sum(self.coordinator.alive))
 
     def shard_step(self, i: int) -> int:

@@ -159,6 +159,11 @@ class RayCarrier:
     def is_shard_failure(self, e: BaseException) -> bool:
         return isinstance(e, _ShardLost)
 
+    def starved(self) -> bool:
+        """True: the driver does not see shard 0's token queue (the token deadline,
+        ``token_timeout``, detects starvation on Ray)."""
+        return True
+
     def set_live_workers(self, fn) -> None:
         self._live = fn
 
