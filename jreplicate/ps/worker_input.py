@@ -38,6 +38,7 @@ from typing import Any
 from jreplicate.input.context import InputContext, InputReplicationMode
 from jreplicate.input.iterator import InputIterator, _flatten
 from jreplicate.input.sources import Pipeline
+from jreplicate.ps.config import PSConfig
 
 _KEYS = itertools.count()
 
@@ -152,10 +153,10 @@ class WorkerInputIterator(InputIterator):
     Each ``get_next()`` is a :class:`WorkerInput` marker for one scheduled step.
     """
 
-    def __init__(self, owner: object, strategy: Any, executor: Any,
+    def __init__(self, owner: object, config: PSConfig, executor: Any,
                  input_fn: Callable[[InputContext], Any]):
         # Not InputIterator.__init__: that would call input_fn on the driver.
-        self._owner, self._strategy, self._executor = owner, strategy, executor
+        self._owner, self._config, self._executor = owner, config, executor
         self._fn = input_fn
         self._key = next(_KEYS)
         self._generation = 0
@@ -166,7 +167,7 @@ class WorkerInputIterator(InputIterator):
     @property
     def num_input_pipelines(self) -> int:
         """One pipeline per worker (each built on its worker)."""
-        return self._strategy.num_ps_workers
+        return self._config.num_ps_workers
 
     @property
     def prefetching(self) -> bool:
@@ -184,7 +185,7 @@ class WorkerInputIterator(InputIterator):
         if self._executor.input_exhausted(self._key):
             raise StopIteration
         return WorkerInput(self._key, self._generation, self._fn,
-                           self._strategy.num_ps_workers, self._strategy.num_replicas)
+                           self._config.num_ps_workers, self._config.num_replicas)
 
     def reinitialize(self) -> list:
         """Restarts every worker's pipeline before that worker's next step of this
