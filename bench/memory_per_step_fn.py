@@ -83,6 +83,37 @@ def held_by_run(rep: jr.Replicator, n: int, mib: float) -> float:
     return rss_mib() - before
 
 
+class _MallInfo2(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_size_t) for name in (
+        "arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks",
+        "fordblks", "keepcost")]
+
+
+def heap_in_use_mib() -> float:
+    """glibc's heap in use (``mallinfo2``: allocated blocks and mmapped chunks), after a
+    full collection: RSS less the freed memory the allocator keeps (fragmentation)."""
+    gc.collect()
+    _LIBC.malloc_trim(0)
+    _LIBC.mallinfo2.restype = _MallInfo2
+    info = _LIBC.mallinfo2()
+    return (info.uordblks + info.hblkhd) / 2**20
+
+
+def heap_held(n: int, mib: float) -> tuple[float, float]:
+    """Median over 3 interleaved rounds of the heap in use that ``n`` dropped functions
+    leave behind: ``(jax.jit, run)``."""
+    rep = jr.Replicator(jr.MirroredStrategy())
+    jits, runs = [], []
+    for _ in range(3):
+        a = heap_in_use_mib()
+        held_by_jit(n, mib)
+        b = heap_in_use_mib()
+        held_by_run(rep, n, mib)
+        runs.append(heap_in_use_mib() - b)
+        jits.append(b - a)
+    return float(np.median(jits)), float(np.median(runs))
+
+
 def live_programs() -> tuple[int, int]:
     """``(compiled executables alive, jax.Arrays alive)`` after a full collection."""
     from jax._src import xla_bridge
@@ -124,6 +155,9 @@ def main() -> None:
     print(f"  run / jax.jit = {run / max(jit, 1.0):.2f}   (target <= 1.5; jax.jit's figure "
           "is floored at 1 MiB: both are allocator noise once nothing is kept)")
     print(f"  executables / arrays left alive by the rounds: {grown[0]} / {grown[1]}")
+    hjit, hrun = heap_held(args.n, args.mib)
+    print(f"  heap in use (mallinfo2, without the allocator's kept free memory): jax.jit "
+          f"{hjit:.2f}, run {hrun:.2f} MiB ({1024 * hrun / args.n:.1f} KiB per function)")
 
 
 if __name__ == "__main__":
