@@ -5,9 +5,19 @@ training job does when that happens in production. They are not part of training
 they live here, not on the strategy.
 
 Example:
+  >>> import jreplicate as jr
   >>> import jreplicate.testing as jrt
+  >>> import jax.numpy as jnp, optax
+  >>> strategy = jr.ParameterServerStrategy(num_ps=2, num_workers=4)
+  >>> rep = jr.Replicator(strategy)
+  >>> with rep.scope():
+  ...     params = {"w": jnp.zeros(4), "b": jnp.zeros(2)}
+  ...     opt_state = jr.pushable(optax.sgd(0.1)).init(params)
   >>> jrt.set_worker_delay(strategy, 3, 0.05)      # worker 3 is a straggler
   >>> jrt.kill_worker(strategy, 1, when="push")    # dies between two shards' pushes
+  >>> jrt.kill_worker(jr.MirroredStrategy(), 0)
+  Traceback (most recent call last):
+  TypeError: jreplicate.testing: strategy must be a ParameterServerStrategy, got MirroredStrategy.
 """
 
 from __future__ import annotations
