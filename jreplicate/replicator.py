@@ -177,10 +177,10 @@ class Replicator:
             )
         # An executor that reads input where the steps run (ParameterServerStrategy's
         # workers) builds its own PER_WORKER iterator; the driver reads nothing.
-        per_worker = getattr(self._executor, "per_worker_input", None)
-        if per_worker is not None and replication_mode is InputReplicationMode.PER_WORKER:
-            it = per_worker(self, fn, partial_batch=partial_batch)
-        else:
+        it = None
+        if replication_mode is InputReplicationMode.PER_WORKER:
+            it = self._executor.per_worker_input(self, fn, partial_batch=partial_batch)
+        if it is None:
             it = InputIterator(
                 self, self._strategy, self._executor, fn, replication_mode=replication_mode,
                 prefetch_buffer_size=prefetch_buffer_size if prefetch_on_device is not False

@@ -65,6 +65,13 @@ class Executor(abc.ABC):
         to take it. Its result or error is always :meth:`run`'s."""
         return NOT_RUN
 
+    def per_worker_input(self, owner: object, input_fn: Callable, *,
+                         partial_batch: str = "drop") -> Any:
+        """The iterator of ``prepare_input(input_fn)`` in ``PER_WORKER`` mode when the
+        input is read where the steps run (a parameter server's workers), or None: the
+        driver reads it (:class:`jreplicate.InputIterator`)."""
+        return None
+
     @abc.abstractmethod
     def reduce(self, reduce_op: str, value: Any) -> Any:
         """Combines per-replica values over replicas (``"sum"`` or ``"mean"``)."""
