@@ -196,21 +196,30 @@ class Carrier:
 
 
 # -- measurement -------------------------------------------------------------------------
-def session_cpu() -> dict[int, float]:
-    """CPU seconds (user + system) of this process and each of its descendants."""
+def session_cpu() -> dict[int, tuple[str, float]]:
+    """CPU seconds (user + system) of this process and each of its descendants, with
+    the process's name (Ray names an actor's process ``ray::Class``)."""
     out = {}
     me = psutil.Process()
     for p in [me, *me.children(recursive=True)]:
         try:
             t = p.cpu_times()
-            out[p.pid] = t.user + t.system
+            name = "driver" if p.pid == me.pid else p.name()
+            out[p.pid] = (name, t.user + t.system)
         except (psutil.NoSuchProcess, psutil.AccessDenied):
             pass
     return out
 
 
-def cpu_between(before: dict[int, float], after: dict[int, float]) -> float:
-    return sum(t - before.get(pid, 0.0) for pid, t in after.items())
+def cpu_between(before: dict, after: dict) -> dict[str, float]:
+    """CPU seconds spent between two readings, by process name."""
+    out: dict[str, float] = {}
+    for pid, (name, t) in after.items():
+        out[name] = out.get(name, 0.0) + t - before.get(pid, (name, 0.0))[1]
+    return out
+
+
+BREAKDOWN: dict[str, dict[str, list[float]]] = {}  # system -> process -> ms/update
 
 
 def timed(system, updates: int) -> tuple[float, float]:
@@ -219,7 +228,10 @@ def timed(system, updates: int) -> tuple[float, float]:
     done = system.run(updates)
     took, c1 = time.perf_counter() - t0, session_cpu()
     system.drain()
-    return done / took, 1e3 * cpu_between(c0, c1) / done
+    by_name = cpu_between(c0, c1)
+    for name, sec in by_name.items():
+        BREAKDOWN.setdefault(system.name, {}).setdefault(name, []).append(1e3 * sec / done)
+    return done / took, 1e3 * sum(by_name.values()) / done
 
 
 def compare(n: int, hidden: int, num_ps: list[int], updates: int, rounds: int):
@@ -248,6 +260,8 @@ def main(argv=None) -> int:
     ap.add_argument("--workers", type=int, nargs="+", default=[1, 2, 4])
     ap.add_argument("--hidden", type=int, nargs="+", default=[256, 1024])
     ap.add_argument("--num-ps", type=int, nargs="+", default=[1, 2])
+    ap.add_argument("--breakdown", action="store_true",
+                    help="also CPU ms per update by process (last configuration)")
     a = ap.parse_args(argv)
     ensure_ray()
     print(f"# {datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC, "
@@ -260,6 +274,13 @@ def main(argv=None) -> int:
             base = res[Tutorial.name]
             for name, (rate, cpu, _) in res.items():
                 rows.append((hidden, n, name, rate, cpu, rate / base[0]))
+            if a.breakdown:
+                for system, procs in BREAKDOWN.items():
+                    print(f"    {system}: " + ", ".join(
+                        f"{p} {statistics.median(v):.1f}" for p, v in sorted(
+                            procs.items(), key=lambda kv: -statistics.median(kv[1]))
+                        if statistics.median(v) >= 0.05))
+            BREAKDOWN.clear()
             print(f"  done: hidden {hidden}, {n} workers ({upd} updates x {a.rounds} "
                   f"rounds; load {os.getloadavg()[0]:.2f})", flush=True)
     print("\n| MLP | workers | system | updates/s | CPU ms/update | vs hand-written |")

@@ -16,6 +16,7 @@ from jreplicate.context import PerReplica
 from jreplicate.ps._ray_proxy import _ShardProxy
 from jreplicate.ps.client import ShardClient
 from jreplicate.ps.ledger import Ledger
+from jreplicate.ps.remote import WorkerLostError
 from jreplicate.ps.shard import PSShard
 from jreplicate.ps.worker import PSWorker
 from jreplicate.ps.worker_input import WorkerInput
@@ -47,6 +48,10 @@ if ray is not None:
         @ray.method(concurrency_group="io")
         def push(self, push_id, worker, fetched_step, grads, decision=None, attempt=0):
             return self.shard.push(push_id, worker, fetched_step, grads, decision, attempt)
+
+        @ray.method(concurrency_group="io")
+        def push_pull(self, push_id, worker, fetched_step, grads):
+            return self.shard.push_pull(push_id, worker, fetched_step, grads)
 
         @ray.method(concurrency_group="io")
         def stage(self, push_id, attempt, grads):
@@ -114,9 +119,15 @@ if ray is not None:
                                    token_timeout=token_timeout, skip_stale_tokens=skip_stale)
             self.fns = {}
             self.input_fns = {}  # PER_WORKER input_fn by key, sent once
+            self.held = {}  # step id -> its outputs, until fetched and let go
+            self.lost = None  # why this worker is lost (it then runs no step)
 
-        @ray.method(num_returns=2)
-        def run(self, closure, live_workers):
+        def run(self, closure, live_workers, let_go=()):
+            for step_id in let_go:
+                self.held.pop(step_id, None)
+            if self.lost is not None:  # a lost worker runs nothing (a step queued behind)
+                raise WorkerLostError(f"worker {self.worker.index} was lost ({self.lost}); "
+                                      f"step {closure.step_id} did not run")
             if closure.fn is None:  # sent before: one function object, compiled once
                 closure = dataclasses.replace(closure, fn=self.fns[closure.fn_key])
             else:
@@ -128,10 +139,29 @@ if ray is not None:
                 closure = dataclasses.replace(closure, batch=dataclasses.replace(
                     m, input_fn=fn))
             self.worker.live_workers = lambda: live_workers
-            out, _ = self.worker.run(closure)
-            # The outputs stay in Ray's object store until RemoteValue.fetch asks.
+            try:
+                out, _ = self.worker.run(closure)
+            except WorkerLostError as e:
+                self.lost = str(e)
+                raise
+            self.held[closure.step_id] = out  # here until RemoteValue.fetch asks
+            return None
+
+        def fetch(self, step_id):
+            """``(True, outputs as numpy)``, or ``(False, why)`` if not held here."""
+            if step_id not in self.held:
+                return False, f"worker {self.worker.index} does not hold them"
             return True, jax.tree.map(lambda x: np.asarray(x.array if isinstance(
-                x, PerReplica) else x), out, is_leaf=lambda x: isinstance(x, PerReplica))
+                x, PerReplica) else x), self.held[step_id],
+                is_leaf=lambda x: isinstance(x, PerReplica))
+
+        def held_steps(self):
+            """The ids of the steps whose outputs this worker holds."""
+            return sorted(self.held)
+
+        def return_params(self):
+            """Pushes return the shards' parameters (pipelined steps start from them)."""
+            self.worker.return_params = True
 
         def set_kill_at(self, when):
             self.worker.kill_at = when

@@ -39,6 +39,9 @@ class _ShardCalls:
         return self.actor.push.remote(push_id, worker, fetched_step, grads, decision,
                                       attempt)
 
+    def push_pull(self, push_id, worker, fetched_step, grads):
+        return self.actor.push_pull.remote(push_id, worker, fetched_step, grads)
+
     def stage(self, push_id, attempt, grads):
         return self.actor.stage.remote(push_id, attempt, grads)
 
@@ -82,6 +85,9 @@ class _ShardProxy:
     def push(self, push_id, worker, fetched_step, grads, decision=None, attempt=0):
         return self._get(self.nowait.push(push_id, worker, fetched_step, grads, decision,
                                           attempt))
+
+    def push_pull(self, push_id, worker, fetched_step, grads):
+        return self._get(self.nowait.push_pull(push_id, worker, fetched_step, grads))
 
     def stage(self, push_id, attempt, grads):
         return self._get(self.nowait.stage(push_id, attempt, grads))

@@ -86,6 +86,16 @@ class ShardClient:
                       first=1)
         return first
 
+    def push_pull(self, push_id: int, worker: int, fetched: Sequence[int], grads: Any
+                  ) -> tuple[Decision, list[int], Any]:
+        """Asynchronous mode: :meth:`push`, each shard replying with its step and
+        parameters after applying (one round trip per shard instead of a push and a
+        pull). Returns shard 0's decision, each shard's step and the parameters."""
+        pieces = self.placement.split(grads)
+        got = self._fan(lambda i, s: s.push_pull(push_id, worker, int(fetched[i]),
+                                                 pieces[i]))
+        return got[0][0], [g[1] for g in got], self.placement.join([g[2] for g in got])
+
     def settle(self, push_id: int, decision: Decision | None = None) -> None:
         """Token-gated: commits shard 0's decision for ``push_id`` on the other shards
         (their staged pieces) and tells shard 0 the steps they reached, which releases

@@ -73,14 +73,20 @@ class Coordinator:
     """Runs closures on workers through ``runners[i](closure, on_token_wait)``.
 
     Args:
-      runners: one callable per worker, returning the step's outputs.
+      runners: one callable per worker that starts a step and returns a callable
+        waiting for it (returning its outputs, or raising its error).
+      depth: steps in flight per worker (> 1: the next steps are started while the
+        worker runs one, so that it never waits for the coordinator; asynchronous
+        unbounded training only). A worker runs its steps in the order started, so
+        when it is lost, the steps started after the lost one never ran: they go back
+        to the queue without counting as an attempt.
       max_staleness: the bounded delay tau, or None (fully asynchronous).
       max_attempts: runs of one closure before its step fails.
       is_shard_failure: tells a shard's failure from a worker's (Ray's errors).
     """
 
-    def __init__(self, runners: list[Callable], *, max_staleness: int | None = None,
-                 max_attempts: int = 4,
+    def __init__(self, runners: list[Callable], *, depth: int = 1,
+                 max_staleness: int | None = None, max_attempts: int = 4,
                  is_shard_failure: Callable[[BaseException], bool] | None = None,
                  interrupt: Callable[[], None] | None = None,
                  on_worker_lost: Callable[[int], None] | None = None,
@@ -88,6 +94,10 @@ class Coordinator:
                  settle: Callable[[int], None] | None = None,
                  starved: Callable[[], bool] | None = None):
         self._runners = runners
+        if depth > 1 and max_staleness is not None:
+            raise ValueError("Coordinator(depth > 1): bounded staleness admits one step "
+                             "per worker at a time.")
+        self._depth = depth
         self._interrupt = interrupt or (lambda: None)
         self._on_worker_lost = on_worker_lost or (lambda alive: None)
         self._settle = settle or (lambda push_id: None)
@@ -104,10 +114,10 @@ class Coordinator:
         self._cond = threading.Condition()
         self._queue: collections.deque = collections.deque()
         self._values: dict[int, RemoteValue] = {}
-        self._inflight: dict[int, Closure] = {}  # worker -> closure
+        self._inflight: dict[int, tuple[int, Closure]] = {}  # step id -> worker, closure
         self._token_waiting: set[int] = set()
         self._alive = [True] * len(runners)
-        self._alongside: dict[int, int] = {}  # worker -> steps its step ran alongside
+        self._alongside: dict[int, int] = {}  # step id -> steps it ran alongside
         self._idle: dict[int, int] = {}  # worker waiting for a step -> its ticket
         self._tickets = 0
         self.max_alongside = 0
@@ -224,7 +234,7 @@ class Coordinator:
         queued, nothing progressed for ``STARVED_AFTER`` seconds and shard 0 has no
         token to give. Returns when to look again (None: not waiting on tokens)."""
         if self._queue or not self._inflight or \
-                not set(self._inflight) <= self._token_waiting:
+                not self._running_workers() <= self._token_waiting:
             starved[0] = None
             return None
         now = time.monotonic()
@@ -240,7 +250,7 @@ class Coordinator:
         finally:
             self._cond.acquire()
         if none_to_give and progress == self._progress and not self._queue and \
-                self._inflight and set(self._inflight) <= self._token_waiting:
+                self._inflight and self._running_workers() <= self._token_waiting:
             self._cancel_starved()
         starved[0] = None
         return self.STARVED_AFTER
@@ -249,7 +259,7 @@ class Coordinator:
         """Every running step waits for a token and none is queued: nothing can push the
         gradients the next global step needs, so the waits are cancelled (a clear
         error now instead of a hang, or of a timeout later)."""
-        steps = sorted(c.step_id for c in self._inflight.values())
+        steps = sorted(self._inflight)
         self._fatal = StepCancelledError(
             f"token-gated training cannot go on: steps {steps} wait for a token of the "
             "next global step, but no other step is scheduled or running to push the "
@@ -279,8 +289,19 @@ class Coordinator:
         return list(self._alive)
 
     # -- the worker threads ------------------------------------------------------------
-    def _take(self, w: int) -> Closure | None:
+    def _take(self, w: int, wait: bool = True) -> Closure | None:
+        """The next closure ``w`` may run, marked running (None: stop, or none now when
+        not ``wait``-ing)."""
         with self._cond:
+            if not wait:
+                i = self._runnable(w) if self._fatal is None and not self._stopping and \
+                    self._alive[w] and self._tau is None else None
+                if i is None:
+                    return None
+                c = self._queue[i]
+                del self._queue[i]
+                self._start(w, c)
+                return c
             idle_since = time.monotonic()
             self._tickets += 1
             self._idle[w] = self._tickets
@@ -326,21 +347,24 @@ class Coordinator:
             return True
         if self._idle[w] != min(t for v, t in self._idle.items() if self._can_run(v, c)):
             return False  # first come, first served: a finishing worker does not hog
-        running = [v for v in self._inflight if v != w]
+        running = [i for i, (v, _) in self._inflight.items() if v != w]
         return len(running) <= self._tau and \
-            all(self._alongside[v] < self._tau for v in running)
+            all(self._alongside[i] < self._tau for i in running)
 
     def _start(self, w: int, c: Closure) -> None:
-        for v in self._inflight:
-            self._alongside[v] += 1
-            self.max_alongside = max(self.max_alongside, self._alongside[v])
-        self._alongside[w] = len(self._inflight)
-        self.max_alongside = max(self.max_alongside, self._alongside[w])
-        self._inflight[w] = c
+        for i in self._inflight:
+            self._alongside[i] += 1
+            self.max_alongside = max(self.max_alongside, self._alongside[i])
+        self._alongside[c.step_id] = len(self._inflight)
+        self.max_alongside = max(self.max_alongside, self._alongside[c.step_id])
+        self._inflight[c.step_id] = (w, c)
 
-    def _stop(self, w: int) -> None:
-        self._inflight.pop(w, None)
-        self._alongside.pop(w, None)
+    def _stop(self, c: Closure) -> None:
+        self._inflight.pop(c.step_id, None)
+        self._alongside.pop(c.step_id, None)
+
+    def _running_workers(self) -> set[int]:
+        return {w for w, _ in self._inflight.values()}
 
     def _token_wait(self, w: int, waiting: bool) -> None:
         with self._cond:
@@ -352,44 +376,70 @@ class Coordinator:
     def _maybe_relax(self) -> None:
         with self._cond:
             stuck = not self._queue and bool(self._inflight) and \
-                set(self._inflight) <= self._token_waiting and not self._relaxed
+                self._running_workers() <= self._token_waiting and not self._relaxed
             if stuck:
                 self._relaxed = True
         if stuck:
             self._on_relax(True)
 
     def _loop(self, w: int) -> None:
+        """Worker ``w``'s thread: keeps up to ``depth`` steps started on it and ends
+        them in the order started; after ``w`` is lost, ends the rest and exits."""
+        started: collections.deque = collections.deque()  # (closure, wait for it)
+        lost = False
         while True:
-            c = self._take(w)
-            if c is None:
+            if not lost and len(started) < self._depth:
+                c = self._take(w, wait=not started)
+                if c is not None:
+                    started.append((c, self._begin(w, c)))
+                    continue
+            if not started:
                 return
-            rv = self._values[c.step_id]
-            rv.attempts += 1
-            c.attempt = rv.attempts
-            try:
-                out = self._runners[w](c, lambda waiting, w=w: self._token_wait(w, waiting))
-            except InputEnded:
-                self._end_of_input(w, c)
-            except ApplicationError as e:
-                self._finish(w, c, error=e.error)
-            except StepCancelledError as e:
-                self._finish(w, c, error=self._fatal or e)
-            except ShardClosedError as e:
-                self._finish(w, c, error=e if self._stopping else self._shard_lost(e))
-            except BaseException as e:  # a worker failure: retry elsewhere
-                if self._is_shard_failure(e):
-                    self._finish(w, c, error=self._shard_lost(e))
-                else:
-                    self._worker_lost(w, c, e)
-                    return
+            c, wait = started.popleft()
+            lost = self._end(w, c, wait, lost) or lost
+
+    def _begin(self, w: int, c: Closure) -> Callable[[], Any]:
+        """Starts ``c`` on ``w`` (one more attempt); returns the wait for its outputs."""
+        rv = self._values[c.step_id]
+        rv.attempts += 1
+        c.attempt = rv.attempts
+        try:
+            return self._runners[w](c, lambda waiting, w=w: self._token_wait(w, waiting))
+        except BaseException as e:  # ended like an error of the step's run
+            def failed(e=e):
+                raise e
+            return failed
+
+    def _end(self, w: int, c: Closure, wait: Callable[[], Any], lost: bool) -> bool:
+        """Waits for ``c``'s run on ``w`` and records its outcome; True: ``w`` was lost
+        (``lost``: it was lost before, so ``c`` never ran there)."""
+        try:
+            out = wait()
+        except InputEnded:
+            self._end_of_input(w, c)
+        except ApplicationError as e:
+            self._finish(w, c, error=e.error)
+        except StepCancelledError as e:
+            self._finish(w, c, error=self._fatal or e)
+        except ShardClosedError as e:
+            self._finish(w, c, error=e if self._stopping else self._shard_lost(e))
+        except BaseException as e:  # a worker failure: retry elsewhere
+            if self._is_shard_failure(e):
+                self._finish(w, c, error=self._shard_lost(e))
+            elif lost:
+                self._not_run(c, e)
             else:
-                rv.worker = w
-                self._finish(w, c, value=out)
+                self._worker_lost(w, c, e)
+                return True
+        else:
+            self._values[c.step_id].worker = w
+            self._finish(w, c, value=out)
+        return False
 
     def _finish(self, w: int, c: Closure, value: Any = None,
                 error: BaseException | None = None) -> None:
         with self._cond:
-            self._stop(w)
+            self._stop(c)
             self._progress += 1
             rv = self._values.pop(c.step_id)
             if error is None:
@@ -406,7 +456,7 @@ class Coordinator:
         """``w``'s pipeline of ``c``'s input is exhausted: ``c`` goes back to the front
         of the queue (this run uncounted) for a worker that still has input."""
         with self._cond:
-            self._stop(w)
+            self._stop(c)
             self._progress += 1
             self._values[c.step_id].attempts -= 1
             self._input_ended.setdefault(_input_key(c), set()).add(w)
@@ -470,7 +520,7 @@ class Coordinator:
                 pass
         with self._cond:
             self._alive[w] = False
-            self._stop(w)
+            self._stop(c)
             rv = self._values[c.step_id]
             if rv.attempts >= self._max_attempts:
                 self._values.pop(c.step_id)
@@ -488,6 +538,24 @@ class Coordinator:
                 self.rescheduled += 1
                 self._queue.appendleft(c)
             self._end_exhausted_inputs()  # the dead worker's input no longer counts
+            self._cond.notify_all()
+
+    def _not_run(self, c: Closure, e: BaseException) -> None:
+        """``c`` was started on a worker after a step that the worker was lost in: it
+        never ran there (a worker runs its steps in order), so it goes back to the queue
+        (behind the lost step) without counting as an attempt."""
+        with self._cond:
+            self._stop(c)
+            rv = self._values[c.step_id]
+            rv.attempts -= 1
+            if not any(self._alive):
+                self._values.pop(c.step_id)
+                rv._set(error=ParameterServerError(
+                    f"every worker died (the last: {type(e).__name__}: {e})"))
+                self._first_error = self._first_error or rv._error
+            else:
+                self.rescheduled += 1
+                self._queue.insert(min(1, len(self._queue)), c)
             self._cond.notify_all()
 
     def _fail_queue(self, error: BaseException) -> None:

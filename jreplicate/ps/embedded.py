@@ -4,6 +4,7 @@ worker on its own devices and run by a thread of the :class:`Coordinator`."""
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -33,7 +34,10 @@ class EmbeddedCarrier:
                                  skip_stale_tokens=s.skip_stale_tokens)
                         for w, grp in enumerate(s.worker_devices)]
         self.client = ShardClient(self.shards, placement, gated)
-        self.runners = [lambda c, on_wait, w=w: w.run(c, on_wait)[0] for w in self.workers]
+        # A step runs on its worker's coordinator thread when the thread waits for it.
+        self.runners = [lambda c, on_wait, w=w: functools.partial(_outputs, w, c, on_wait)
+                        for w in self.workers]
+        self.depth = 1
 
     def is_shard_failure(self, e: BaseException) -> bool:
         return False
@@ -73,3 +77,7 @@ class EmbeddedCarrier:
     def close(self) -> None:
         for sh in self.shards:
             sh.close("shut down")
+
+
+def _outputs(worker: PSWorker, c: Any, on_wait: Callable[[bool], None]) -> Any:
+    return worker.run(c, on_wait)[0]

@@ -96,7 +96,7 @@ class ParameterServerExecutor(Executor):
                                             opt_host, restored)
         self.client = self._carrier.client
         self.coordinator = Coordinator(
-            self._carrier.runners, max_staleness=s.max_staleness,
+            self._carrier.runners, depth=self._carrier.depth, max_staleness=s.max_staleness,
             max_attempts=s.max_attempts, is_shard_failure=self._carrier.is_shard_failure,
             interrupt=self._carrier.interrupt, on_worker_lost=self._carrier.workers_alive,
             on_relax=lambda relax: self._carrier.workers_alive(

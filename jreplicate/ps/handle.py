@@ -30,6 +30,10 @@ class ShardHandle(Protocol):
              grads: dict[str, np.ndarray], decision: Decision | None = None,
              attempt: int = 0) -> Decision: ...
 
+    def push_pull(self, push_id: int, worker: int, fetched_step: int,
+                  grads: dict[str, np.ndarray]
+                  ) -> tuple[Decision, int, dict[str, np.ndarray]]: ...
+
     def stage(self, push_id: int, attempt: int, grads: dict[str, np.ndarray]) -> None: ...
 
     def commit(self, push_id: int, decision: Decision) -> int: ...
@@ -61,7 +65,10 @@ class Carrier(Protocol):
     """Shards and workers, wherever they run, as the executor drives them."""
 
     client: Any  # the driver's ShardClient
-    runners: list[Callable]  # per worker: run(closure, on_token_wait) -> outputs
+    #: Per worker: ``start(closure, on_token_wait)`` starts the step and returns a
+    #: callable that waits for it and returns its outputs (or raises its error).
+    runners: list[Callable]
+    depth: int  # steps started per worker at once (see Coordinator)
 
     def shard_step(self, i: int) -> int: ...
 

@@ -22,12 +22,23 @@ processes exchange pickles: keep them off the network). Actors ask for no
 CPUs (``num_cpus=0``) so that shards and workers fit any cluster; pin them with Ray's
 resources if needed. Limits: token-gated starvation is detected by the token deadline
 (``token_timeout``) only, and workers do not hold back to one gradient per step (the
-coordinator does not see their token waits); a step's outputs come back as numpy.
+coordinator does not see their token waits).
+
+Per step (asynchronous, unbounded): one call to the worker actor (``run``; the
+function and a ``PER_WORKER`` input function are sent once per actor) and one per
+shard (``push_pull``: the push, whose reply carries the shard's parameters after it,
+from which the worker's next step starts when that step was queued behind it). Two
+steps are in flight per worker, so a worker never waits for the coordinator. The step's
+outputs stay on the worker until ``RemoteValue.fetch`` asks (as numpy); a dropped
+RemoteValue lets them go (the worker is told with its next step). Bounded staleness
+and token-gated mode run one step per worker at a time and pull before each step.
 """
 
 from __future__ import annotations
 
+import collections
 import dataclasses
+import functools
 import os
 from typing import Any
 
@@ -81,14 +92,30 @@ def _actor_classes():
     return _ray_actors.ShardActor, _ray_actors.WorkerActor
 
 
-class LazyRef:
-    """A step's outputs left in Ray's object store (fetched by RemoteValue.fetch)."""
+class HeldOutputs:
+    """A step's outputs, held by the worker actor that ran it until
+    :meth:`RemoteValue.fetch` asks for them (``resolve``). When this object is dropped
+    (its RemoteValue is), the worker is told with its next step to let them go, so a
+    loop that keeps no RemoteValue keeps no outputs."""
 
-    def __init__(self, ref):
-        self.ref = ref
+    def __init__(self, actor: Any, worker: int, step_id: int, drops: collections.deque):
+        self.actor, self.worker, self.step_id, self._drops = actor, worker, step_id, drops
 
     def resolve(self) -> Any:
-        return _ray().get(self.ref, timeout=300)
+        ray = _ray()
+        try:
+            found, out = ray.get(self.actor.fetch.remote(self.step_id), timeout=300)
+        except ray.exceptions.RayActorError as e:
+            found, out = False, e
+        if not found:
+            raise WorkerLostError(
+                f"the outputs of step {self.step_id} were held by worker {self.worker}, "
+                f"which was lost before they were fetched ({out}); fetch the outputs you "
+                "need before a worker may fail (strategy.parameters() reads the shards).")
+        return out
+
+    def __del__(self):
+        self._drops.append(self.step_id)
 
 
 class RayCarrier:
@@ -116,6 +143,14 @@ class RayCarrier:
         ray.get([w.ready.remote() for w in self.workers], timeout=300)
         self.client = ShardClient([_ShardProxy(a) for a in self.shards], placement, gated)
         self._live = lambda: len(self.workers)
+        # Asynchronous unbounded training keeps two steps in flight per worker actor, so
+        # its task queue never runs dry; the second starts from the parameters its
+        # worker's previous push returned (see PSWorker). Bounded staleness admits one
+        # step per worker; token-gated steps take a token each.
+        self.depth = 2 if not gated and s.max_staleness is None else 1
+        if self.depth > 1:
+            ray.get([w.return_params.remote() for w in self.workers], timeout=300)
+        self._drops = [collections.deque() for _ in self.workers]  # step ids let go
         self.runners = [self._runner(w) for w in range(len(self.workers))]
 
     def _runner(self, w: int):
@@ -123,28 +158,33 @@ class RayCarrier:
 
         sent: set = set()
         sent_inputs: set = set()  # PER_WORKER input_fns this actor holds (by key)
+        running = [0]  # steps started on this actor and not yet waited for
+        drops = self._drops[w]
 
-        def run(closure, on_token_wait):
-            send, out = closure, None
+        def start(closure, on_token_wait):
+            send = closure
             if closure.fn_key in sent:
                 send = dataclasses.replace(closure, fn=None)
             read = closure.batch if isinstance(closure.batch, WorkerInput) else None
             if read is not None and read.key in sent_inputs:
                 send = dataclasses.replace(send, batch=dataclasses.replace(read, input_fn=None))
+            if running[0]:  # queued behind a step of this actor: it reuses that push's
+                send = dataclasses.replace(send, reuse=True)  # returned parameters
+            let_go = [drops.popleft() for _ in range(len(drops))]
+            # live_workers=0: no "one gradient per worker and step" wait on Ray, where
+            # the coordinator does not see token waits to relax it.
+            done = self.workers[w].run.remote(send, 0, let_go)
+            running[0] += 1
+            return functools.partial(wait, closure, read, done)
+
+        def wait(closure, read, done):
             try:
-                # live_workers=0: no "one gradient per worker and step" wait on Ray,
-                # where the coordinator does not see token waits to relax it.
-                done, out = self.workers[w].run.remote(send, 0)
                 ray.get(done)
                 sent.add(closure.fn_key)
                 if read is not None:
                     sent_inputs.add(read.key)
-                return LazyRef(out)
+                return HeldOutputs(self.workers[w], w, closure.step_id, drops)
             except ray.exceptions.RayTaskError as e:
-                try:  # the outputs' ref holds the error too: fetch it, or Ray logs it
-                    ray.get(out, timeout=5)
-                except Exception:
-                    pass
                 cause = getattr(e, "cause", None)
                 if read is not None:  # the actor built the pipeline (or failed to)
                     sent_inputs.add(read.key)
@@ -153,8 +193,10 @@ class RayCarrier:
                     raise cause from None
                 raise WorkerLostError(f"worker {w}: {type(cause).__name__}: {cause}") from e
             # RayActorError (the worker's process died) propagates: a worker failure.
+            finally:
+                running[0] -= 1
 
-        return run
+        return start
 
     def is_shard_failure(self, e: BaseException) -> bool:
         return isinstance(e, _ShardLost)

@@ -174,7 +174,9 @@ class PSShard:
         if self.empty:
             return
         copy = lambda t: jax.tree.map(jnp.copy, t)  # noqa: E731
-        zeros = jax.tree.map(jnp.zeros_like, self._params)
+        # NumPy, as pushes pass them (the jitted update transfers them itself: several
+        # times cheaper than a device_put of the pytree), so no push compiles again.
+        zeros = {k: np.zeros(v.shape, v.dtype) for k, v in self._params.items()}
         if self.token_gated:
             self._update(self._params, copy(self._opt_state), zeros, np.int32(-1))
             self._take(self._opt_state)
@@ -254,6 +256,18 @@ class PSShard:
                     "shards take stage() and commit() with shard 0's decision.")
             return self._push_driver(push_id, fetched_step, grads, attempt)
 
+    def push_pull(self, push_id: int, worker: int, fetched_step: int,
+                  grads: dict[str, np.ndarray]
+                  ) -> tuple[Decision, int, dict[str, np.ndarray]]:
+        """Asynchronous mode: :meth:`push`, then :meth:`pull` (one round trip for a
+        remote worker): ``(decision, step, parameters)``, the step and parameters read
+        together after the push (other pushes may come between: the step says which)."""
+        if self.token_gated:
+            raise ValueError(f"PSShard {self.index}: push_pull is for asynchronous mode; "
+                             "a token-gated push is staged, decided and committed.")
+        decision = self.push(push_id, worker, fetched_step, grads)
+        return (decision, *self.pull())
+
     def _push_async(self, push_id, fetched_step, grads):
         staleness = self._step - int(fetched_step)
         if self._tau is not None and staleness > self._tau:
@@ -261,7 +275,7 @@ class PSShard:
             return Decision("stale", self._step)
         t0 = time.perf_counter()
         self._params, self._opt_state = self._update(self._params, self._opt_state,
-                                                     self._put(grads))
+                                                     grads)
         self.apply_seconds += time.perf_counter() - t0
         self._step += 1
         self.ledger.record(push_id, "applied", staleness)
@@ -273,7 +287,7 @@ class PSShard:
         gs, acc = int(s.global_step), int(s.num_accumulated)
         stale, backup = int(s.dropped_stale), int(s.dropped_backup)
         self._params, self._opt_state = self._update(
-            self._params, self._opt_state, self._put(grads), np.int32(local_step))
+            self._params, self._opt_state, grads, np.int32(local_step))
         new = _sync_state(self._opt_state)
         new_gs = int(new.global_step)
         if int(new.dropped_stale) > stale:
@@ -359,7 +373,7 @@ class PSShard:
                 done = self._need.get(gs) == self._fed
                 continue
             self._params, self._opt_state = self._update(
-                self._params, self._opt_state, self._put(grads), np.int32(gs))
+                self._params, self._opt_state, grads, np.int32(gs))
             done = int(_sync_state(self._opt_state).global_step) > gs
         if not done:
             return False

@@ -28,6 +28,7 @@ import jax
 import numpy as np
 
 from jreplicate._jax_compat import varying_axes
+from jreplicate.execution.base import NOT_RUN
 from jreplicate.execution.spmd import SPMDExecutor
 from jreplicate.ps.capture import capturing
 from jreplicate.ps.client import ShardClient
@@ -60,6 +61,9 @@ class Closure:
     opt_index: int | None
     fn_key: int = -1  # the same function has the same key (Ray sends it once per worker)
     attempt: int = 0  # the run of the step (set by the coordinator)
+    #: Start from the parameters the worker's previous push returned, if it has them
+    #: (set by the Ray carrier for a step queued behind another on its worker).
+    reuse: bool = False
 
 
 @dataclasses.dataclass
@@ -116,7 +120,15 @@ class PSWorker:
         self.steps_done = 0
         self._min_step = 0  # after an accepted push for step s: s + 1 (token-gated)
         self.live_workers: Callable[[], int] = lambda: 1
+        #: Asynchronous mode: pushes return the shards' steps and parameters after them
+        #: (:meth:`ShardClient.push_pull`), kept for the next step if it ``reuse``-s them.
+        self.return_params = False
+        self._returned: tuple[list[int], Any] | None = None
         self.inputs = WorkerPipelines(index, len(devices))  # PER_WORKER input, read here
+        # The pulled parameters placed replicated over the mesh by a jitted identity: on
+        # CPU, 4-5x cheaper than jax.device_put of the pytree (0.17 against 0.7 ms for an
+        # MLP of 6 leaves).
+        self._place = jax.jit(lambda tree: tree, out_shardings=self.layout.replicated)
         client.between_shards = self._between_shards
 
     def _between_shards(self, i: int) -> None:
@@ -167,7 +179,11 @@ class PSWorker:
         return HostBatch(elements, treedef)
 
     def _run(self, c: Closure, token: int | None) -> tuple[Any, Decision]:
-        steps, params = self.client.pull()
+        returned, self._returned = self._returned, None
+        # A step queued behind this worker's previous one starts from the parameters that
+        # push returned, as fresh as a pull when the step could first start (their steps
+        # are the shards' then: staleness is counted from them, exactly).
+        steps, params = returned if c.reuse and returned is not None else self.client.pull()
         if self.client.token_gated:
             if token is None:
                 token = steps[0]
@@ -180,8 +196,8 @@ class PSWorker:
         if isinstance(c.args[c.param_index], NnxArg):  # an NNX model: its params pulled
             from flax import nnx
             nnx.update(args[c.param_index], params)
-        else:
-            args[c.param_index] = params
+        else:  # placed for the mesh, so that the step takes the steady-state path
+            args[c.param_index] = self._place(params)
         if c.opt_index is not None:
             if self._opt is None:
                 self._opt = self.executor.place(self._opt_host)
@@ -189,9 +205,13 @@ class PSWorker:
         batch = c.batch
         if isinstance(batch, HostBatch):
             batch = self.executor.assemble(batch.elements, batch.treedef)
+        fn, args = self._capturing(c.fn), tuple(args)
         try:
-            out, grads = self.executor.run(self._capturing(c.fn), c.has_batch, batch,
-                                           tuple(args), steps=None, donate_argnums=())
+            got = self.executor.run_again(fn, c.has_batch, batch, args, None, ())
+            if got is NOT_RUN:
+                got = self.executor.run(fn, c.has_batch, batch, args, steps=None,
+                                        donate_argnums=())
+            out, grads = got
             grads = jax.tree.map(np.asarray, grads)
         except WorkerLostError:
             raise
@@ -202,7 +222,12 @@ class PSWorker:
         if self.kill_at == "compute":
             raise WorkerLostError(f"worker {self.index} died computing step {c.step_id}")
         self.client.ordered = self.kill_at == "push"
-        decision = self.client.push(c.step_id, self.index, fetched, grads, c.attempt)
+        if self.return_params and not self.client.token_gated and not self.client.ordered:
+            decision, *returned = self.client.push_pull(c.step_id, self.index, fetched,
+                                                        grads)
+            self._returned = tuple(returned)
+        else:
+            decision = self.client.push(c.step_id, self.index, fetched, grads, c.attempt)
         self.local_step = token
         self._min_step = decision.step + 1 if decision.kind == "applied" else 0
         return out, decision
