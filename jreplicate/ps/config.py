@@ -29,6 +29,13 @@ class PSConfig:
       skip_stale_tokens: whether a worker skips tokens older than its last step.
       placement_policy: how leaves are placed on shards (``jreplicate.ps.placement``).
       min_slice_bytes: the smallest slice when a leaf is split over shards.
+      ray_worker_options: ``carrier="ray"``: each worker actor's checked Ray options
+        (:mod:`jreplicate.ps.ray_options`); empty dicts: the defaults.
+      ray_shard_options: ``carrier="ray"``: each shard actor's.
+
+    With ``carrier="ray"`` the devices are the actors' own: ``shard_devices`` is empty
+    and each of ``worker_devices`` is an empty group (a worker actor finds its
+    ``num_replicas_in_sync`` devices itself).
     """
 
     num_ps: int
@@ -43,6 +50,8 @@ class PSConfig:
     skip_stale_tokens: bool
     placement_policy: str
     min_slice_bytes: int
+    ray_worker_options: tuple = ()
+    ray_shard_options: tuple = ()
 
     @property
     def num_ps_workers(self) -> int:

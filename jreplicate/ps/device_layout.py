@@ -13,8 +13,9 @@ The policy (embedded carrier, one process):
 - worker groups never share a device: ``num_workers * g`` beyond the devices is an
   error naming the largest ``num_workers`` that fits.
 
-With ``carrier="ray"`` each worker is an actor with its own devices; the driver's
-devices only tell the platform, so groups are laid out round-robin and not checked.
+With ``carrier="ray"`` shards and workers are actors with devices of their own (see
+:mod:`jreplicate.ps.ray_options`): the driver's devices play no part, the layout has no
+shard devices and one empty group per worker.
 """
 
 from __future__ import annotations
@@ -48,7 +49,8 @@ def assign_devices(devs: Sequence[Any], num_ps: int, num_workers: int | None, g:
       num_workers: workers (sync groups); None: as many as fit beside the shards
         (at least one).
       g: devices per worker (``num_replicas_in_sync``).
-      carrier: ``"embedded"`` (checked as above) or ``"ray"`` (not checked).
+      carrier: ``"embedded"`` (checked as above) or ``"ray"`` (``num_workers`` empty
+        groups: the actors' devices are their own).
 
     Returns:
       The :class:`DeviceLayout`.
@@ -64,8 +66,7 @@ def assign_devices(devs: Sequence[Any], num_ps: int, num_workers: int | None, g:
     nw = max((n - num_ps) // g, 1) if defaulted else int(num_workers)
     need = nw * g
     if carrier == "ray":
-        return DeviceLayout(tuple(devs[i % n] for i in range(num_ps)), tuple(
-            tuple(devs[(w * g + j) % n] for j in range(g)) for w in range(nw)))
+        return DeviceLayout((), tuple(() for _ in range(nw)))
     if need > n:
         fit = (n - num_ps) // g or n // g
         raise ValueError(

@@ -46,6 +46,7 @@ from jreplicate.ps._ray_proxy import _ray, _ShardLost, _ShardProxy
 from jreplicate.ps.client import ShardClient
 from jreplicate.ps.config import PSConfig
 from jreplicate.ps.placement import Placement
+from jreplicate.ps.ray_options import shard_actor_options, worker_actor_options
 from jreplicate.ps.remote import StepCancelledError, WorkerLostError
 from jreplicate.ps.shard import ShardClosedError
 from jreplicate.ps.worker import ApplicationError
@@ -126,21 +127,15 @@ class RayCarrier:
         ray = ensure_ray()
         ShardActor, WorkerActor = _actor_classes()
         g = s.num_replicas_in_sync
-        self.shards = [ShardActor.remote(i, pieces[i], tx, _host_restored(restored, i),
-                                         s.num_ps, s.max_staleness)
+        self._config, self._tx = s, tx
+        self.shards = [self._new_shard(i, pieces[i], _host_restored(restored, i))
                        for i in range(s.num_ps)]
         gated = bool(ray.get(self.shards[0].token_gated.remote(), timeout=300))
-        platform = s.worker_devices[0][0].platform
-        if platform == "cpu":
-            opts = {"runtime_env": {"env_vars": {
-                "JAX_PLATFORMS": "cpu",
-                "XLA_FLAGS": f"--xla_force_host_platform_device_count={g}"}}}
-        else:
-            opts = {"num_gpus": g} if platform == "gpu" else {}
-        self.workers = [WorkerActor.options(**opts).remote(
+        self.workers = [WorkerActor.options(**worker_actor_options(
+            _opts(s.ray_worker_options, w), g)).remote(
             w, self.shards, placement, gated, opt_host, g, s.token_timeout,
             s.skip_stale_tokens) for w in range(s.num_ps_workers)]
-        ray.get([w.ready.remote() for w in self.workers], timeout=300)
+        self._check_ready(ray.get([w.ready.remote() for w in self.workers], timeout=300))
         self.client = ShardClient([_ShardProxy(a) for a in self.shards], placement, gated)
         self._live = lambda: len(self.workers)
         # Asynchronous unbounded training keeps two steps in flight per worker actor, so
@@ -240,6 +235,25 @@ class RayCarrier:
     def kill_shard(self, i: int) -> None:
         _ray().kill(self.shards[i], no_restart=True)
 
+    # -- actors: created with their options, checked, restarted ----------------------------
+    def _new_shard(self, i: int, params: Any, restored: dict | None) -> Any:
+        s = self._config
+        ShardActor, _ = _actor_classes()
+        return ShardActor.options(**shard_actor_options(_opts(s.ray_shard_options, i))).remote(
+            i, params, self._tx, restored, s.num_ps, s.max_staleness)
+
+    def _check_ready(self, counts: list[int]) -> None:
+        """Each worker actor found its ``num_replicas_in_sync`` devices."""
+        g = self._config.num_replicas_in_sync
+        for w, n in enumerate(counts):
+            if n < g:
+                raise ValueError(
+                    f"ParameterServerStrategy(num_replicas_in_sync={g}, carrier='ray'): "
+                    f"worker actor {w} sees {n} device(s). A GPU worker needs "
+                    f"ray_worker_options={{'num_gpus': {g}}}; a CPU worker gets {g} "
+                    "simulated devices unless its runtime_env sets XLA_FLAGS or "
+                    "JAX_PLATFORMS otherwise.")
+
     def close(self) -> None:
         ray = _ray()
         for a in self.workers + self.shards:
@@ -247,6 +261,11 @@ class RayCarrier:
                 ray.kill(a, no_restart=True)
             except Exception:  # already gone
                 pass
+
+
+def _opts(options: tuple, i: int) -> dict:
+    """Actor ``i``'s checked options (none: the defaults)."""
+    return options[i] if i < len(options) else {}
 
 
 def _host_restored(restored: list | None, i: int) -> dict | None:

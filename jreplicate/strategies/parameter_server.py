@@ -43,7 +43,7 @@ process on distinct local devices (8 devices, ``num_ps=2``: 2 shards + 6 workers
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -53,6 +53,7 @@ from jreplicate.ps.config import PSConfig
 from jreplicate.ps.device_layout import assign_devices
 from jreplicate.ps.executor import ParameterServerExecutor
 from jreplicate.ps.placement import POLICIES, Placement
+from jreplicate.ps.ray_options import resolve as resolve_ray_options
 from jreplicate.strategies.base import Strategy
 from jreplicate.strategies.layout import MODEL_AXIS, REPLICA_AXIS, Layout, replica_mesh
 
@@ -91,6 +92,17 @@ class ParameterServerStrategy(Strategy):
       max_attempts: workers a step is tried on before it fails.
       carrier: ``"embedded"`` (threads in this process) or ``"ray"``.
       min_slice_bytes: ``"size_balanced"`` placement's smallest slice of a split leaf.
+      ray_worker_options: ``carrier="ray"``: the worker actors' Ray options (a dict for
+        every worker, or a function of the worker's index returning one), merged with
+        the defaults: e.g. ``{"num_gpus": 1}`` for GPU workers (``num_gpus`` >=
+        ``num_replicas_in_sync``; without it a worker runs on CPU with that many
+        simulated devices), ``{"resources": {"worker_node": 1}}``, a
+        ``scheduling_strategy``, a ``runtime_env``, ``max_restarts`` (default 3: a worker
+        whose process died is restarted and given steps again; 0: lost for good). The
+        workers' devices are theirs, not this process's: a CPU-only driver can run GPU
+        workers. See :mod:`jreplicate.ps.ray_options`.
+      ray_shard_options: ``carrier="ray"``: the shard actors' Ray options (as above;
+        no ``max_restarts``: a lost shard stops training, see :meth:`restart_shard`).
 
     Example:
       >>> import jax, jax.numpy as jnp, optax, jreplicate as jr
@@ -108,6 +120,21 @@ class ParameterServerStrategy(Strategy):
       >>> rep.join()
       >>> strategy.parameters().tolist(), strategy.ledger()[0]["applied"]
       ([-2.0, -2.0], 4)
+
+      With Ray (creating the strategy starts nothing; the actors are created by
+      ``tx.init`` inside ``rep.scope()``, on the cluster of ``ray.init(address=...)``),
+      two GPU workers of two replicas each from a driver without GPUs, and the shards on
+      the nodes that offer a ``ps_node`` resource:
+
+      >>> ray_strategy = jr.ParameterServerStrategy(
+      ...     num_ps=2, num_workers=2, num_replicas_in_sync=2, carrier="ray",
+      ...     ray_worker_options={"num_gpus": 2, "num_cpus": 1},
+      ...     ray_shard_options={"resources": {"ps_node": 1}})
+      >>> ray_strategy.num_replicas, ray_strategy.num_ps_workers
+      (4, 2)
+      >>> jr.ParameterServerStrategy(carrier="ray", ray_worker_options={"num_gpu": 1})
+      Traceback (most recent call last):
+      ValueError: ParameterServerStrategy(ray_worker_options=...): ['num_gpu'] are not ...
     """
 
     def __init__(self, num_ps: int = 1, num_workers: int | None = None, *,
@@ -115,7 +142,9 @@ class ParameterServerStrategy(Strategy):
                  placement: str = "round_robin", max_staleness: int | None = None,
                  token_timeout: float = 60.0, skip_stale_tokens: bool = True,
                  max_attempts: int = 4, carrier: str = "embedded",
-                 min_slice_bytes: int = 256 << 10):
+                 min_slice_bytes: int = 256 << 10,
+                 ray_worker_options: dict | Callable[[int], dict] | None = None,
+                 ray_shard_options: dict | Callable[[int], dict] | None = None):
         num_ps = _count("num_ps", num_ps, 1, "the parameter-server shards")
         g = _count("num_replicas_in_sync", num_replicas_in_sync, 1,
                    "the devices of one worker's sync group")
@@ -123,7 +152,7 @@ class ParameterServerStrategy(Strategy):
         if not devs:
             raise ValueError("ParameterServerStrategy(devices=[]) has no devices; pass "
                              "some, or devices=None for all local devices.")
-        if g > len(devs):
+        if g > len(devs) and carrier != "ray":  # Ray's workers bring their own devices
             raise ValueError(
                 f"ParameterServerStrategy(num_replicas_in_sync={g}) needs {g} devices per "
                 f"worker but {len(devs)} are available; use at most {len(devs)}.")
@@ -143,6 +172,8 @@ class ParameterServerStrategy(Strategy):
                              "be a positive number of seconds.")
         self.shard_devices, self.worker_devices = assign_devices(
             devs, num_ps, num_workers, g, carrier)
+        self._ray_options = self._check_ray_options(ray_worker_options, ray_shard_options,
+                                                    carrier, num_ps, g)
         self.num_ps = num_ps
         self.max_staleness = max_staleness
         self.token_timeout = float(token_timeout)
@@ -151,13 +182,34 @@ class ParameterServerStrategy(Strategy):
         self.carrier = carrier
         self.placement_policy = placement
         self.min_slice_bytes = int(min_slice_bytes)
-        mesh = replica_mesh(list(self.worker_devices[0]), 1, "ParameterServerStrategy")
+        if carrier == "ray":
+            # The replicas' devices are the worker actors'; this process's mesh (where
+            # e.g. a CheckpointManager places what it restores) is one of its devices.
+            mesh = replica_mesh(devs[:1], 1, "ParameterServerStrategy")
+            replicas = tuple((devs[0],) for _ in range(len(self.worker_devices) * g))
+        else:
+            mesh = replica_mesh(list(self.worker_devices[0]), 1, "ParameterServerStrategy")
+            replicas = tuple((d,) for grp in self.worker_devices for d in grp)
         self._layout = Layout(
             mesh=mesh, replica_axis=REPLICA_AXIS, model_axes=(MODEL_AXIS,),
-            replica_devices=tuple((d,) for grp in self.worker_devices for d in grp),
+            replica_devices=replicas,
             num_replicas_in_sync=g, local_replica_ids=tuple(range(g)), num_workers=1,
             worker_index=0)
         self._executor: ParameterServerExecutor | None = None
+
+    def _check_ray_options(self, worker_opts: Any, shard_opts: Any, carrier: str,
+                           num_ps: int, g: int) -> tuple[tuple, tuple]:
+        """The checked Ray options of each worker and shard actor."""
+        if carrier != "ray":
+            for name, v in (("ray_worker_options", worker_opts),
+                            ("ray_shard_options", shard_opts)):
+                if v is not None:
+                    raise ValueError(f"ParameterServerStrategy({name}=...) applies to Ray's "
+                                     f"actors; pass carrier='ray' (carrier={carrier!r}).")
+            return (), ()
+        return (resolve_ray_options("ray_worker_options", worker_opts,
+                                    len(self.worker_devices), g),
+                resolve_ray_options("ray_shard_options", shard_opts, num_ps))
 
     @property
     def layout(self) -> Layout:
@@ -179,7 +231,8 @@ class ParameterServerStrategy(Strategy):
             carrier=self.carrier, max_staleness=self.max_staleness,
             max_attempts=self.max_attempts, token_timeout=self.token_timeout,
             skip_stale_tokens=self.skip_stale_tokens,
-            placement_policy=self.placement_policy, min_slice_bytes=self.min_slice_bytes))
+            placement_policy=self.placement_policy, min_slice_bytes=self.min_slice_bytes,
+            ray_worker_options=self._ray_options[0], ray_shard_options=self._ray_options[1]))
         return self._executor
 
     # -- inspection and control ------------------------------------------------------------
