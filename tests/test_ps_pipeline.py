@@ -1,0 +1,105 @@
+"""The coordinator with several steps in flight per worker (``depth``, the Ray carrier's
+pipelining), driven by fake workers: exactly once and attempts counted only for steps
+that started.
+
+A fake worker runs its steps in the order started (as a Ray actor does), one at a time
+when the coordinator waits for them; the first worker to start its third step dies in
+it, so the step started behind it never runs there.
+"""
+
+import threading
+import time
+
+import pytest
+
+from jreplicate.ps.coordinator import Coordinator
+from jreplicate.ps.remote import WorkerLostError
+from jreplicate.ps.worker import Closure
+from tests._ps_helpers import bounded_test  # noqa: F401 (autouse: every test bounded)
+
+
+class FakeWorkers:
+    """``n`` workers, each step 2 ms; the first worker to start its ``die_at``-th step
+    (1-based) dies running it (``victim``, ``fatal``)."""
+
+    def __init__(self, n: int, die_at: int):
+        self.die_at = die_at
+        self.ran: dict[int, list[int]] = {}  # step id -> workers that ran it to the end
+        self.started = [[] for _ in range(n)]  # per worker: step ids in start order
+        self.dead = [False] * n
+        self.victim = self.fatal = None
+        self.lock = threading.Lock()
+        self.runners = [self._runner(w) for w in range(n)]
+
+    def _runner(self, w: int):
+        def start(c, on_token_wait):
+            with self.lock:
+                self.started[w].append(c.step_id)
+                if self.victim is None and len(self.started[w]) == self.die_at:
+                    self.victim, self.fatal = w, c.step_id
+            return lambda: self._run(w, c)
+        return start
+
+    def _run(self, w: int, c: Closure) -> int:
+        if self.dead[w]:
+            raise WorkerLostError(f"worker {w} is dead; step {c.step_id} did not run")
+        time.sleep(0.002)
+        if (w, c.step_id) == (self.victim, self.fatal):
+            self.dead[w] = True
+            raise WorkerLostError(f"worker {w} died running step {c.step_id}")
+        with self.lock:
+            self.ran.setdefault(c.step_id, []).append(w)
+        return c.step_id
+
+
+def _schedule(coordinator: Coordinator, n: int) -> list:
+    return [coordinator.schedule(Closure(i, None, False, None, (), 0, None))
+            for i in range(n)]
+
+
+def _behind(fake: FakeWorkers) -> int:
+    """The step the victim started after the one it died in."""
+    return fake.started[fake.victim][fake.die_at]
+
+
+@pytest.mark.parametrize("depth", [1, 2])
+def test_every_step_runs_exactly_once_when_a_worker_dies_with_steps_in_flight(depth):
+    fake = FakeWorkers(3, die_at=3)
+    c = Coordinator(fake.runners, depth=depth, max_attempts=2)
+    values = _schedule(c, 40)
+    c.join(timeout=60)
+    assert [v.fetch(timeout=1) for v in values] == list(range(40))
+    assert sorted(fake.ran) == list(range(40))
+    assert all(len(ws) == 1 for ws in fake.ran.values()), fake.ran  # exactly once
+    v = fake.victim
+    assert c.alive == [w != v for w in range(3)]
+    assert values[fake.fatal].attempts == 2 and v not in fake.ran[fake.fatal]
+    if depth == 2:  # the step started behind the lost one never ran on the victim
+        behind = _behind(fake)
+        assert values[behind].attempts == 1 and fake.ran[behind] != [v]
+        assert c.rescheduled == 2
+    else:
+        assert len(fake.started[v]) == 3 and c.rescheduled == 1
+    c.shutdown()
+
+
+def test_a_step_that_never_started_does_not_use_up_max_attempts():
+    """max_attempts=1: the step the worker died in fails; the one started behind it,
+    which never ran, runs elsewhere (it would fail too if its start counted)."""
+    fake = FakeWorkers(2, die_at=3)
+    c = Coordinator(fake.runners, depth=2, max_attempts=1)
+    values = _schedule(c, 30)
+    with pytest.raises(WorkerLostError, match="failed on 1 workers"):
+        c.join(timeout=60)
+    behind = _behind(fake)
+    failed = [v.step_id for v in values if v.done() and v._error is not None]
+    assert failed == [fake.fatal]
+    assert values[behind].fetch(timeout=1) == behind
+    assert fake.ran[behind] == [1 - fake.victim]
+    assert sorted(fake.ran) == [i for i in range(30) if i != fake.fatal]
+    c.shutdown()
+
+
+def test_bounded_staleness_keeps_one_step_per_worker():
+    with pytest.raises(ValueError, match="depth"):
+        Coordinator([lambda c, w: (lambda: None)], depth=2, max_staleness=1)
