@@ -176,3 +176,33 @@ def test_per_worker_input_is_read_in_the_worker_actors(local_ray):
     np.testing.assert_allclose(s.parameters(), -sum(b for _, b in used), rtol=1e-6)
     _invariant(s, scheduled=6)
     s.shutdown()
+
+
+def test_a_crashed_worker_is_restarted_by_ray_and_takes_steps_again(local_ray):
+    """Worker 1's process is killed while it runs steps (kill_worker(when="crash")):
+    Ray restarts its actor (max_restarts), the coordinator reschedules the lost steps
+    and gives the restarted worker steps again (its step function, resent); every
+    scheduled step is applied exactly once on every shard."""
+    s, rep, w, opt, step = _job(lambda: optax.sgd(0.01), num_workers=2)
+    for k in range(2):
+        jrt.set_worker_delay(s, k, 0.02)
+    values = [rep.run(step, None, w, opt) for _ in range(40)]
+    end = time.monotonic() + 60
+    while s.stats()["completed_by"][1] < 3 and time.monotonic() < end:
+        time.sleep(0.005)
+    before = s.stats()["completed_by"][1]
+    jrt.kill_worker(s, 1, when="crash")
+    s._executor.coordinator.join(timeout=120)
+    while s.stats()["replaced"] < 1 and time.monotonic() < end + 60:  # back after join?
+        time.sleep(0.05)
+    values += [rep.run(step, None, w, opt) for _ in range(20)]
+    s._executor.coordinator.join(timeout=120)
+    st = s.stats()
+    print(f"replaced={st['replaced']} rescheduled={st['rescheduled']} "
+          f"completed_by={st['completed_by']} (worker 1 before the crash: {before})")
+    assert st["replaced"] == 1 and st["alive"] == [True, True]
+    assert st["completed"] == 60 and all(v.done() for v in values)
+    assert st["completed_by"][1] > before  # the restarted worker ran steps again
+    _invariant(s, scheduled=60)
+    np.testing.assert_allclose(s.parameters(), np.full(4, -0.01 * 60), rtol=1e-5)
+    s.shutdown()

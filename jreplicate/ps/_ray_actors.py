@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+import uuid
 
 import jax
 import numpy as np
@@ -171,3 +172,7 @@ if ray is not None:
 
         def ready(self):
             return len(self.worker.layout.devices)
+
+        def incarnation(self):
+            """This instance's identity: Ray restarting the actor makes a new one."""
+            return self.__dict__.setdefault("_incarnation", uuid.uuid4().hex)

@@ -12,7 +12,9 @@ calls a worker actor). Outcomes:
   exception of the carrier): the worker is marked dead and the closure goes back to the
   front of the queue with its id, so its push is applied at most once (the shards'
   ledgers drop a second push of the id as a duplicate); after ``max_attempts`` the
-  step fails;
+  step fails. A carrier that can replace the worker (Ray restarts a dead worker
+  actor, ``max_restarts``) is asked to (``replace``); the replaced worker takes steps
+  again;
 * a lost shard (:class:`ShardClosedError` while not shutting down, or the Ray actor of a
   shard dead): :class:`ParameterServerError` for this and every pending step.
 
@@ -83,6 +85,11 @@ class Coordinator:
       max_staleness: the bounded delay tau, or None (fully asynchronous).
       max_attempts: runs of one closure before its step fails.
       is_shard_failure: tells a shard's failure from a worker's (Ray's errors).
+      replace: ``replace(w)`` after worker ``w`` was lost: True when the carrier replaced
+        it (Ray restarted its actor), so ``w`` takes steps again; called on ``w``'s
+        thread once its steps are ended (the lost step already rescheduled), and ``w``
+        counts as coming back meanwhile (the steps wait for it rather than fail when no
+        other worker is alive).
     """
 
     def __init__(self, runners: list[Callable], *, depth: int = 1,
@@ -92,8 +99,12 @@ class Coordinator:
                  on_worker_lost: Callable[[int], None] | None = None,
                  on_relax: Callable[[bool], None] | None = None,
                  settle: Callable[[int], None] | None = None,
-                 starved: Callable[[], bool] | None = None):
+                 starved: Callable[[], bool] | None = None,
+                 replace: Callable[[int], bool] | None = None):
         self._runners = runners
+        self._replace = replace
+        self._replacing: set[int] = set()  # lost workers the carrier is replacing
+        self.replaced = 0
         if depth > 1 and max_staleness is not None:
             raise ValueError("Coordinator(depth > 1): bounded staleness admits one step "
                              "per worker at a time.")
@@ -157,7 +168,7 @@ class Coordinator:
                 raise self._fatal
             if self._stopping:
                 raise RuntimeError("ParameterServerStrategy was shut down; create a new one.")
-            if not any(self._alive):
+            if not self._any_live():
                 raise ParameterServerError(
                     "every worker of the ParameterServerStrategy is dead; nothing can run "
                     "the step. Restart the job (restore the last checkpoint).")
@@ -194,7 +205,7 @@ class Coordinator:
         starved = [None, -1]  # since when every running step waits, at which progress
         with self._cond:
             while (self._queue or self._inflight) and self._fatal is None:
-                if not any(self._alive) and self._queue:
+                if not self._any_live() and self._queue:
                     self._fail_all(ParameterServerError(
                         "every worker died; the remaining steps cannot run."))
                     break
@@ -394,6 +405,9 @@ class Coordinator:
                     started.append((c, self._begin(w, c)))
                     continue
             if not started:
+                if lost and self._revive(w):
+                    lost = False
+                    continue
                 return
             c, wait = started.popleft()
             lost = self._end(w, c, wait, lost) or lost
@@ -520,6 +534,8 @@ class Coordinator:
                 pass
         with self._cond:
             self._alive[w] = False
+            if self._replace is not None and not self._stopping:
+                self._replacing.add(w)
             self._stop(c)
             rv = self._values[c.step_id]
             if rv.attempts >= self._max_attempts:
@@ -528,7 +544,7 @@ class Coordinator:
                                       f"the last error: {type(e).__name__}: {e}")
                 self._first_error = self._first_error or err
                 rv._set(error=err)
-            elif not any(self._alive):
+            elif not self._any_live():
                 self._values.pop(c.step_id)
                 rv._set(error=ParameterServerError(
                     f"every worker died (the last: {type(e).__name__}: {e})"))
@@ -540,6 +556,40 @@ class Coordinator:
             self._end_exhausted_inputs()  # the dead worker's input no longer counts
             self._cond.notify_all()
 
+    def _any_live(self) -> bool:
+        """Whether a worker is alive or being replaced (called under the lock)."""
+        return any(self._alive) or bool(self._replacing)
+
+    def _revive(self, w: int) -> bool:
+        """Lost worker ``w`` replaced by the carrier (``replace``)? If so it is alive
+        again and True; if not, it is lost for good (with the steps, when it was the
+        last one)."""
+        if self._replace is None:
+            return False
+        ok = False
+        if not self._stopping:
+            try:
+                ok = bool(self._replace(w))
+            except Exception:  # the carrier could not: the worker stays lost
+                ok = False
+        with self._cond:
+            self._replacing.discard(w)
+            if ok and not self._stopping:
+                self._alive[w] = True
+                self.replaced += 1
+            elif not self._any_live() and self._queue:
+                self._fail_all(ParameterServerError(
+                    f"every worker died (worker {w} could not be replaced)"))
+            self._end_exhausted_inputs()
+            self._cond.notify_all()
+            alive, n = self._alive[w], sum(self._alive)
+        if alive:
+            try:
+                self._on_worker_lost(n)  # the shards count it again
+            except Exception:
+                pass
+        return alive
+
     def _not_run(self, c: Closure, e: BaseException) -> None:
         """``c`` was started on a worker after a step that the worker was lost in: it
         never ran there (a worker runs its steps in order), so it goes back to the queue
@@ -548,7 +598,7 @@ class Coordinator:
             self._stop(c)
             rv = self._values[c.step_id]
             rv.attempts -= 1
-            if not any(self._alive):
+            if not self._any_live():
                 self._values.pop(c.step_id)
                 rv._set(error=ParameterServerError(
                     f"every worker died (the last: {type(e).__name__}: {e})"))

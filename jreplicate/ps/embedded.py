@@ -58,6 +58,10 @@ class EmbeddedCarrier:
     def shard_state(self, i: int) -> dict[str, Any]:
         return self.shards[i].state()
 
+    def replace_worker(self, w: int) -> bool:
+        """False: a lost worker thread is not replaced (its device stays idle)."""
+        return False
+
     def kill_worker(self, w: int, when: str) -> None:
         self.workers[w].kill_at = when
 

@@ -101,7 +101,8 @@ class ParameterServerExecutor(Executor):
             interrupt=self._carrier.interrupt, on_worker_lost=self._carrier.workers_alive,
             on_relax=lambda relax: self._carrier.workers_alive(
                 0 if relax else sum(self.coordinator.alive)),
-            settle=self.client.settle, starved=self._carrier.starved)
+            settle=self.client.settle, starved=self._carrier.starved,
+            replace=self._carrier.replace_worker if s.carrier == "ray" else None)
         self._carrier.set_live_workers(lambda: sum(self.coordinator.alive))
 
     def shard_step(self, i: int) -> int:
@@ -120,9 +121,10 @@ class ParameterServerExecutor(Executor):
 
     def kill_worker(self, w: int, when: str) -> None:
         """Worker ``w`` dies during its next step (``"compute"``, ``"push"``) or now
-        (``"process"``, Ray only)."""
-        allowed = ("compute", "push", "process") if self.config.carrier == "ray" else \
-            ("compute", "push")
+        (Ray only: ``"process"``, for good; ``"crash"``, its process killed and restarted
+        by Ray)."""
+        allowed = ("compute", "push", "process", "crash") if self.config.carrier == "ray" \
+            else ("compute", "push")
         if when not in allowed:
             raise ValueError(f"kill_worker(when={when!r}) must be one of {allowed}.")
         self._carrier.kill_worker(self._worker_index(w), when)

@@ -40,6 +40,7 @@ import collections
 import dataclasses
 import functools
 import os
+import time
 from typing import Any
 
 from jreplicate.ps._ray_proxy import _ray, _ShardLost, _ShardProxy
@@ -146,6 +147,9 @@ class RayCarrier:
         if self.depth > 1:
             ray.get([w.return_params.remote() for w in self.workers], timeout=300)
         self._drops = [collections.deque() for _ in self.workers]  # step ids let go
+        self._incarnations = ray.get([w.incarnation.remote() for w in self.workers],
+                                     timeout=300)
+        self._forget: dict[int, Any] = {}  # worker -> forget what its actor held
         self.runners = [self._runner(w) for w in range(len(self.workers))]
 
     def _runner(self, w: int):
@@ -155,6 +159,7 @@ class RayCarrier:
         sent_inputs: set = set()  # PER_WORKER input_fns this actor holds (by key)
         running = [0]  # steps started on this actor and not yet waited for
         drops = self._drops[w]
+        self._forget[w] = lambda: (sent.clear(), sent_inputs.clear(), drops.clear())
 
         def start(closure, on_token_wait):
             send = closure
@@ -224,8 +229,8 @@ class RayCarrier:
 
     def kill_worker(self, w: int, when: str) -> None:
         ray = _ray()
-        if when == "process":
-            ray.kill(self.workers[w], no_restart=True)
+        if when in ("process", "crash"):  # crash: Ray restarts it (max_restarts)
+            ray.kill(self.workers[w], no_restart=when == "process")
             return
         ray.get(self.workers[w].set_kill_at.remote(when), timeout=60)
 
@@ -241,6 +246,36 @@ class RayCarrier:
         ShardActor, _ = _actor_classes()
         return ShardActor.options(**shard_actor_options(_opts(s.ray_shard_options, i))).remote(
             i, params, self._tx, restored, s.num_ps, s.max_staleness)
+
+    #: Seconds a lost worker actor has to come back (restarted by Ray) before it is
+    #: lost for good.
+    RESTART_TIMEOUT = 120.0
+
+    def replace_worker(self, w: int) -> bool:
+        """Worker ``w`` was lost: True once Ray restarted its actor in a new process
+        (``max_restarts``), which is then sent the step functions, inputs and settings
+        again; False if its process did not die (a step's own loss), it may not
+        restart, or it is not back within ``RESTART_TIMEOUT`` seconds (e.g. no node
+        has the resources it asks for)."""
+        ray = _ray()
+        g = self._config.num_replicas_in_sync
+        opts = worker_actor_options(_opts(self._config.ray_worker_options, w), g)
+        if opts["max_restarts"] == 0:
+            return False
+        actor = self.workers[w]
+        try:
+            now = _when_back(actor, time.monotonic() + self.RESTART_TIMEOUT)
+            if now == self._incarnations[w]:
+                return False  # the same process: not a restart
+            if ray.get(actor.ready.remote(), timeout=60) < g:
+                return False
+            if self.depth > 1:
+                ray.get(actor.return_params.remote(), timeout=60)
+        except Exception:  # dead for good, or not back in time
+            return False
+        self._incarnations[w] = now
+        self._forget[w]()
+        return True
 
     def _check_ready(self, counts: list[int]) -> None:
         """Each worker actor found its ``num_replicas_in_sync`` devices."""
@@ -261,6 +296,20 @@ class RayCarrier:
                 ray.kill(a, no_restart=True)
             except Exception:  # already gone
                 pass
+
+
+def _when_back(actor: Any, deadline: float) -> str:
+    """The incarnation of a worker actor once it answers (while Ray restarts it, calls
+    fail as unavailable: asked again until ``deadline``)."""
+    ray = _ray()
+    while True:
+        try:
+            return ray.get(actor.incarnation.remote(),
+                           timeout=max(deadline - time.monotonic(), 0.1))
+        except ray.exceptions.ActorUnavailableError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.2)
 
 
 def _opts(options: tuple, i: int) -> dict:

@@ -268,13 +268,14 @@ class ParameterServerStrategy(Strategy):
 
     def stats(self) -> dict[str, Any]:
         """Scheduling counters: scheduled, completed, completed_by (per worker),
-        rescheduled, alive, max_alongside (the most steps one step ran alongside: a
+        rescheduled, alive, replaced (lost workers that came back: Ray restarted their
+        actors), max_alongside (the most steps one step ran alongside: a
         bound on the staleness of its update, at most ``max_staleness``), finish_times
         (per worker, ``time.monotonic()`` of each completed step)."""
         c = self._ex().coordinator
         return {"scheduled": c.scheduled, "completed": c.completed,
                 "completed_by": list(c.completed_by), "rescheduled": c.rescheduled,
-                "alive": c.alive, "max_alongside": c.max_alongside,
+                "alive": c.alive, "replaced": c.replaced, "max_alongside": c.max_alongside,
                 "finish_times": [list(t) for t in c.finish_times]}
 
     def state(self) -> dict[str, Any]:
