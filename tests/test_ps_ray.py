@@ -206,3 +206,10 @@ def test_a_crashed_worker_is_restarted_by_ray_and_takes_steps_again(local_ray):
     _invariant(s, scheduled=60)
     np.testing.assert_allclose(s.parameters(), np.full(4, -0.01 * 60), rtol=1e-5)
     s.shutdown()
+
+
+def test_a_lost_shard_actor_restarted_from_a_saved_state(local_ray):
+    """The scenario of tests/test_ps_shard_restart.py on Ray: the shard comes back as a
+    new actor, which the driver and the worker actors call from then on."""
+    from tests.test_ps_shard_restart import shard_restart_scenario
+    shard_restart_scenario("ray")

@@ -502,6 +502,16 @@ class Coordinator:
         with self._cond:
             return key in self._input_exhausted
 
+    def resume(self) -> None:
+        """Training goes on after a lost shard was restarted: the loss no longer stops
+        new steps (nothing may be pending)."""
+        with self._cond:
+            if self._queue or self._inflight:
+                raise RuntimeError("resume: steps are pending; join first.")
+            self._fatal = None
+            self._first_error = None
+            self._cond.notify_all()
+
     def reset_input(self, key: int) -> None:
         """Input ``key`` was restarted (``reinitialize``): every worker may read it."""
         with self._cond:
@@ -516,7 +526,8 @@ class Coordinator:
                 self._fatal = ParameterServerError(
                     f"a parameter-server shard failed ({type(e).__name__}: {e}); the "
                     "parameters it held are gone, so training stops. Restore the last "
-                    "checkpoint (strategy.restore(...)) in a new strategy.")
+                    "checkpoint (strategy.restore(...)), or restart the lost shard from "
+                    "it (strategy.restart_shard(i, state)).")
                 self._fatal.__cause__ = e
                 self._fail_queue(self._fatal)
             self._cond.notify_all()

@@ -21,13 +21,9 @@ class EmbeddedCarrier:
 
     def __init__(self, s: PSConfig, tx: Any, placement: Placement,
                  pieces: list, opt_host: Any, restored: list | None):
-        self.shards = []
-        for i in range(s.num_ps):
-            r = restored[i] if restored else {}
-            self.shards.append(PSShard(i, pieces[i], tx, device=s.shard_devices[i],
-                                       opt_state=r.get("opt_state"), step=r.get("step", 0),
-                                       ledger=r.get("ledger"), num_shards=s.num_ps,
-                                       max_staleness=s.max_staleness))
+        self._config, self._tx = s, tx
+        self.shards = [self._new_shard(i, pieces[i], restored[i] if restored else {})
+                       for i in range(s.num_ps)]
         gated = self.shards[0].token_gated
         self.workers = [PSWorker(w, list(grp), ShardClient(self.shards, placement, gated),
                                  opt_host, token_timeout=s.token_timeout,
@@ -57,6 +53,20 @@ class EmbeddedCarrier:
 
     def shard_state(self, i: int) -> dict[str, Any]:
         return self.shards[i].state()
+
+    def _new_shard(self, i: int, params: Any, r: dict[str, Any]) -> PSShard:
+        s = self._config
+        return PSShard(i, params, self._tx, device=s.shard_devices[i],
+                       opt_state=r.get("opt_state"), step=r.get("step", 0),
+                       ledger=r.get("ledger"), num_shards=s.num_ps,
+                       max_staleness=s.max_staleness)
+
+    def restart_shard(self, i: int, saved: dict[str, Any]) -> None:
+        """Shard ``i`` anew from ``saved`` (``host_shard_state``), in every client."""
+        self.shards[i].close("replaced")
+        self.shards[i] = sh = self._new_shard(i, saved["params"], saved)
+        for client in [self.client] + [w.client for w in self.workers]:
+            client.shards[i] = sh
 
     def replace_worker(self, w: int) -> bool:
         """False: a lost worker thread is not replaced (its device stays idle)."""

@@ -21,10 +21,15 @@ from jreplicate.ps.config import PSConfig
 from jreplicate.ps.coordinator import Coordinator
 from jreplicate.ps.embedded import EmbeddedCarrier
 from jreplicate.ps.handle import Carrier
-from jreplicate.ps.ledger import Ledger
 from jreplicate.ps.placement import Placement, place_parameters
 from jreplicate.ps.remote import RemoteValue
 from jreplicate.ps.shard import _is_sync
+from jreplicate.ps.shard_restart import (
+    ShardRestart,
+    check_shard_state,
+    host_shard_state,
+    lost_pushes,
+)
 from jreplicate.ps.worker import Closure, HostBatch, NnxArg
 from jreplicate.ps.worker_input import WorkerInput, WorkerInputIterator
 
@@ -177,13 +182,46 @@ class ParameterServerExecutor(Executor):
                              f"{self.config.num_ps}; restore with the same num_ps.")
         self.coordinator.shutdown()
         self._carrier.close()
-        restored = [{"params": jax.tree.map(np.asarray, sh["params"]),
-                     "opt_state": jax.tree.map(np.asarray, sh["opt_state"]),
-                     "step": int(np.asarray(sh["step"])),
-                     "ledger": Ledger.from_arrays(sh["ledger"])} for sh in shards]
+        restored = [host_shard_state(sh) for sh in shards]
         self.next_id = int(np.asarray(state["next_step_id"]))
         self._build([r["params"] for r in restored],
                     jax.tree.map(np.asarray, self._opt_keep[1]), restored)
+
+    def restart_shard(self, i: int, state: dict[str, Any]) -> ShardRestart:
+        """Shard ``i`` back from ``state["shards"][i]`` (see
+        :mod:`jreplicate.ps.shard_restart`); training may go on."""
+        if self.coordinator is None:
+            raise ValueError("restart_shard: create the optimizer state inside rep.scope() "
+                             "first.")
+        if not 0 <= i < self.config.num_ps:
+            raise ValueError(f"restart_shard(shard={i}): not in [0, {self.config.num_ps}).")
+        if self.client.token_gated:
+            raise ValueError(
+                "restart_shard: token-gated training keeps every shard at one global_step; "
+                "restore every shard from the saved state with strategy.restore(state).")
+        if self.coordinator.pending:
+            raise RuntimeError(
+                f"restart_shard: {self.coordinator.pending} steps are scheduled or running; "
+                "call rep.join() first (it raises the shard's loss), then restart_shard.")
+        shards = state["shards"]
+        if len(shards) != self.config.num_ps:
+            raise ValueError(f"restart_shard: the state has {len(shards)} shards, this "
+                             f"strategy {self.config.num_ps}; pass a state of this job "
+                             "(same num_ps).")
+        saved = host_shard_state(shards[i])
+        here = self.placement.split(jax.tree.map(np.asarray, self._opt_keep[0]))[i]
+        check_shard_state(i, saved, here)
+        others = []
+        for j in range(self.config.num_ps):
+            if j != i:
+                try:
+                    others.append(self._carrier.shard_state(j)["ledger"])
+                except Exception:  # lost too: restart it as well
+                    pass
+        lost = lost_pushes(shards[i]["ledger"], others)
+        self._carrier.restart_shard(i, saved)
+        self.coordinator.resume()
+        return ShardRestart(i, saved["step"], lost)
 
     # -- input read on the workers (PER_WORKER) -----------------------------------------
     def per_worker_input(self, owner: object, input_fn: Callable, *,

@@ -247,6 +247,24 @@ class RayCarrier:
         return ShardActor.options(**shard_actor_options(_opts(s.ray_shard_options, i))).remote(
             i, params, self._tx, restored, s.num_ps, s.max_staleness)
 
+    def restart_shard(self, i: int, saved: dict[str, Any]) -> None:
+        """Shard ``i`` as a new actor from ``saved`` (``host_shard_state``), which the
+        driver and every live worker call from now on."""
+        ray = _ray()
+        try:
+            ray.kill(self.shards[i], no_restart=True)
+        except Exception:  # already gone
+            pass
+        actor = self._new_shard(i, saved["params"], _host_restored([saved], 0))
+        ray.get(actor.step.remote(), timeout=300)
+        self.shards[i] = actor
+        self.client.shards[i] = _ShardProxy(actor)
+        for w in self.workers:
+            try:
+                ray.get(w.set_shards.remote(self.shards), timeout=60)
+            except ray.exceptions.RayActorError:  # a lost worker: told if it comes back
+                pass
+
     #: Seconds a lost worker actor has to come back (restarted by Ray) before it is
     #: lost for good.
     RESTART_TIMEOUT = 120.0
@@ -271,6 +289,7 @@ class RayCarrier:
                 return False
             if self.depth > 1:
                 ray.get(actor.return_params.remote(), timeout=60)
+            ray.get(actor.set_shards.remote(self.shards), timeout=60)  # restarted ones
         except Exception:  # dead for good, or not back in time
             return False
         self._incarnations[w] = now

@@ -54,6 +54,7 @@ from jreplicate.ps.device_layout import assign_devices
 from jreplicate.ps.executor import ParameterServerExecutor
 from jreplicate.ps.placement import POLICIES, Placement
 from jreplicate.ps.ray_options import resolve as resolve_ray_options
+from jreplicate.ps.shard_restart import ShardRestart
 from jreplicate.strategies.base import Strategy
 from jreplicate.strategies.layout import MODEL_AXIS, REPLICA_AXIS, Layout, replica_mesh
 
@@ -291,6 +292,40 @@ class ParameterServerStrategy(Strategy):
     def restore(self, state: dict[str, Any]) -> None:
         """Loads :meth:`state`'s output (e.g. from a checkpoint) into the shards."""
         self._ex().restore(state)
+
+    def restart_shard(self, shard: int, state: dict[str, Any]) -> ShardRestart:
+        """Brings a lost shard back from a saved state; training may go on.
+
+        A lost shard stops training: ``rep.join()`` raises
+        :class:`jreplicate.ParameterServerError`. Then ``restart_shard(i, state)``, with
+        ``state`` a :meth:`state` saved earlier (e.g. restored from a
+        :class:`jreplicate.CheckpointManager`), recreates shard ``i`` (a new Ray actor,
+        with its ``ray_shard_options``) holding that state's parameters, optimizer
+        state, step and ledger, while the other shards keep theirs, and new steps run
+        again. Asynchronous training only (a token-gated job restores every shard with
+        :meth:`restore`).
+
+        Nothing is silently lost or applied twice: the updates shard ``i`` applied after
+        the save are gone with it (the other shards still hold theirs), and the report
+        names them (``lost``: the step ids another shard decided that the restarted
+        shard's ledger has not). ``ledger()[i]`` counts what the restarted shard
+        holds: the saved counts plus what it applies from now on. See
+        :mod:`jreplicate.ps.shard_restart`.
+
+        Args:
+          shard: the lost shard's index.
+          state: a :meth:`state` of this job (same ``num_ps`` and placement).
+
+        Returns:
+          A :class:`jreplicate.ps.shard_restart.ShardRestart`: the shard, its step as
+          saved, and the lost step ids.
+
+        Raises:
+          RuntimeError: steps are scheduled or running (call ``rep.join()`` first).
+          ValueError: token-gated training, a shard index out of range, or a state whose
+            shard does not match this one (names the piece).
+        """
+        return self._ex().restart_shard(shard, state)
 
     def shutdown(self) -> None:
         """Stops the workers and shards (pending steps are cancelled)."""

@@ -1,0 +1,93 @@
+"""Restarting one lost parameter-server shard from a saved state
+(:meth:`jreplicate.ParameterServerStrategy.restart_shard`).
+
+A lost shard stops training (:class:`jreplicate.ParameterServerError`): its parameters
+are gone. Where the user asks, the shard comes back from a state saved earlier
+(``strategy.state()``, e.g. through :class:`jreplicate.CheckpointManager`) while the
+other shards keep theirs, and training goes on. Asynchronous training only: a
+token-gated job's shards must agree on ``global_step``, so it restores every shard
+(``strategy.restore(state)``).
+
+What the restarted shard holds: its parameters, optimizer state, step and ledger as
+saved. The updates it applied after the save are gone with it, while the other shards
+still hold theirs; nothing is re-applied behind the user's back. The
+:class:`ShardRestart` report names them: the push (step) ids another shard applied
+(or dropped as stale) that the restarted shard's ledger has not decided. A later push
+of such an id (a step rescheduled after the loss) is applied by the restarted shard
+and counted a duplicate by the others, as the ledgers' exactly-once rule says.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import numpy as np
+
+from jreplicate.ps.ledger import Ledger
+
+
+class ShardRestart(NamedTuple):
+    """What :meth:`jreplicate.ParameterServerStrategy.restart_shard` did.
+
+    Attributes:
+      shard: the restarted shard.
+      step: its step, as saved (updates it has applied).
+      lost: the push (step) ids the other shards decided after the saved state and
+        the restarted shard no longer has (their updates are missing from its part of
+        the parameters), ascending. Empty with one shard: the ledgers cannot tell
+        then; every update after the save is gone.
+    """
+
+    shard: int
+    step: int
+    lost: tuple[int, ...]
+
+
+def host_shard_state(sh: dict[str, Any]) -> dict[str, Any]:
+    """One shard's saved state (``strategy.state()["shards"][i]``) as the carriers
+    build a shard from: numpy pytrees, the step as an int, the :class:`Ledger`."""
+    return {"params": jax.tree.map(np.asarray, sh["params"]),
+            "opt_state": jax.tree.map(np.asarray, sh["opt_state"]),
+            "step": int(np.asarray(sh["step"])),
+            "ledger": Ledger.from_arrays(sh["ledger"])}
+
+
+def _decided(led: dict[str, Any], start: int, stop: int) -> set[int]:
+    """The ids in ``[start, stop)`` a ledger (its arrays) decided, plus its window."""
+    wm = int(np.asarray(led["watermark"]))
+    window = {int(x) for x in np.asarray(led["window"]).tolist() if x >= 0}
+    return set(range(start, min(wm, stop))) | window
+
+
+def lost_pushes(restored: dict[str, Any], others: list[dict[str, Any]]) -> tuple[int, ...]:
+    """Ids decided by any of ``others`` (ledger arrays) and not by ``restored``."""
+    start = int(np.asarray(restored["watermark"]))
+    if not others:
+        return ()
+    stop = max(int(np.asarray(o["watermark"])) for o in others)
+    mine = _decided(restored, 0, 0)
+    lost: set[int] = set()
+    for o in others:
+        lost |= _decided(o, start, stop)
+    return tuple(sorted(i for i in lost - mine if i >= start))
+
+
+def check_shard_state(i: int, saved: dict[str, Any], expected: dict[str, Any]) -> None:
+    """The saved pieces of shard ``i`` have the keys, shapes and dtypes it holds.
+
+    Raises:
+      ValueError: naming the piece and the fix.
+    """
+    got = saved["params"]
+    if set(got) != set(expected):
+        raise ValueError(
+            f"restart_shard({i}, state): the state's shard {i} holds {sorted(got)}, this "
+            f"strategy's shard {i} {sorted(expected)}; pass a state saved by this job "
+            "(strategy.state(), same num_ps and placement).")
+    for k, v in expected.items():
+        a = np.asarray(got[k])
+        if a.shape != v.shape or a.dtype != v.dtype:
+            raise ValueError(
+                f"restart_shard({i}, state): piece {k!r} is {a.dtype}{list(a.shape)} in the "
+                f"state, {v.dtype}{list(v.shape)} here; pass a state saved by this job.")
