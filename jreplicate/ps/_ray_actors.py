@@ -14,7 +14,7 @@ import jax
 import numpy as np
 
 from jreplicate.context import PerReplica
-from jreplicate.ps._ray_proxy import _ShardProxy, unpack
+from jreplicate.ps._ray_proxy import _ShardProxy
 from jreplicate.ps.client import ShardClient
 from jreplicate.ps.ledger import Ledger
 from jreplicate.ps.remote import WorkerLostError
@@ -53,18 +53,6 @@ if ray is not None:
         @ray.method(concurrency_group="io")
         def push_pull(self, push_id, worker, fetched_step, grads):
             return self.shard.push_pull(push_id, worker, fetched_step, grads)
-
-        # The same, the gradients cut into pieces Ray inlines in the call (_ray_proxy.pack).
-        @ray.method(concurrency_group="io")
-        def push_inline(self, push_id, worker, fetched_step, decision, attempt, layout,
-                        *pieces):
-            return self.shard.push(push_id, worker, fetched_step, unpack(layout, pieces),
-                                   decision, attempt)
-
-        @ray.method(concurrency_group="io")
-        def push_pull_inline(self, push_id, worker, fetched_step, layout, *pieces):
-            return self.shard.push_pull(push_id, worker, fetched_step,
-                                        unpack(layout, pieces))
 
         @ray.method(concurrency_group="io")
         def stage(self, push_id, attempt, grads):
