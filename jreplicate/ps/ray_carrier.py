@@ -18,11 +18,15 @@ The same shard state machine (:class:`jreplicate.ps.shard.PSShard`) and worker
 Call ``ray.init(...)`` (e.g. ``ray.init(address="auto")`` on a cluster) before creating
 the strategy's parameters, or set ``RAY_ADDRESS``; otherwise :func:`ensure_ray` starts a
 private local Ray instance that listens on 127.0.0.1 only, without a dashboard (Ray's
-processes exchange pickles: keep them off the network). Actors ask for no
-CPUs (``num_cpus=0``) so that shards and workers fit any cluster; pin them with Ray's
-resources if needed. Limits: token-gated starvation is detected by the token deadline
-(``token_timeout``) only, and workers do not hold back to one gradient per step (the
-coordinator does not see their token waits).
+processes exchange pickles: keep them off the network). The actors' resources, placement
+and runtime environment come from the strategy's ``ray_worker_options`` and
+``ray_shard_options`` (:mod:`jreplicate.ps.ray_options`; by default they ask for no
+CPUs, so that they fit any cluster, and a worker runs on CPU). A worker actor whose
+process dies is restarted by Ray (``max_restarts``) and given steps again
+(:meth:`RayCarrier.replace_worker`); a lost shard can be restarted from a saved state
+(:mod:`jreplicate.ps.shard_restart`). Limits: token-gated starvation is detected by the
+token deadline (``token_timeout``) only, and workers do not hold back to one gradient
+per step (the coordinator does not see their token waits).
 
 Per step (asynchronous, unbounded): one call to the worker actor (``run``; the
 function and a ``PER_WORKER`` input function are sent once per actor) and one per
@@ -132,9 +136,13 @@ class RayCarrier:
         self.shards = [self._new_shard(i, pieces[i], _host_restored(restored, i))
                        for i in range(s.num_ps)]
         gated = bool(ray.get(self.shards[0].token_gated.remote(), timeout=300))
+        # The workers' constructor arguments as objects this carrier holds: Ray restarts
+        # a worker with them (arguments Ray stored itself may be gone by then).
+        self._worker_args = [ray.put(self.shards), ray.put(placement), ray.put(opt_host)]
+        shards_ref, placement_ref, opt_ref = self._worker_args
         self.workers = [WorkerActor.options(**worker_actor_options(
             _opts(s.ray_worker_options, w), g)).remote(
-            w, self.shards, placement, gated, opt_host, g, s.token_timeout,
+            w, shards_ref, placement_ref, gated, opt_ref, g, s.token_timeout,
             s.skip_stale_tokens) for w in range(s.num_ps_workers)]
         self._check_ready(ray.get([w.ready.remote() for w in self.workers], timeout=300))
         self.client = ShardClient([_ShardProxy(a) for a in self.shards], placement, gated)
@@ -265,8 +273,8 @@ class RayCarrier:
             except ray.exceptions.RayActorError:  # a lost worker: told if it comes back
                 pass
 
-    #: Seconds a lost worker actor has to come back (restarted by Ray) before it is
-    #: lost for good.
+    #: Seconds a lost worker actor has to come back (restarted by Ray, which takes a few
+    #: seconds: a new process importing JAX) before it is lost for good.
     RESTART_TIMEOUT = 120.0
 
     def replace_worker(self, w: int) -> bool:
