@@ -10,6 +10,11 @@ An MLP 64-256-256-10 (the digits' input size) with adam, global batch 64 per ste
 * embedded vs Ray (4 workers, asynchronous; skipped without Ray).
 
     python bench/parameter_server.py [--steps 120] [--no-ray] [--hidden 256]
+    python bench/parameter_server.py --ray-vs-handwritten [bench/ray_baseline.py's options]
+
+``--ray-vs-handwritten`` runs ``bench/ray_baseline.py``: the Ray carrier against Ray's
+parameter-server tutorial ported to JAX on this model, side by side (updates/s and CPU
+per update at 1, 2 and 4 workers, the default MLP and a compute-bound one).
 
 Updates/s counts the updates the shards applied (token-gated: aggregated updates,
 ``global_step``) over the wall time of ``steps`` scheduled steps after a warm-up that
@@ -21,8 +26,8 @@ from __future__ import annotations
 
 import argparse
 import os
+import subprocess
 import sys
-import tempfile
 import time
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -101,11 +106,19 @@ def measure(workers: int, tx_fn, steps: int, *, straggler: float = 0.0,
 
 
 def main() -> int:
+    if "--ray-vs-handwritten" in sys.argv[1:]:  # its own process: Ray's actors inherit
+        env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # no 8 devices
+        rest = [a for a in sys.argv[1:] if a != "--ray-vs-handwritten"]
+        return subprocess.call([sys.executable, os.path.join(
+            os.path.dirname(os.path.abspath(__file__)), "ray_baseline.py"), *rest], env=env)
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=120)
     parser.add_argument("--no-ray", action="store_true")
     parser.add_argument("--hidden", type=int, default=256,
                         help="hidden width of the MLP (a larger one makes compute dominate)")
+    parser.add_argument("--ray-vs-handwritten", action="store_true",
+                        help="run bench/ray_baseline.py (the Ray carrier against Ray's "
+                             "tutorial parameter server) with the other options")
     args = parser.parse_args()
     SIZES[1] = SIZES[2] = args.hidden
     adam = lambda: optax.adam(1e-3)  # noqa: E731
@@ -127,9 +140,10 @@ def main() -> int:
     if not args.no_ray:
         try:
             import ray
+
+            from jreplicate.ps.ray_carrier import ensure_ray
             os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-            ray.init(num_cpus=2, _temp_dir=tempfile.mkdtemp(prefix="jr_ray_"),
-                     include_dashboard=False, log_to_driver=False)
+            ensure_ray()  # a private Ray on 127.0.0.1 only, no dashboard
             ray_rate = measure(4, adam, args.steps, carrier="ray")[0]
             rows.append(("Ray carrier, async, 4 workers", ray_rate))
             ray.shutdown()

@@ -1,6 +1,6 @@
 """The coordinator with several steps in flight per worker (``depth``, the Ray carrier's
 pipelining), driven by fake workers: exactly once and attempts counted only for steps
-that started.
+that started. And the default placement (bytes balanced over the shards).
 
 A fake worker runs its steps in the order started (as a Ray actor does), one at a time
 when the coordinator waits for them; the first worker to start its third step dies in
@@ -10,9 +10,13 @@ it, so the step started behind it never runs there.
 import threading
 import time
 
+import jax.numpy as jnp
+import optax
 import pytest
 
+import jreplicate as jr
 from jreplicate.ps.coordinator import Coordinator
+from jreplicate.ps.placement import place_parameters
 from jreplicate.ps.remote import WorkerLostError
 from jreplicate.ps.worker import Closure
 from tests._ps_helpers import bounded_test  # noqa: F401 (autouse: every test bounded)
@@ -103,3 +107,19 @@ def test_a_step_that_never_started_does_not_use_up_max_attempts():
 def test_bounded_staleness_keeps_one_step_per_worker():
     with pytest.raises(ValueError, match="depth"):
         Coordinator([lambda c, w: (lambda: None)], depth=2, max_staleness=1)
+
+
+def test_default_placement_gives_every_shard_a_share_of_an_mlps_bytes():
+    """Round-robin (TF's order) put only the biases of an MLP's ``{"b", "w"}`` layers on
+    shard 0 (0.6 % of the bytes, yet a call per step); the default balances bytes."""
+    s = jr.ParameterServerStrategy(num_ps=2, num_workers=1)
+    rep = jr.Replicator(s)
+    with rep.scope():
+        params = [{"w": jnp.zeros((a, b)), "b": jnp.zeros(b)}
+                  for a, b in ((64, 256), (256, 256), (256, 10))]
+        jr.pushable(optax.adam(1e-3)).init(params)
+    sizes = s.placement.bytes_per_shard
+    assert s.placement.policy == "size_balanced" and min(sizes) >= 0.2 * sum(sizes), sizes
+    rr = place_parameters(params, 2)
+    assert min(rr.bytes_per_shard) < 0.01 * sum(rr.bytes_per_shard)  # the old default
+    s.shutdown()

@@ -80,8 +80,11 @@ class ParameterServerStrategy(Strategy):
       devices: local devices to use (default all): the first ``num_ps`` hold the
         shards, the next ones the workers. With too few devices for both, the shards
         share the workers' devices (with a warning).
-      placement: ``"round_robin"`` or ``"size_balanced"`` (see
-        :func:`jreplicate.ps.placement.place_parameters`).
+      placement: ``"size_balanced"`` (default: the largest leaves first onto the
+        lightest shard, so every shard holds a share of the bytes and of each step's
+        traffic) or ``"round_robin"`` (TensorFlow's ``replica_device_setter`` order,
+        which gives shard 0 of an MLP's ``{"b", "w"}`` layers only the biases); see
+        :func:`jreplicate.ps.placement.place_parameters`.
       max_staleness: bounded staleness tau (None: fully asynchronous): no applied
         update is more than tau updates stale (Li et al., OSDI'14); workers wait
         rather than exceed it, tau = 0 is sequential. Asynchronous mode only.
@@ -117,10 +120,13 @@ class ParameterServerStrategy(Strategy):
       ...     g = jax.grad(lambda w: jnp.sum(w - 1.0))(w)
       ...     u, opt = tx.update(g, opt, w)
       ...     return optax.apply_updates(w, u), opt
-      >>> values = [rep.run(step, None, w, opt) for _ in range(4)]
+      >>> for _ in range(4):  # keep a RemoteValue only to fetch it: each holds outputs
+      ...     last = rep.run(step, None, w, opt)
       >>> rep.join()
       >>> strategy.parameters().tolist(), strategy.ledger()[0]["applied"]
       ([-2.0, -2.0], 4)
+      >>> last.fetch()[0].shape  # the step's outputs (here the parameters it started from)
+      (2,)
 
       With Ray (creating the strategy starts nothing; the actors are created by
       ``tx.init`` inside ``rep.scope()``, on the cluster of ``ray.init(address=...)``),
@@ -140,7 +146,7 @@ class ParameterServerStrategy(Strategy):
 
     def __init__(self, num_ps: int = 1, num_workers: int | None = None, *,
                  num_replicas_in_sync: int = 1, devices: Sequence[jax.Device] | None = None,
-                 placement: str = "round_robin", max_staleness: int | None = None,
+                 placement: str = "size_balanced", max_staleness: int | None = None,
                  token_timeout: float = 60.0, skip_stale_tokens: bool = True,
                  max_attempts: int = 4, carrier: str = "embedded",
                  min_slice_bytes: int = 256 << 10,
