@@ -120,6 +120,7 @@ def part_b_spread_crash_and_a_lost_node():
     run(12)
     _wait(lambda: s.stats()["completed_by"][1] >= 2, 60, "worker 1 ran no step")
     jrt.kill_worker(s, 1, when="crash")
+    run(12)  # worker 1 takes some: the crash is seen (by a step in flight, or these)
     s._executor.coordinator.join(timeout=90)
     _wait(lambda: s.stats()["replaced"] >= 1, 60, "worker 1 was not replaced")
     after_crash = s.stats()["completed_by"][1]

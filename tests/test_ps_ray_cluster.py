@@ -148,7 +148,7 @@ def test_training_on_a_two_node_ray_cluster(cluster):
     # A crashed worker restarted on its node; the lost node's steps rescheduled.
     st, n = out["stats"], out["scheduled"]
     assert out["worker1_node_after_restart"] == worker_id
-    assert st["replaced"] == 1 and st["completed"] == st["scheduled"] == n == 42
+    assert st["replaced"] == 1 and st["completed"] == st["scheduled"] == n == 54
     assert st["rescheduled"] > out["rescheduled_before_node_loss"]  # the node's steps
     for led in out["ledger"]:  # each step applied exactly once on every shard
         assert led["applied"] == n and led["stale"] == led["backup"] == 0, led
