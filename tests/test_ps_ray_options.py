@@ -2,6 +2,8 @@
 the driver when the strategy is created (issue 18 item 8). No Ray process is started:
 creating the strategy starts nothing."""
 
+import warnings
+
 import jax
 import pytest
 
@@ -88,3 +90,13 @@ def test_bad_options_are_errors_naming_the_argument_and_the_fix(kw, error, match
 def test_options_need_the_ray_carrier():
     with pytest.raises(ValueError, match="pass carrier='ray'"):
         jr.ParameterServerStrategy(ray_worker_options={"num_cpus": 1})
+
+
+def test_a_driver_with_gpus_is_told_its_workers_run_on_cpu():
+    from jreplicate.ps.ray_options import warn_if_gpus_unused
+    with pytest.warns(UserWarning, match=r"run on CPU .* ray_worker_options=\{'num_gpus': 2\}"):
+        warn_if_gpus_unused(({}, {}), "gpu", 2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        warn_if_gpus_unused(({"num_gpus": 0},), "gpu", 2)  # meant
+        warn_if_gpus_unused(({},), "cpu", 2)

@@ -16,8 +16,10 @@ group). The carrier's defaults:
   merged into the user's: variables the user set win, and a user's ``XLA_FLAGS``
   without a device count gets it appended). The driver's own devices play no part;
 * a worker restarts after its process dies (``max_restarts=3``; Ray retries no task,
-  ``max_task_retries=0``: the coordinator reschedules the step exactly once);
-  ``max_restarts=0`` loses the worker for good instead;
+  ``max_task_retries=0``: the coordinator reschedules the step exactly once) and is
+  given steps again; it starts afresh: its ``PER_WORKER`` input pipelines are built
+  again from ``input_fn`` (and read from their start, as TensorFlow's per-worker
+  datasets after a worker restart). ``max_restarts=0`` loses the worker for good;
 * a shard is never restarted by Ray, which would bring it back with its initial
   parameters: a lost shard stops training, and
   :meth:`jreplicate.ParameterServerStrategy.restart_shard` brings it back from a saved
@@ -30,6 +32,7 @@ Options the strategy sets itself are refused with the reason (``name`` and
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -140,6 +143,18 @@ def resolve(arg: str, options: dict | Callable[[int], dict] | None, count: int,
         return tuple(out)
     opts = _check_one(arg, options, "", g)
     return tuple(dict(opts) for _ in range(count))
+
+
+def warn_if_gpus_unused(options: tuple[dict[str, Any], ...], driver_platform: str,
+                        g: int) -> None:
+    """A driver with GPUs whose workers ask for none: they run on CPU; say so (an
+    explicit ``num_gpus=0`` is taken as meant)."""
+    if driver_platform == "gpu" and options and not any("num_gpus" in o for o in options):
+        warnings.warn(
+            "ParameterServerStrategy(carrier='ray'): the worker actors ask for no GPUs, so "
+            f"they run on CPU although this process has GPUs; pass ray_worker_options="
+            f"{{'num_gpus': {g}}} for GPU workers, or {{'num_gpus': 0}} to keep them on "
+            "CPU without this warning.", stacklevel=4)
 
 
 def is_gpu_worker(opts: Mapping[str, Any]) -> bool:

@@ -54,6 +54,7 @@ from jreplicate.ps.device_layout import assign_devices
 from jreplicate.ps.executor import ParameterServerExecutor
 from jreplicate.ps.placement import POLICIES, Placement
 from jreplicate.ps.ray_options import resolve as resolve_ray_options
+from jreplicate.ps.ray_options import warn_if_gpus_unused
 from jreplicate.ps.shard_restart import ShardRestart
 from jreplicate.strategies.base import Strategy
 from jreplicate.strategies.layout import MODEL_AXIS, REPLICA_AXIS, Layout, replica_mesh
@@ -181,6 +182,7 @@ class ParameterServerStrategy(Strategy):
             devs, num_ps, num_workers, g, carrier)
         self._ray_options = self._check_ray_options(ray_worker_options, ray_shard_options,
                                                     carrier, num_ps, g)
+        warn_if_gpus_unused(self._ray_options[0], devs[0].platform, g)
         self.num_ps = num_ps
         self.max_staleness = max_staleness
         self.token_timeout = float(token_timeout)
