@@ -177,7 +177,13 @@ def test_pipelined_staleness_is_that_of_the_parameters_each_step_used():
         recorded = sum(k * c for k, c in led["staleness"].items())
         assert recorded == n * (n - 1) // 2 - sum(started), (key, led["staleness"])
     np.testing.assert_allclose(s.parameters()["a"], [n])
+    kept = rep.run(step, None, p, opt)
+    rep.join()
     s.shutdown()
+    t0 = time.monotonic()  # outputs held by a worker of a shut-down strategy: an error
+    with pytest.raises(jr.WorkerLostError, match="held by worker"):
+        kept.fetch()
+    assert time.monotonic() - t0 < 30
 
 
 @pytest.mark.usefixtures("local_ray")
@@ -261,9 +267,10 @@ def test_a_restarted_ray_worker_does_not_read_its_input_again():
 @pytest.mark.xfail(strict=True, reason=(
     "a Ray worker whose process dies while it is idle is not noticed; the driver still "
     "believes the restarted actor holds the step function (RayCarrier._runner's 'sent' "
-    "set), sends fn=None, and the step fails there with KeyError, reported as a worker "
-    "loss and counted as an attempt although nothing ran: with max_attempts=1 the step "
-    "fails (WorkerLostError 'failed on 1 workers ... KeyError')"))
+    "set), sends fn=None, and the step fails there (ActorUnavailableError while Ray "
+    "restarts it, KeyError once restarted), reported as a worker loss and counted as an "
+    "attempt although nothing ran: with max_attempts=1 the step fails (WorkerLostError "
+    "'step 2 failed on 1 workers')"))
 def test_a_ray_worker_that_crashed_while_idle_costs_no_attempt():
     s, rep, w, opt, step, it = _input_job(max_attempts=1)
     try:
@@ -277,3 +284,64 @@ def test_a_ray_worker_that_crashed_while_idle_costs_no_attempt():
         assert len(_elements(first + second)) == 4
     finally:
         s.shutdown()
+
+
+
+# -- Ray options ---------------------------------------------------------------------------
+
+@pytest.mark.xfail(strict=True, reason=(
+    "ray_options._check_one lets through options that Ray itself refuses "
+    "(ray_option_utils.validate_actor_options): they fail later, inside tx.init, with "
+    "Ray's own error (no argument named, after the shard actors were started) instead "
+    "of at ParameterServerStrategy(...)"))
+@pytest.mark.parametrize("opts", [
+    {"resources": {"CPU": 1}},  # Ray: use num_cpus
+    {"num_cpus": float("nan")},
+    {"num_cpus": float("inf")},
+    {"accelerator_type": 7},
+    {"runtime_env": {"env_vars": ["XLA_FLAGS=--foo"]}},  # dict(env_vars) fails later
+], ids=["resources-CPU", "nan", "inf", "accelerator-int", "env_vars-list"])
+def test_options_ray_refuses_are_refused_when_the_strategy_is_created(opts):
+    with pytest.raises((ValueError, TypeError), match="ray_worker_options"):
+        jr.ParameterServerStrategy(num_ps=1, num_workers=1, carrier="ray",
+                                   ray_worker_options=opts)
+
+
+def test_options_errors_name_the_argument_and_the_actor():
+    """Sound: a function of the index that raises or returns no dict, keys that are not
+    strings, bools for numbers: errors naming the argument (and the actor)."""
+    for opts, match in ((lambda w: 1 / 0, "raised for actor 0: ZeroDivisionError"),
+                        (lambda w: None if w else {}, "for actor 1 must be a dict"),
+                        ({1: 2}, "option names must be strings"),
+                        ({"num_gpus": True}, "a number >= 0")):
+        for _ in range(2):  # the same error on every call
+            with pytest.raises((ValueError, TypeError), match=match):
+                jr.ParameterServerStrategy(num_ps=1, num_workers=2, carrier="ray",
+                                           ray_worker_options=opts)
+
+
+@pytest.mark.usefixtures("local_ray")
+@pytest.mark.xfail(strict=True, reason=(
+    "a GPU worker (ray_worker_options={'num_gpus': g}) gets no runtime_env from "
+    "worker_actor_options, so it inherits the environment of the process that started "
+    "Ray: a CPU-only driver (JAX_PLATFORMS=cpu, as here) starting a local Ray gives its "
+    "GPU workers JAX_PLATFORMS=cpu, and RayCarrier._check_ready only counts devices, "
+    "never their platform: the 'GPU' worker silently trains on CPU"))
+def test_a_gpu_workers_environment_does_not_pin_it_to_the_drivers_cpu():
+    import os
+
+    import ray
+
+    from jreplicate.ps.ray_options import resolve, worker_actor_options
+
+    assert os.environ.get("JAX_PLATFORMS") == "cpu"  # the tests' driver is CPU-only
+    opts = worker_actor_options(resolve("ray_worker_options", {"num_gpus": 1}, 1)[0], 1)
+    env = {k: v for k, v in opts.items() if k == "runtime_env"}
+
+    @ray.remote(num_cpus=0)
+    def platforms():
+        return os.environ.get("JAX_PLATFORMS")
+
+    # The GPU worker's environment (its options but the GPU this machine lacks).
+    seen = ray.get(platforms.options(**env).remote(), timeout=120)
+    assert seen != "cpu", f"a GPU worker would run with JAX_PLATFORMS={seen!r}"
