@@ -52,7 +52,7 @@ from jreplicate.ps.client import ShardClient
 from jreplicate.ps.config import PSConfig
 from jreplicate.ps.placement import Placement
 from jreplicate.ps.ray_options import shard_actor_options, worker_actor_options
-from jreplicate.ps.remote import StepCancelledError, WorkerLostError
+from jreplicate.ps.remote import ParameterServerError, StepCancelledError, WorkerLostError
 from jreplicate.ps.shard import ShardClosedError
 from jreplicate.ps.worker import ApplicationError
 from jreplicate.ps.worker_input import InputEnded, WorkerInput
@@ -226,14 +226,26 @@ class RayCarrier:
         except Exception:  # the actor is gone: nothing waits on it
             pass
 
+    def _ask_shard(self, i: int, call: Any) -> Any:
+        """Shard ``i``'s answer to ``call(actor)`` (a ref); a lost shard is a
+        ParameterServerError."""
+        ray = _ray()
+        try:
+            return ray.get(call(self.shards[i]), timeout=60)
+        except ray.exceptions.RayActorError as e:
+            raise ParameterServerError(
+                f"parameter-server shard {i} is lost ({type(e).__name__}); restart it from a "
+                f"saved state (strategy.restart_shard({i}, state)) or restore every shard "
+                "(strategy.restore(state)).") from None
+
     def shard_step(self, i: int) -> int:
-        return int(_ray().get(self.shards[i].step.remote(), timeout=60))
+        return int(self._ask_shard(i, lambda a: a.step.remote()))
 
     def shard_summary(self, i: int) -> dict[str, Any]:
-        return _ray().get(self.shards[i].summary.remote(), timeout=60)
+        return self._ask_shard(i, lambda a: a.summary.remote())
 
     def shard_state(self, i: int) -> dict[str, Any]:
-        return _ray().get(self.shards[i].state.remote(), timeout=60)
+        return self._ask_shard(i, lambda a: a.state.remote())
 
     def kill_worker(self, w: int, when: str) -> None:
         ray = _ray()
