@@ -10,7 +10,9 @@ it, so the step started behind it never runs there.
 import threading
 import time
 
+import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 import pytest
 
@@ -122,4 +124,35 @@ def test_default_placement_gives_every_shard_a_share_of_an_mlps_bytes():
     assert s.placement.policy == "size_balanced" and min(sizes) >= 0.2 * sum(sizes), sizes
     rr = place_parameters(params, 2)
     assert min(rr.bytes_per_shard) < 0.01 * sum(rr.bytes_per_shard)  # the old default
+    s.shutdown()
+
+
+def test_outputs_that_are_inputs_unchanged_come_back_as_the_inputs():
+    """A worker's step returns the optimizer state unchanged (a pushable update leaves
+    it), a per-replica batch and the parameters: the state is not copied out of the
+    compiled step but put back from the inputs, the batch stays per replica (two
+    replicas), the parameters are those the step started from."""
+    s = jr.ParameterServerStrategy(num_ps=1, num_workers=1, num_replicas_in_sync=2)
+    rep = jr.Replicator(s)
+    with rep.scope():
+        w = {"k": jnp.arange(3.0)}
+        tx = jr.pushable(optax.adam(0.1))
+        opt = tx.init(w)
+
+    def step(ctx, x, w, opt):
+        u, opt = tx.update(jax.tree.map(lambda v: v * jnp.sum(x), w), opt, w)
+        return opt, x, optax.apply_updates(w, u), jnp.sum(w["k"])
+
+    xs = np.arange(4.0, dtype=np.float32).reshape(4, 1)
+    values = [rep.run(step, xs, w, opt) for _ in range(2)]
+    rep.join()
+    first, second = (v.fetch() for v in values)
+    for a, b in zip(jax.tree.leaves(first[0]), jax.tree.leaves(tx.init(w))):
+        np.testing.assert_array_equal(a, b)  # the worker's copy of the initial state
+    np.testing.assert_array_equal(first[1], xs)  # per replica: not forwarded
+    np.testing.assert_allclose(first[2]["k"], np.arange(3.0))
+    assert float(second[3]) != float(first[3])  # the second step pulled the update
+    worker = s._executor._carrier.workers[0]  # the state came back as the worker's own
+    assert all(a is b for a, b in zip(jax.tree.leaves(values[0]._value[0]),
+                                      jax.tree.leaves(worker._opt)))
     s.shutdown()
