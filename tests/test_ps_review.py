@@ -156,6 +156,54 @@ def test_every_restarted_shard_reports_the_updates_it_lost():
     finally:
         s.shutdown()
 
+
+@pytest.mark.xfail(strict=True, reason=(
+    "PSWorker._run places the batch (the jitted _place_both of item 6) OUTSIDE the try "
+    "that turns the step's own errors into ApplicationError: a batch the step cannot "
+    "take (here a string leaf, e.g. file names) raises a raw TypeError that the "
+    "coordinator takes for a worker failure, so the step is retried on every worker and "
+    "each is marked dead: 'every worker died ... restore the last checkpoint', all "
+    "later steps refused. Expected: the step's error (join raises it), workers alive"))
+def test_a_batch_the_step_cannot_take_is_the_steps_error_not_every_workers_death():
+    s = jr.ParameterServerStrategy(num_ps=1, num_workers=2)
+    rep = jr.Replicator(s)
+    with rep.scope():
+        w = jnp.zeros(2)
+        tx = jr.pushable(optax.sgd(0.1))
+        opt = tx.init(w)
+
+    def step(ctx, b, w, opt):
+        u, opt = tx.update(jax.grad(lambda w: jnp.sum(w * b["x"]))(w), opt, w)
+        return optax.apply_updates(w, u)
+
+    it = rep.prepare_input(lambda ctx: [{"x": np.ones(2, np.float32), "name": np.array(
+        "a.jpg")} for _ in range(4)], jr.InputReplicationMode.SINGLE)
+    try:
+        rep.run(step, it, w, opt)
+        with pytest.raises(TypeError):
+            rep.join()
+        assert s.stats()["alive"] == [True, True]
+    finally:
+        s.shutdown()
+
+
+def test_state_and_restart_shard_refuse_while_steps_are_in_flight():
+    """Sound: state() and restart_shard() while steps are scheduled raise naming join."""
+    s, rep, params, opt, step = _adam_job()
+    jrt.set_worker_delay(s, 0, 0.2)
+    jrt.set_worker_delay(s, 1, 0.2)
+    _steps(rep, step, params, opt, 1)
+    saved = s.state()
+    for _ in range(4):
+        rep.run(step, None, params, opt)
+    with pytest.raises(RuntimeError, match="join"):
+        s.state()
+    with pytest.raises(RuntimeError, match="join"):
+        s.restart_shard(1, saved)
+    rep.join()
+    assert [led["applied"] for led in s.ledger()] == [5, 5]
+    s.shutdown()
+
 # -- Ray: pipelined steps, outputs held on the workers, restarted workers ----------------
 
 def _counting_job(num_workers, carrier="ray"):
