@@ -157,13 +157,6 @@ def test_every_restarted_shard_reports_the_updates_it_lost():
         s.shutdown()
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "PSWorker._run places the batch (the jitted _place_both of item 6) OUTSIDE the try "
-    "that turns the step's own errors into ApplicationError: a batch the step cannot "
-    "take (here a string leaf, e.g. file names) raises a raw TypeError that the "
-    "coordinator takes for a worker failure, so the step is retried on every worker and "
-    "each is marked dead: 'every worker died ... restore the last checkpoint', all "
-    "later steps refused. Expected: the step's error (join raises it), workers alive"))
 def test_a_batch_the_step_cannot_take_is_the_steps_error_not_every_workers_death():
     s = jr.ParameterServerStrategy(num_ps=1, num_workers=2)
     rep = jr.Replicator(s)

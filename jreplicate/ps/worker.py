@@ -205,10 +205,6 @@ class PSWorker:
         if nnx_model:  # an NNX model: its params pulled
             from flax import nnx
             nnx.update(args[c.param_index], params)
-        # Placed for the mesh, so that the step takes the steady-state path.
-        placed, batch = self._place_inputs(None if nnx_model else params, c.batch)
-        if not nnx_model:
-            args[c.param_index] = placed
         if c.opt_index is not None:
             if self._opt is None:
                 self._opt = self.executor.place(self._opt_host)
@@ -217,8 +213,13 @@ class PSWorker:
         # returns) are not copied out of the step: taken from the inputs (not with NNX
         # arguments, whose state the executor splits and writes back itself).
         first = None if any(isinstance(a, NnxArg) for a in c.args) else int(c.has_batch)
-        fn, args = self._capturing(c.fn, first), tuple(args)
-        try:
+        fn = self._capturing(c.fn, first)
+        try:  # a batch the step cannot take (placed here) is the step's error too
+            # Placed for the mesh, so that the step takes the steady-state path.
+            placed, batch = self._place_inputs(None if nnx_model else params, c.batch)
+            if not nnx_model:
+                args[c.param_index] = placed
+            args = tuple(args)
             got = self.executor.run_again(fn, c.has_batch, batch, args, None, ())
             if got is NOT_RUN:
                 got = self.executor.run(fn, c.has_batch, batch, args, steps=None,
