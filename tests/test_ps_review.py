@@ -52,13 +52,6 @@ def _with_shard(state, i, **piece):
 
 # -- restart_shard(i, state) -------------------------------------------------------------
 
-@pytest.mark.xfail(strict=True, reason=(
-    "restart_shard checks only the params of the saved shard, not its opt_state: an "
-    "opt_state of another shape fails inside optax with a raw TypeError ('add got "
-    "incompatible shapes') that names neither the argument nor the fix, AFTER the "
-    "carrier closed shard i (EmbeddedCarrier.restart_shard closes before building): a "
-    "live shard's state is destroyed by a call that raised, and training stops with "
-    "ParameterServerError 'shard 1 is replaced'"))
 def test_restart_shard_with_a_mismatched_opt_state_is_an_error_that_loses_nothing():
     s, rep, params, opt, step = _adam_job()
     _steps(rep, step, params, opt, 3)
@@ -77,10 +70,6 @@ def test_restart_shard_with_a_mismatched_opt_state_is_an_error_that_loses_nothin
         s.shutdown()
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "restart_shard does not check the opt_state's dtypes: a float64 optimizer state is "
-    "accepted and silently cast to the shard's float32 (check_shard_state compares "
-    "only the params)"))
 def test_restart_shard_refuses_an_opt_state_of_another_dtype():
     s, rep, params, opt, step = _adam_job()
     _steps(rep, step, params, opt, 3)
@@ -95,12 +84,6 @@ def test_restart_shard_refuses_an_opt_state_of_another_dtype():
         s.shutdown()
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "restart_shard(i, state) of a shard that is NOT lost is accepted: the live shard "
-    "is closed and rolled back to the saved step while the other shards keep theirs "
-    "(here shard 1 back at step 3 beside shard 0 at step 7); the docstring says it "
-    "brings a lost shard back. Expected: an error naming strategy.restore(state) (or "
-    "an explicit opt-in)"))
 def test_restart_shard_of_a_live_shard_is_refused():
     s, rep, params, opt, step = _adam_job()
     _steps(rep, step, params, opt, 3)
@@ -131,13 +114,6 @@ def test_restart_shard_refuses_params_of_another_dtype_or_placement():
 
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "ShardRestart.lost depends on the order of the restarts and on the carrier: with "
-    "both shards lost and restarted from one save, the first report names the updates "
-    "after the save (read from the other shard's CLOSED ledger, which the embedded "
-    "carrier still serves; a dead Ray actor does not, so there it is empty too) and "
-    "the second report names none, though shard 1 lost the same updates: a user told "
-    "'nothing lost' for a shard rolled back 4 updates"))
 def test_every_restarted_shard_reports_the_updates_it_lost():
     s, rep, params, opt, step = _adam_job()
     _steps(rep, step, params, opt, 3)

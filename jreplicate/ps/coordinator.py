@@ -50,6 +50,7 @@ import weakref
 from collections.abc import Callable
 from typing import Any
 
+from jreplicate.ps.ledger import Ledger
 from jreplicate.ps.remote import (
     ParameterServerError,
     RemoteValue,
@@ -137,6 +138,9 @@ class Coordinator:
         self.scheduled = 0
         self.completed = 0
         self.completed_by = [0] * len(runners)
+        # The ids of the steps that completed (each shard decided their pushes): what a
+        # shard restarted from an older state may have lost (see shard_restart).
+        self.completed_ids = Ledger()
         self.finish_times: list[list[float]] = [[] for _ in runners]
         self._first_error: BaseException | None = None
         self._fatal: BaseException | None = None
@@ -458,6 +462,7 @@ class Coordinator:
             rv = self._values.pop(c.step_id)
             if error is None:
                 self.completed += 1
+                self.completed_ids.record(c.step_id, "applied")
                 self.completed_by[w] += 1
                 self.finish_times[w].append(time.monotonic())
             elif self._first_error is None and self._fatal is None:

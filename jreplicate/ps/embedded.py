@@ -61,6 +61,9 @@ class EmbeddedCarrier:
                        ledger=r.get("ledger"), num_shards=s.num_ps,
                        max_staleness=s.max_staleness)
 
+    def shard_lost(self, i: int) -> bool:
+        return self.shards[i].closed
+
     def restart_shard(self, i: int, saved: dict[str, Any]) -> None:
         """Shard ``i`` anew from ``saved`` (``host_shard_state``), in every client."""
         self.shards[i].close("replaced")

@@ -210,8 +210,14 @@ class ParameterServerExecutor(Executor):
                              "(same num_ps).")
         saved = host_shard_state(shards[i])
         here = self.placement.split(jax.tree.map(np.asarray, self._opt_keep[0]))[i]
-        check_shard_state(i, saved, here)
-        others = []
+        check_shard_state(i, saved, here, jax.eval_shape(self._tx.init, here) if here
+                          else None)
+        if not self._carrier.shard_lost(i):
+            raise ValueError(
+                f"restart_shard({i}, state): shard {i} is not lost; rolling it back alone "
+                "would leave it behind the other shards. Restore every shard with "
+                "strategy.restore(state).")
+        others = [self.coordinator.completed_ids.to_arrays()]
         for j in range(self.config.num_ps):
             if j != i:
                 try:

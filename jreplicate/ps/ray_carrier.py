@@ -267,6 +267,14 @@ class RayCarrier:
         return ShardActor.options(**shard_actor_options(_opts(s.ray_shard_options, i))).remote(
             i, params, self._tx, restored, s.num_ps, s.max_staleness)
 
+    def shard_lost(self, i: int) -> bool:
+        """Whether shard ``i``'s actor is dead (it does not answer)."""
+        try:
+            self.shard_step(i)
+        except ParameterServerError:
+            return True
+        return False
+
     def restart_shard(self, i: int, saved: dict[str, Any]) -> None:
         """Shard ``i`` as a new actor from ``saved`` (``host_shard_state``), which the
         driver and every live worker call from now on."""

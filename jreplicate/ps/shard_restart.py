@@ -11,8 +11,12 @@ token-gated job's shards must agree on ``global_step``, so it restores every sha
 What the restarted shard holds: its parameters, optimizer state, step and ledger as
 saved. The updates it applied after the save are gone with it, while the other shards
 still hold theirs; nothing is re-applied behind the user's back. The
-:class:`ShardRestart` report names them: the push (step) ids another shard applied
-(or dropped as stale) that the restarted shard's ledger has not decided. A later push
+:class:`ShardRestart` report names them: the ids of the steps that completed since
+(the coordinator's record) or that another shard decided, which the restarted
+shard's ledger has not decided. Only a lost shard is restarted (a live one rolled back
+alone would fall behind the others: ``strategy.restore(state)`` restores them all),
+and the saved state is checked first (its pieces and its optimizer state's
+structure, shapes and dtypes), so a refused call changes nothing. A later push
 of such an id (a step rescheduled after the loss) is applied by the restarted shard
 and counted a duplicate by the others, as the ledgers' exactly-once rule says.
 """
@@ -33,10 +37,9 @@ class ShardRestart(NamedTuple):
     Attributes:
       shard: the restarted shard.
       step: its step, as saved (updates it has applied).
-      lost: the push (step) ids the other shards decided after the saved state and
-        the restarted shard no longer has (their updates are missing from its part of
-        the parameters), ascending. Empty with one shard: the ledgers cannot tell
-        then; every update after the save is gone.
+      lost: the step ids whose updates the restarted shard no longer has (steps that
+        completed, or that another shard decided, after the saved state), ascending;
+        their updates are missing from its part of the parameters.
     """
 
     shard: int
@@ -73,11 +76,14 @@ def lost_pushes(restored: dict[str, Any], others: list[dict[str, Any]]) -> tuple
     return tuple(sorted(i for i in lost - mine if i >= start))
 
 
-def check_shard_state(i: int, saved: dict[str, Any], expected: dict[str, Any]) -> None:
-    """The saved pieces of shard ``i`` have the keys, shapes and dtypes it holds.
+def check_shard_state(i: int, saved: dict[str, Any], expected: dict[str, Any],
+                      opt_spec: Any = None) -> None:
+    """The saved pieces of shard ``i`` have the keys, shapes and dtypes it holds, and
+    its optimizer state the structure, shapes and dtypes of ``opt_spec`` (the
+    transformation's ``init`` of those pieces, as ``jax.eval_shape`` gives it).
 
     Raises:
-      ValueError: naming the piece and the fix.
+      ValueError: naming the piece or the optimizer state's leaf, and the fix.
     """
     got = saved["params"]
     if set(got) != set(expected):
@@ -91,3 +97,19 @@ def check_shard_state(i: int, saved: dict[str, Any], expected: dict[str, Any]) -
             raise ValueError(
                 f"restart_shard({i}, state): piece {k!r} is {a.dtype}{list(a.shape)} in the "
                 f"state, {v.dtype}{list(v.shape)} here; pass a state saved by this job.")
+    if opt_spec is None:
+        return
+    want, want_def = jax.tree_util.tree_flatten_with_path(opt_spec)
+    got, got_def = jax.tree_util.tree_flatten(saved["opt_state"])
+    if want_def != got_def:
+        raise ValueError(
+            f"restart_shard({i}, state): the state's opt_state of shard {i} is {got_def}, "
+            f"this strategy's optimizer makes {want_def}; pass a state saved by this job "
+            "(same optimizer).")
+    for (path, spec), leaf in zip(want, got):
+        a = np.asarray(leaf)
+        if a.shape != spec.shape or a.dtype != spec.dtype:
+            raise ValueError(
+                f"restart_shard({i}, state): opt_state{jax.tree_util.keystr(path)} is "
+                f"{a.dtype}{list(a.shape)} in the state, {spec.dtype}{list(spec.shape)} "
+                "here; pass a state saved by this job (same optimizer and dtypes).")

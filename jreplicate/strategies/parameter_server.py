@@ -330,8 +330,10 @@ class ParameterServerStrategy(Strategy):
 
         Raises:
           RuntimeError: steps are scheduled or running (call ``rep.join()`` first).
-          ValueError: token-gated training, a shard index out of range, or a state whose
-            shard does not match this one (names the piece).
+          ValueError: token-gated training, a shard index out of range, a shard that is
+            not lost (restore every shard with :meth:`restore`), or a state whose shard
+            does not match this one (names the piece or optimizer-state leaf); nothing
+            is changed then.
         """
         return self._ex().restart_shard(shard, state)
 
