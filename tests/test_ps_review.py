@@ -559,3 +559,29 @@ def test_a_gpu_workers_environment_does_not_pin_it_to_the_drivers_cpu():
     # The GPU worker's environment (its options but the GPU this machine lacks).
     seen = ray.get(platforms.options(**env).remote(), timeout=120)
     assert seen != "cpu", f"a GPU worker would run with JAX_PLATFORMS={seen!r}"
+
+
+
+@pytest.mark.usefixtures("local_ray")
+@pytest.mark.xfail(strict=True, reason=(
+    "a shard asking for a GPU (ray_shard_options={'num_gpus': 1}) gets no runtime_env "
+    "from shard_actor_options, so it inherits the JAX_PLATFORMS of the process that "
+    "started Ray (a CPU-only driver's 'cpu'): its updates silently run on CPU (the "
+    "workers' variant of this was fixed; nothing checks a shard's platform)"))
+def test_a_gpu_shards_environment_does_not_pin_it_to_the_drivers_cpu():
+    import os
+
+    import ray
+
+    from jreplicate.ps.ray_options import resolve, shard_actor_options
+
+    assert os.environ.get("JAX_PLATFORMS") == "cpu"
+    opts = shard_actor_options(resolve("ray_shard_options", {"num_gpus": 1}, 1)[0])
+    env = {k: v for k, v in opts.items() if k == "runtime_env"}
+
+    @ray.remote(num_cpus=0)
+    def platforms():
+        return os.environ.get("JAX_PLATFORMS")
+
+    seen = ray.get(platforms.options(**env).remote(), timeout=120)
+    assert seen != "cpu", f"a GPU shard would run with JAX_PLATFORMS={seen!r}"
