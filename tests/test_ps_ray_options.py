@@ -39,7 +39,7 @@ def test_options_reach_each_actor_merged_with_the_defaults():
     assert [o["resources"] for o in workers] == [{"node0": 1}, {"node1": 1}, {"node0": 1}]
     merged = worker_actor_options(workers[1], 2)
     assert merged["num_cpus"] == 1 and merged["max_task_retries"] == 0
-    assert merged["max_restarts"] == 3
+    assert merged["max_restarts"] == -1  # restarted every time, as preempted workers
     assert merged["runtime_env"]["env_vars"] == {
         "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
     assert shard_actor_options(shards[0]) == {
@@ -60,7 +60,9 @@ def test_a_users_runtime_env_is_kept_and_completed():
     assert opts["runtime_env"]["env_vars"]["XLA_FLAGS"] == \
         "--xla_cpu_enable_fast_math=false"  # the user's dict is not changed
     gpu = worker_actor_options(resolve("ray_worker_options", {"num_gpus": 2}, 1, 2)[0], 2)
-    assert is_gpu_worker(gpu) and "runtime_env" not in gpu and gpu["num_gpus"] == 2
+    assert is_gpu_worker(gpu) and gpu["num_gpus"] == 2
+    # Not the driver's JAX_PLATFORMS=cpu (a CPU-only head): every platform, GPUs first.
+    assert gpu["runtime_env"] == {"env_vars": {"JAX_PLATFORMS": ""}}
 
 
 @pytest.mark.parametrize("kw, error, match", [
@@ -80,6 +82,11 @@ def test_a_users_runtime_env_is_kept_and_completed():
     ({"ray_worker_options": lambda w: {"num_cpus": 1} if w == 0 else {"nme": 1}},
      ValueError, r"for actor 1: \['nme'\]"),
     ({"ray_worker_options": {"runtime_env": "env.yaml"}}, TypeError, "must be a dict"),
+    ({"ray_worker_options": {"num_cpus": float("inf")}}, ValueError, "finite"),
+    ({"ray_worker_options": {"runtime_env": {"env_vars": {"A": 1}}}}, TypeError,
+     "map names to strings"),
+    ({"ray_worker_options": {"resources": {"CPU": 1}}}, ValueError,
+     "Ray refuses these actor options: .*num_cpus"),
 ])
 def test_bad_options_are_errors_naming_the_argument_and_the_fix(kw, error, match):
     kw = {"num_workers": 2, "carrier": "ray", **kw}

@@ -449,36 +449,16 @@ def test_a_restarted_ray_worker_does_not_read_its_input_again(one_ray_worker_fau
     assert len(set(got)) == len(got), f"elements read twice: {got}"
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "a Ray worker restarted by Ray while idle (no step in flight) is not noticed; the "
-    "driver believes the new actor holds the step function (RayCarrier._runner's 'sent' "
-    "set) and sends fn=None: the step fails there with KeyError, is taken for a worker "
-    "loss and counted as an attempt although nothing ran (with max_attempts=1 it "
-    "fails; while Ray still restarts it, ActorUnavailableError does the same)"))
 def test_a_ray_worker_that_crashed_while_idle_costs_no_attempt(one_ray_worker_faults):
     assert one_ray_worker_faults["idle_attempts"] == [1, 1]
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "same unnoticed idle restart: the driver believes the new actor holds the "
-    "PER_WORKER input_fn ('sent_inputs'), so a NEW step function on that iterator "
-    "reaches it with input_fn=None, which WorkerActor.run stores (setdefault) and "
-    "WorkerPipelines calls: every step of that iterator on that worker fails for good "
-    "with the application error \"TypeError: 'NoneType' object is not callable\" (not "
-    "retried, the worker never replaced)"))
 def test_a_new_step_on_a_ray_worker_restarted_while_idle_reads_its_input(
         one_ray_worker_faults):
     obs = one_ray_worker_faults
     assert obs["new_fn_error"] is None and obs["new_fn_done"] == 2
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "same unnoticed idle restart: Ray rebuilds the worker actor from its constructor "
-    "arguments, whose shard list (RayCarrier._worker_args, put once) still names the "
-    "shard actor restart_shard replaced; nothing resends the current one (only "
-    "replace_worker does), so its next step pushes to the dead shard actor and the "
-    "driver stops training with ParameterServerError 'a parameter-server shard "
-    "failed' although every shard is alive"))
 def test_a_ray_worker_restarted_while_idle_calls_the_restarted_shard(one_ray_worker_faults):
     obs = one_ray_worker_faults
     assert obs["after_shard_restart_error"] is None and obs["after_shard_restart_done"]
@@ -503,11 +483,6 @@ def test_a_restarted_ray_worker_keeps_its_settings(one_ray_worker_faults):
 
 # -- Ray options ---------------------------------------------------------------------------
 
-@pytest.mark.xfail(strict=True, reason=(
-    "ray_options._check_one lets through options that Ray itself refuses "
-    "(ray_option_utils.validate_actor_options): they fail later, inside tx.init, with "
-    "Ray's own error (no argument named, after the shard actors were started) instead "
-    "of at ParameterServerStrategy(...)"))
 @pytest.mark.parametrize("opts", [
     {"resources": {"CPU": 1}},  # Ray: use num_cpus
     {"num_cpus": float("nan")},
@@ -535,12 +510,6 @@ def test_options_errors_name_the_argument_and_the_actor():
 
 
 @pytest.mark.usefixtures("local_ray")
-@pytest.mark.xfail(strict=True, reason=(
-    "a GPU worker (ray_worker_options={'num_gpus': g}) gets no runtime_env from "
-    "worker_actor_options, so it inherits the environment of the process that started "
-    "Ray: a CPU-only driver (JAX_PLATFORMS=cpu, as here) starting a local Ray gives its "
-    "GPU workers JAX_PLATFORMS=cpu, and RayCarrier._check_ready only counts devices, "
-    "never their platform: the 'GPU' worker silently trains on CPU"))
 def test_a_gpu_workers_environment_does_not_pin_it_to_the_drivers_cpu():
     import os
 
@@ -559,7 +528,6 @@ def test_a_gpu_workers_environment_does_not_pin_it_to_the_drivers_cpu():
     # The GPU worker's environment (its options but the GPU this machine lacks).
     seen = ray.get(platforms.options(**env).remote(), timeout=120)
     assert seen != "cpu", f"a GPU worker would run with JAX_PLATFORMS={seen!r}"
-
 
 
 @pytest.mark.usefixtures("local_ray")

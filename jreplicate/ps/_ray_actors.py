@@ -14,7 +14,7 @@ import jax
 import numpy as np
 
 from jreplicate.context import PerReplica
-from jreplicate.ps._ray_proxy import _ShardProxy
+from jreplicate.ps._ray_proxy import _Forgotten, _ShardProxy
 from jreplicate.ps.client import ShardClient
 from jreplicate.ps.ledger import Ledger
 from jreplicate.ps.remote import WorkerLostError
@@ -122,6 +122,9 @@ if ray is not None:
             self.input_fns = {}  # PER_WORKER input_fn by key, sent once
             self.held = {}  # step id -> its outputs, until fetched and let go
             self.lost = None  # why this worker is lost (it then runs no step)
+            # Restarted by Ray (its process died): it runs nothing until the carrier has
+            # told it again what it told the first one (set_shards, ...).
+            self.restarted = ray.get_runtime_context().was_current_actor_reconstructed
 
         def run(self, closure, live_workers, let_go=()):
             for step_id in let_go:
@@ -129,6 +132,11 @@ if ray is not None:
             if self.lost is not None:  # a lost worker runs nothing (a step queued behind)
                 raise WorkerLostError(f"worker {self.worker.index} was lost ({self.lost}); "
                                       f"step {closure.step_id} did not run")
+            m = closure.batch
+            if self.restarted or closure.fn is None and closure.fn_key not in self.fns or \
+                    isinstance(m, WorkerInput) and m.input_fn is None and \
+                    m.key not in self.input_fns:
+                raise _Forgotten(f"worker {self.worker.index} was restarted")
             if closure.fn is None:  # sent before: one function object, compiled once
                 closure = dataclasses.replace(closure, fn=self.fns[closure.fn_key])
             else:
@@ -173,9 +181,14 @@ if ray is not None:
         def ready(self):
             return len(self.worker.layout.devices)
 
+        def device_platform(self):
+            """The platform of this worker's devices (``"cpu"``, ``"gpu"``, ...)."""
+            return self.worker.layout.devices[0].platform
+
         def set_shards(self, shards):
-            """The shard actors to call (after one was restarted)."""
+            """The shard actors to call (after one was restarted, or this worker)."""
             self.worker.client.shards[:] = [_ShardProxy(a) for a in shards]
+            self.restarted = False
 
         def incarnation(self):
             """This instance's identity: Ray restarting the actor makes a new one."""

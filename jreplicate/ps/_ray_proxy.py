@@ -26,6 +26,12 @@ class _ShardLost(RuntimeError):
     """A worker found a shard actor dead."""
 
 
+class _Forgotten(RuntimeError):
+    """A worker actor that Ray restarted afresh (its process died while idle) was sent a
+    step before the carrier told it again what it told the first (the shards, its
+    settings, the functions it was sent once). The step did not run there."""
+
+
 class _ShardCalls:
     """A shard actor's :class:`ShardHandle` operations returning Ray object refs."""
 

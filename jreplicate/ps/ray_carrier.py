@@ -47,11 +47,11 @@ import os
 import time
 from typing import Any
 
-from jreplicate.ps._ray_proxy import _ray, _ShardLost, _ShardProxy
+from jreplicate.ps._ray_proxy import _Forgotten, _ray, _ShardLost, _ShardProxy
 from jreplicate.ps.client import ShardClient
 from jreplicate.ps.config import PSConfig
 from jreplicate.ps.placement import Placement
-from jreplicate.ps.ray_options import shard_actor_options, worker_actor_options
+from jreplicate.ps.ray_options import is_gpu_worker, shard_actor_options, worker_actor_options
 from jreplicate.ps.remote import ParameterServerError, StepCancelledError, WorkerLostError
 from jreplicate.ps.shard import ShardClosedError
 from jreplicate.ps.worker import ApplicationError
@@ -145,6 +145,7 @@ class RayCarrier:
             w, shards_ref, placement_ref, gated, opt_ref, g, s.token_timeout,
             s.skip_stale_tokens) for w in range(s.num_ps_workers)]
         self._check_ready(ray.get([w.ready.remote() for w in self.workers], timeout=300))
+        self._check_gpus()
         self.client = ShardClient([_ShardProxy(a) for a in self.shards], placement, gated)
         self._live = lambda: len(self.workers)
         # Asynchronous unbounded training keeps two steps in flight per worker actor, so
@@ -158,6 +159,7 @@ class RayCarrier:
         self._incarnations = ray.get([w.incarnation.remote() for w in self.workers],
                                      timeout=300)
         self._forget: dict[int, Any] = {}  # worker -> forget what its actor held
+        self._delays = [0.0] * len(self.workers)  # set_worker_delay, kept for restarts
         self.runners = [self._runner(w) for w in range(len(self.workers))]
 
     def _runner(self, w: int):
@@ -194,6 +196,11 @@ class RayCarrier:
                 return HeldOutputs(self.workers[w], w, closure.step_id, drops)
             except ray.exceptions.RayTaskError as e:
                 cause = getattr(e, "cause", None)
+                if isinstance(cause, _Forgotten):  # restarted while idle: did not run
+                    self._refresh(w)
+                    self._forget[w]()
+                    running[0] += 1  # the resent closure carries its functions
+                    return wait(closure, read, self.workers[w].run.remote(closure, 0, []))
                 if read is not None:  # the actor built the pipeline (or failed to)
                     sent_inputs.add(read.key)
                 if isinstance(cause, (ApplicationError, StepCancelledError, InputEnded,
@@ -255,6 +262,7 @@ class RayCarrier:
         ray.get(self.workers[w].set_kill_at.remote(when), timeout=60)
 
     def set_worker_delay(self, w: int, seconds: float) -> None:
+        self._delays[w] = seconds
         _ray().get(self.workers[w].set_delay.remote(seconds), timeout=60)
 
     def kill_shard(self, i: int) -> None:
@@ -315,14 +323,38 @@ class RayCarrier:
                 return False  # the same process: not a restart
             if ray.get(actor.ready.remote(), timeout=60) < g:
                 return False
-            if self.depth > 1:
-                ray.get(actor.return_params.remote(), timeout=60)
-            ray.get(actor.set_shards.remote(self.shards), timeout=60)  # restarted ones
+            self._refresh(w)
         except Exception:  # dead for good, or not back in time
             return False
-        self._incarnations[w] = now
         self._forget[w]()
         return True
+
+    def _refresh(self, w: int) -> None:
+        """Worker ``w``'s actor, restarted afresh by Ray, is told what the carrier told
+        it before: pushes return parameters (pipelined steps), the shards (restarted
+        ones), its delay; its incarnation is recorded."""
+        ray = _ray()
+        actor = self.workers[w]
+        refs = [actor.set_shards.remote(self.shards), actor.set_delay.remote(self._delays[w])]
+        if self.depth > 1:
+            refs.append(actor.return_params.remote())
+        ray.get(refs, timeout=60)
+        self._incarnations[w] = ray.get(actor.incarnation.remote(), timeout=60)
+
+    def _check_gpus(self) -> None:
+        """Each worker that asked for GPUs runs on them (not silently on CPU)."""
+        ray, s = _ray(), self._config
+        asked = [w for w in range(len(self.workers))
+                 if is_gpu_worker(_opts(s.ray_worker_options, w))]
+        found = ray.get([self.workers[w].device_platform.remote() for w in asked],
+                        timeout=60)
+        for w, platform in zip(asked, found):
+            if platform != "gpu":
+                raise ValueError(
+                    f"ParameterServerStrategy(ray_worker_options={{'num_gpus': ...}}): worker "
+                    f"actor {w} got GPUs from Ray but JAX in its process runs on "
+                    f"{platform!r}: install JAX with GPU support on its node (pip install "
+                    "'jax[cuda12]'), or do not set JAX_PLATFORMS in its runtime_env.")
 
     def _check_ready(self, counts: list[int]) -> None:
         """Each worker actor found its ``num_replicas_in_sync`` devices."""

@@ -15,7 +15,8 @@ group). The carrier's defaults:
   ``JAX_PLATFORMS=cpu`` and ``XLA_FLAGS=--xla_force_host_platform_device_count=g``,
   merged into the user's: variables the user set win, and a user's ``XLA_FLAGS``
   without a device count gets it appended). The driver's own devices play no part;
-* a worker restarts after its process dies (``max_restarts=3``; Ray retries no task,
+* a worker restarts after its process dies, every time, as a cluster manager restarts
+  a preempted worker (``max_restarts=-1``; a number bounds it; Ray retries no task,
   ``max_task_retries=0``: the coordinator reschedules the step exactly once) and is
   given steps again; it starts afresh: its ``PER_WORKER`` input pipelines are built
   again from ``input_fn`` (and read from their start, as TensorFlow's per-worker
@@ -37,7 +38,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 #: Worker restarts after a process death, unless ``ray_worker_options`` says otherwise.
-DEFAULT_WORKER_RESTARTS = 3
+DEFAULT_WORKER_RESTARTS = -1
 
 _REFUSED = {
     "name": "one name cannot serve several actors",
@@ -50,6 +51,15 @@ _REFUSED_SHARD = {
     "max_restarts": "Ray would restart a shard with its initial parameters; use "
                     "strategy.restart_shard(i, state) to restart one from a saved state",
 }
+
+
+def _ray_validate(opts: dict[str, Any]) -> None:
+    """Ray's own check of actor options (nothing when Ray is not installed)."""
+    try:
+        from ray._common.ray_option_utils import validate_actor_options
+    except ImportError:
+        return
+    validate_actor_options(opts, in_options=True)
 
 
 def _ray_option_names() -> frozenset[str] | None:
@@ -86,9 +96,10 @@ def _check_one(arg: str, opts: Any, where: str, g: int) -> dict[str, Any]:
                          f"options of a Ray actor; use some of {sorted(known - set(refused))}.")
     for k in ("num_cpus", "num_gpus", "memory"):
         v = opts.get(k)
-        if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0):
+        if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or
+                              not 0 <= v < float("inf")):
             raise ValueError(f"ParameterServerStrategy({arg}={{{k!r}: {v!r}}}){where} must "
-                             "be a number >= 0.")
+                             "be a number >= 0, finite.")
     gpus = opts.get("num_gpus") or 0
     if arg == "ray_worker_options" and gpus and gpus < g and (gpus >= 1 or g > 1):
         raise ValueError(
@@ -99,6 +110,11 @@ def _check_one(arg: str, opts: Any, where: str, g: int) -> dict[str, Any]:
     if env is not None and not isinstance(env, Mapping):  # RuntimeEnv is a dict
         raise TypeError(f"ParameterServerStrategy({arg}={{'runtime_env': ...}}){where} must "
                         f"be a dict (Ray's runtime environment), got {type(env).__name__}.")
+    env_vars = (env or {}).get("env_vars")
+    if env_vars is not None and (not isinstance(env_vars, Mapping) or not all(
+            isinstance(k, str) and isinstance(v, str) for k, v in env_vars.items())):
+        raise TypeError(f"ParameterServerStrategy({arg}={{'runtime_env': {{'env_vars': "
+                        f"{env_vars!r}}}}}){where} must map names to strings.")
     restarts = opts.get("max_restarts")
     if restarts is not None and (isinstance(restarts, bool) or not isinstance(restarts, int)
                                  or restarts < -1):
@@ -111,6 +127,11 @@ def _check_one(arg: str, opts: Any, where: str, g: int) -> dict[str, Any]:
         raise ValueError(f"ParameterServerStrategy({arg}={{'resources': {resources!r}}})"
                          f"{where} must map resource names to amounts >= 0 (e.g. "
                          "{'worker_node': 1}).")
+    try:
+        _ray_validate(dict(opts))
+    except (ValueError, TypeError) as e:
+        raise ValueError(f"ParameterServerStrategy({arg}=...){where}: Ray refuses these "
+                         f"actor options: {e}") from e
     return opts
 
 
@@ -167,10 +188,15 @@ def worker_actor_options(opts: Mapping[str, Any], g: int) -> dict[str, Any]:
     defaults (see the module docstring)."""
     out = {"num_cpus": 0, "max_restarts": DEFAULT_WORKER_RESTARTS, **opts,
            "max_task_retries": 0}
-    if is_gpu_worker(opts):
-        return out
     env = dict(out.get("runtime_env") or {})
     env_vars = dict(env.get("env_vars") or {})
+    if is_gpu_worker(opts):
+        # Not the JAX_PLATFORMS of the process that started Ray (e.g. a CPU-only driver's
+        # "cpu"): every platform, the GPUs first (checked when the worker is ready).
+        env_vars.setdefault("JAX_PLATFORMS", "")
+        env["env_vars"] = env_vars
+        out["runtime_env"] = env
+        return out
     env_vars.setdefault("JAX_PLATFORMS", "cpu")
     flag = f"--xla_force_host_platform_device_count={g}"
     xla = env_vars.get("XLA_FLAGS", "")

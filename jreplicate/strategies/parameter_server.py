@@ -102,8 +102,9 @@ class ParameterServerStrategy(Strategy):
         the defaults: e.g. ``{"num_gpus": 1}`` for GPU workers (``num_gpus`` >=
         ``num_replicas_in_sync``; without it a worker runs on CPU with that many
         simulated devices), ``{"resources": {"worker_node": 1}}``, a
-        ``scheduling_strategy``, a ``runtime_env``, ``max_restarts`` (default 3: a worker
-        whose process died is restarted and given steps again; 0: lost for good). The
+        ``scheduling_strategy``, a ``runtime_env``, ``max_restarts`` (default -1: a worker
+        whose process died is restarted, every time, and given steps again; 0: lost for
+        good). The
         workers' devices are theirs, not this process's: a CPU-only driver can run GPU
         workers. See :mod:`jreplicate.ps.ray_options`.
       ray_shard_options: ``carrier="ray"``: the shard actors' Ray options (as above;
