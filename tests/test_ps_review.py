@@ -464,13 +464,6 @@ def test_a_ray_worker_restarted_while_idle_calls_the_restarted_shard(one_ray_wor
     assert obs["after_shard_restart_error"] is None and obs["after_shard_restart_done"]
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "a step function Ray cannot serialize (a user error: it captures a lock) fails in "
-    "worker.run.remote inside RayCarrier._runner's start; the coordinator takes that "
-    "for a worker failure: the worker is marked dead, replace_worker finds the same "
-    "incarnation, and join raises 'every worker died (worker 0 could not be "
-    "replaced)' without the cause (with several workers each is killed in turn). "
-    "Expected: the step's error naming serialization, workers alive"))
 def test_a_step_ray_cannot_serialize_is_the_steps_error(one_ray_worker_faults):
     obs = one_ray_worker_faults
     assert "serializ" in (obs["unpicklable_error"] or ""), obs["unpicklable_error"]

@@ -183,7 +183,14 @@ class RayCarrier:
             let_go = [drops.popleft() for _ in range(len(drops))]
             # live_workers=0: no "one gradient per worker and step" wait on Ray, where
             # the coordinator does not see token waits to relax it.
-            done = self.workers[w].run.remote(send, 0, let_go)
+            try:
+                done = self.workers[w].run.remote(send, 0, let_go)
+            except Exception as e:  # nothing was sent: Ray could not serialize the step
+                drops.extend(let_go)
+                raise ApplicationError(TypeError(
+                    f"step {closure.step_id} cannot be sent to worker {w}: Ray failed to "
+                    f"serialize it ({type(e).__name__}: {e}); its function, arguments and "
+                    "input must be picklable (a lock or an open file is not).")) from e
             running[0] += 1
             return functools.partial(wait, closure, read, done)
 
