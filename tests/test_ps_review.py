@@ -435,12 +435,6 @@ def test_fetching_a_finished_step_does_not_wait_for_the_workers_later_steps(
     assert obs["fetch_s"] < 1.0, f"fetch(timeout=0.5) of a finished step: {obs['fetch_s']:.2f} s"
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "a Ray worker restarted after its process died re-reads its PER_WORKER pipeline "
-    "from the beginning (the replaced actor is sent the input_fn again and builds a new "
-    "pipeline at element 0): elements already applied are applied again, silently "
-    "(ledger: no duplicate), while worker_input.py documents a rerun reading 'the next "
-    "element'. Here the steps after the crash read 0, 1, 2 again"))
 def test_a_restarted_ray_worker_does_not_read_its_input_again(one_ray_worker_faults):
     obs = one_ray_worker_faults
     got = obs["elements"]

@@ -154,7 +154,8 @@ if ray is not None:
                 self.lost = str(e)
                 raise
             self.held[closure.step_id] = out  # here until RemoteValue.fetch asks
-            return None
+            # Where this worker's pipeline is (the carrier restarts a replacement there).
+            return self.worker.inputs.position(m.key) if isinstance(m, WorkerInput) else None
 
         def fetch(self, step_id):
             """``(True, outputs as numpy)``, or ``(False, why)`` if not held here."""
@@ -180,6 +181,10 @@ if ray is not None:
 
         def ready(self):
             return len(self.worker.layout.devices)
+
+        def set_input_positions(self, positions):
+            """Pipelines built here start where the lost process's steps ended."""
+            self.worker.inputs.start_at.update(positions)
 
         def device_platform(self):
             """The platform of this worker's devices (``"cpu"``, ``"gpu"``, ...)."""

@@ -160,6 +160,8 @@ class RayCarrier:
                                      timeout=300)
         self._forget: dict[int, Any] = {}  # worker -> forget what its actor held
         self._delays = [0.0] * len(self.workers)  # set_worker_delay, kept for restarts
+        # Per worker, input key -> (generation, elements its completed steps read).
+        self._positions: list[dict] = [{} for _ in self.workers]
         self.runners = [self._runner(w) for w in range(len(self.workers))]
 
     def _runner(self, w: int):
@@ -196,10 +198,12 @@ class RayCarrier:
 
         def wait(closure, read, done):
             try:
-                ray.get(done)
+                position = ray.get(done)
                 sent.add(closure.fn_key)
                 if read is not None:
                     sent_inputs.add(read.key)
+                    if position is not None:
+                        self._positions[w][read.key] = tuple(position)
                 return HeldOutputs(self.workers[w], w, closure.step_id, drops)
             except ray.exceptions.RayTaskError as e:
                 cause = getattr(e, "cause", None)
@@ -342,7 +346,8 @@ class RayCarrier:
         ones), its delay; its incarnation is recorded."""
         ray = _ray()
         actor = self.workers[w]
-        refs = [actor.set_shards.remote(self.shards), actor.set_delay.remote(self._delays[w])]
+        refs = [actor.set_shards.remote(self.shards), actor.set_delay.remote(self._delays[w]),
+                actor.set_input_positions.remote(dict(self._positions[w]))]
         if self.depth > 1:
             refs.append(actor.return_params.remote())
         ray.get(refs, timeout=60)

@@ -18,9 +18,13 @@ group). The carrier's defaults:
 * a worker restarts after its process dies, every time, as a cluster manager restarts
   a preempted worker (``max_restarts=-1``; a number bounds it; Ray retries no task,
   ``max_task_retries=0``: the coordinator reschedules the step exactly once) and is
-  given steps again; it starts afresh: its ``PER_WORKER`` input pipelines are built
-  again from ``input_fn`` (and read from their start, as TensorFlow's per-worker
-  datasets after a worker restart). ``max_restarts=0`` loses the worker for good;
+  given steps again, told again what the lost process was told (shards, settings,
+  functions); its ``PER_WORKER`` input pipelines are built again from ``input_fn`` and
+  go on after the elements the lost process's completed steps read, so the elements
+  of the step it died in are read again there (the step itself is rerun elsewhere,
+  reading other elements): each element is applied once, unless the process died
+  after that step's push and before its reply (then twice, and the rerun's are not).
+  ``max_restarts=0`` loses the worker for good;
 * a shard is never restarted by Ray, which would bring it back with its initial
   parameters: a lost shard stops training, and
   :meth:`jreplicate.ParameterServerStrategy.restart_shard` brings it back from a saved

@@ -73,6 +73,7 @@ class _WorkerPipeline:
         self.pipeline, self.generation = pipeline, generation
         self.ended = False
         self.spec: tuple | None = None  # (treedef, [(shape, dtype)]) of the first step
+        self.position = 0  # elements read since it was built or reinitialized
 
 
 class WorkerPipelines:
@@ -82,6 +83,14 @@ class WorkerPipelines:
         self.index, self.g = index, g
         self._pipes: dict[int, _WorkerPipeline] = {}
         self.read_count: dict[int, int] = {}  # elements read, per key (for tests)
+        # key -> (generation, elements): where a pipeline built here starts (a worker
+        # restarted after its process died goes on where the lost one's steps ended).
+        self.start_at: dict[int, tuple[int, int]] = {}
+
+    def position(self, key: int) -> tuple[int, int] | None:
+        """``(generation, elements read)`` of the pipeline of ``key`` (None: none)."""
+        p = self._pipes.get(key)
+        return None if p is None else (p.generation, p.position)
 
     def read(self, m: WorkerInput) -> tuple[list, Any]:
         """The next step's elements (flat leaves per replica) and their structure.
@@ -95,9 +104,16 @@ class WorkerPipelines:
             ctx = InputContext(num_replicas=m.num_replicas, num_replicas_in_sync=self.g,
                                input_pipeline_id=self.index, num_input_pipelines=m.num_workers)
             p = self._pipes[m.key] = _WorkerPipeline(Pipeline(m.input_fn, ctx), m.generation)
+            generation, skip = self.start_at.pop(m.key, (m.generation, 0))
+            while generation == m.generation and p.position < skip and not p.ended:
+                try:  # read by the steps of the process this one replaces
+                    p.pipeline.next()
+                    p.position += 1
+                except StopIteration:
+                    p.ended = True
         elif p.generation < m.generation:  # reinitialize() on the driver
             p.pipeline.reinitialize()
-            p.generation, p.ended = m.generation, False
+            p.generation, p.ended, p.position = m.generation, False, 0
         if p.ended:
             raise InputEnded(m.key, self.index)
         elements = []
@@ -111,6 +127,7 @@ class WorkerPipelines:
                                   f"{self.g} replicas got an element")
                 raise InputEnded(m.key, self.index) from None
             self.read_count[m.key] = self.read_count.get(m.key, 0) + 1
+            p.position += 1
         return self._check(p, m.key, elements)
 
     def _check(self, p: _WorkerPipeline, key: int, elements: list) -> tuple[list, Any]:
