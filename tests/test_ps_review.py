@@ -135,13 +135,6 @@ def test_every_restarted_shard_reports_the_updates_it_lost():
 
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "restart_shard accepts a state from another timeline: after restore(older save), "
-    "restarting a lost shard from a LATER save (the natural 'latest checkpoint') gives "
-    "it a ledger that already decided step ids the job will issue again (next_step_id "
-    "went back with restore): those steps' pushes are dropped there as duplicates, "
-    "silently (report lost=(); here 3 updates of shard 1 lost). Expected: an error "
-    "(the state's next_step_id is beyond the job's) naming restore"))
 def test_restart_shard_refuses_a_state_from_a_later_timeline():
     s, rep, params, opt, step = _adam_job()
     _steps(rep, step, params, opt, 3)
@@ -518,11 +511,6 @@ def test_a_gpu_workers_environment_does_not_pin_it_to_the_drivers_cpu():
 
 
 @pytest.mark.usefixtures("local_ray")
-@pytest.mark.xfail(strict=True, reason=(
-    "a shard asking for a GPU (ray_shard_options={'num_gpus': 1}) gets no runtime_env "
-    "from shard_actor_options, so it inherits the JAX_PLATFORMS of the process that "
-    "started Ray (a CPU-only driver's 'cpu'): its updates silently run on CPU (the "
-    "workers' variant of this was fixed; nothing checks a shard's platform)"))
 def test_a_gpu_shards_environment_does_not_pin_it_to_the_drivers_cpu():
     import os
 

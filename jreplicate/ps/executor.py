@@ -208,6 +208,14 @@ class ParameterServerExecutor(Executor):
             raise ValueError(f"restart_shard: the state has {len(shards)} shards, this "
                              f"strategy {self.config.num_ps}; pass a state of this job "
                              "(same num_ps).")
+        saved_next = int(np.asarray(state["next_step_id"]))
+        if saved_next > self.next_id:
+            raise ValueError(
+                f"restart_shard({i}, state): the state was saved when step {saved_next} "
+                f"was next, beyond this job's next step {self.next_id} (it was restored "
+                "from an older state since): its ledger has decided steps the job will "
+                "run again, whose pushes it would drop. Restore every shard from that "
+                "state with strategy.restore(state), or restart from an older one.")
         saved = host_shard_state(shards[i])
         here = self.placement.split(jax.tree.map(np.asarray, self._opt_keep[0]))[i]
         check_shard_state(i, saved, here, jax.eval_shape(self._tx.init, here) if here

@@ -192,15 +192,10 @@ def worker_actor_options(opts: Mapping[str, Any], g: int) -> dict[str, Any]:
     defaults (see the module docstring)."""
     out = {"num_cpus": 0, "max_restarts": DEFAULT_WORKER_RESTARTS, **opts,
            "max_task_retries": 0}
+    if is_gpu_worker(opts):
+        return _unpinned(out)
     env = dict(out.get("runtime_env") or {})
     env_vars = dict(env.get("env_vars") or {})
-    if is_gpu_worker(opts):
-        # Not the JAX_PLATFORMS of the process that started Ray (e.g. a CPU-only driver's
-        # "cpu"): every platform, the GPUs first (checked when the worker is ready).
-        env_vars.setdefault("JAX_PLATFORMS", "")
-        env["env_vars"] = env_vars
-        out["runtime_env"] = env
-        return out
     env_vars.setdefault("JAX_PLATFORMS", "cpu")
     flag = f"--xla_force_host_platform_device_count={g}"
     xla = env_vars.get("XLA_FLAGS", "")
@@ -211,6 +206,16 @@ def worker_actor_options(opts: Mapping[str, Any], g: int) -> dict[str, Any]:
     return out
 
 
+def _unpinned(out: dict[str, Any]) -> dict[str, Any]:
+    """``out`` for an actor with GPUs: not the JAX_PLATFORMS of the process that started
+    Ray (e.g. a CPU-only driver's ``"cpu"``) but every platform, the GPUs first."""
+    env = dict(out.get("runtime_env") or {})
+    env["env_vars"] = {"JAX_PLATFORMS": "", **(env.get("env_vars") or {})}
+    return {**out, "runtime_env": env}
+
+
 def shard_actor_options(opts: Mapping[str, Any]) -> dict[str, Any]:
-    """A shard's options for ``ShardActor.options(...)``."""
-    return {"num_cpus": 0, **opts, "max_restarts": 0, "max_task_retries": 0}
+    """A shard's options for ``ShardActor.options(...)`` (with ``num_gpus``, its JAX
+    sees the GPUs, as a GPU worker's does)."""
+    out = {"num_cpus": 0, **opts, "max_restarts": 0, "max_task_retries": 0}
+    return _unpinned(out) if opts.get("num_gpus") else out
