@@ -415,12 +415,6 @@ def one_ray_worker_faults(local_ray):  # noqa: F811 (the imported fixture)
     return obs
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "RemoteValue.fetch(timeout=...) of a step that already finished is queued behind the "
-    "worker actor's running steps (WorkerActor is single-threaded and runs fetch after "
-    "its up-to-two queued run() calls; HeldOutputs.resolve ignores the timeout and uses "
-    "300 s): a 0.5 s fetch of a done value takes ~2 s here (steps of 1 s). A done "
-    "value must come back at once, or TimeoutError within the timeout"))
 def test_fetching_a_finished_step_does_not_wait_for_the_workers_later_steps(
         one_ray_worker_faults):
     obs = one_ray_worker_faults

@@ -28,6 +28,8 @@ except ImportError:  # only used with Ray; importing the module without it does 
     ray = None
 
 
+_MISSING = object()  # WorkerActor.fetch: no outputs held for that step
+
 if ray is not None:
     @ray.remote(num_cpus=0, concurrency_groups={"io": 8, "tokens": 64})
     class ShardActor:
@@ -108,9 +110,14 @@ if ray is not None:
                                          min_step=min_step, live_workers=live_workers)
 
 
-    @ray.remote(num_cpus=0)
+    @ray.remote(num_cpus=0, concurrency_groups={"control": 2})
     class WorkerActor:
-        """A :class:`PSWorker` in its own process, calling the shard actors directly."""
+        """A :class:`PSWorker` in its own process, calling the shard actors directly.
+
+        Steps (``run``) and the carrier's set-up calls run one at a time, in order, in
+        the default group; ``fetch`` and the testing hooks run in ``"control"``, so a
+        finished step's outputs (or a fault armed now) never wait behind the steps
+        queued on this worker."""
 
         def __init__(self, index, shards, placement, token_gated, opt_host, g, token_timeout,
                      skip_stale):
@@ -157,14 +164,16 @@ if ray is not None:
             # Where this worker's pipeline is (the carrier restarts a replacement there).
             return self.worker.inputs.position(m.key) if isinstance(m, WorkerInput) else None
 
+        @ray.method(concurrency_group="control")
         def fetch(self, step_id):
             """``(True, outputs as numpy)``, or ``(False, why)`` if not held here."""
-            if step_id not in self.held:
+            out = self.held.get(step_id, _MISSING)
+            if out is _MISSING:
                 return False, f"worker {self.worker.index} does not hold them"
             return True, jax.tree.map(lambda x: np.asarray(x.array if isinstance(
-                x, PerReplica) else x), self.held[step_id],
-                is_leaf=lambda x: isinstance(x, PerReplica))
+                x, PerReplica) else x), out, is_leaf=lambda x: isinstance(x, PerReplica))
 
+        @ray.method(concurrency_group="control")
         def held_steps(self):
             """The ids of the steps whose outputs this worker holds."""
             return sorted(self.held)
@@ -173,9 +182,11 @@ if ray is not None:
             """Pushes return the shards' parameters (pipelined steps start from them)."""
             self.worker.return_params = True
 
+        @ray.method(concurrency_group="control")
         def set_kill_at(self, when):
             self.worker.kill_at = when
 
+        @ray.method(concurrency_group="control")
         def set_delay(self, seconds):
             self.worker.delay = seconds
 

@@ -107,10 +107,16 @@ class HeldOutputs:
     def __init__(self, actor: Any, worker: int, step_id: int, drops: collections.deque):
         self.actor, self.worker, self.step_id, self._drops = actor, worker, step_id, drops
 
-    def resolve(self) -> Any:
+    def resolve(self, timeout: float | None = None) -> Any:
         ray = _ray()
+        wait = 300.0 if timeout is None else max(timeout, 0.0)
         try:
-            found, out = ray.get(self.actor.fetch.remote(self.step_id), timeout=300)
+            found, out = ray.get(self.actor.fetch.remote(self.step_id), timeout=wait)
+        except ray.exceptions.GetTimeoutError:
+            raise TimeoutError(
+                f"RemoteValue.fetch: the outputs of step {self.step_id} (finished) did not "
+                f"come back from worker {self.worker} within {wait} s; call fetch again "
+                "with a longer timeout.") from None
         except ray.exceptions.RayActorError as e:
             found, out = False, e
         if not found:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 from typing import Any
 
 import jax
@@ -65,13 +66,15 @@ class RemoteValue:
           TimeoutError: ``timeout`` passed first.
           Exception: the step's error (the function raised, or the step was cancelled).
         """
+        start = time.monotonic()
         if not self._done.wait(timeout):
             raise TimeoutError(f"RemoteValue.fetch: step {self.step_id} did not finish "
                                f"within {timeout} s; call rep.join() to wait for all steps.")
         if self._error is not None:
             raise self._error
         if hasattr(self._value, "resolve"):  # Ray: outputs still in the object store
-            self._value = self._value.resolve()
+            left = None if timeout is None else timeout - (time.monotonic() - start)
+            self._value = self._value.resolve(left)
         return jax.tree.map(_to_numpy, self._value, is_leaf=lambda x: isinstance(x, PerReplica))
 
     get = fetch
