@@ -134,6 +134,7 @@ class PSWorker:
         one = len(devices) == 1
         self._place = jax.jit(lambda tree: tree, out_shardings=self.layout.replicated,
                               donate_argnums=0 if one else ())
+        self._first_runs: set = set()  # step functions run here before (compiled)
         self._place_both = jax.jit(lambda p, b: (p, b), out_shardings=(
             self.layout.replicated, self.layout.per_replica),
             donate_argnums=(0, 1) if one else ())
@@ -224,6 +225,20 @@ class PSWorker:
             if got is NOT_RUN:
                 got = self.executor.run(fn, c.has_batch, batch, args, steps=None,
                                         donate_argnums=())
+                if not (nnx_model or c.reuse or self.client.token_gated
+                        or c.fn_key in self._first_runs):
+                    self._first_runs.add(c.fn_key)
+                    # That run compiled (seconds, while other workers apply updates):
+                    # its gradient would be that stale. Pull again and run the
+                    # compiled step on the fresh parameters (asynchronous modes).
+                    fetched, params = self.client.pull()
+                    args = list(args)
+                    args[c.param_index], batch = self._place_inputs(params, c.batch)
+                    args = tuple(args)
+                    got = self.executor.run_again(fn, c.has_batch, batch, args, None, ())
+                    if got is NOT_RUN:
+                        got = self.executor.run(fn, c.has_batch, batch, args, steps=None,
+                                                donate_argnums=())
             out, grads = got
             if first is not None:
                 out = _unforward(out, args)
