@@ -221,24 +221,18 @@ class PSWorker:
             if not nnx_model:
                 args[c.param_index] = placed
             args = tuple(args)
-            got = self.executor.run_again(fn, c.has_batch, batch, args, None, ())
-            if got is NOT_RUN:
-                got = self.executor.run(fn, c.has_batch, batch, args, steps=None,
-                                        donate_argnums=())
-                if not (nnx_model or c.reuse or self.client.token_gated
-                        or c.fn_key in self._first_runs):
-                    self._first_runs.add(c.fn_key)
-                    # That run compiled (seconds, while other workers apply updates):
-                    # its gradient would be that stale. Pull again and run the
-                    # compiled step on the fresh parameters (asynchronous modes).
-                    fetched, params = self.client.pull()
-                    args = list(args)
-                    args[c.param_index], batch = self._place_inputs(params, c.batch)
-                    args = tuple(args)
-                    got = self.executor.run_again(fn, c.has_batch, batch, args, None, ())
-                    if got is NOT_RUN:
-                        got = self.executor.run(fn, c.has_batch, batch, args, steps=None,
-                                                donate_argnums=())
+            got, full = self._execute(fn, c.has_batch, batch, args)
+            if full and not (nnx_model or c.reuse or self.client.token_gated
+                             or c.fn_key in self._first_runs):
+                self._first_runs.add(c.fn_key)
+                # That first run compiled (seconds, while other workers apply updates):
+                # its gradient would be that stale. Pull again and run the compiled
+                # step on the fresh parameters (asynchronous modes).
+                fetched, params = self.client.pull()
+                args = list(args)
+                args[c.param_index], batch = self._place_inputs(params, c.batch)
+                args = tuple(args)
+                got, _ = self._execute(fn, c.has_batch, batch, args)
             out, grads = got
             if first is not None:
                 out = _unforward(out, args)
@@ -261,6 +255,16 @@ class PSWorker:
         self.local_step = token
         self._min_step = decision.step + 1 if decision.kind == "applied" else 0
         return out, decision
+
+    def _execute(self, fn: Callable, has_batch: bool, batch: Any,
+                 args: tuple) -> tuple[Any, bool]:
+        """The step's outputs by the steady-state path, else by the full one (which may
+        compile), and whether the full path ran."""
+        got = self.executor.run_again(fn, has_batch, batch, args, None, ())
+        if got is not NOT_RUN:
+            return got, False
+        return self.executor.run(fn, has_batch, batch, args, steps=None,
+                                 donate_argnums=()), True
 
     def _place_inputs(self, params: Any, batch: Any) -> tuple[Any, Any]:
         """``params`` (or None) placed replicated, and ``batch`` as the step takes it: a
