@@ -1,12 +1,15 @@
 """ParameterServerStrategy on Ray (carrier="ray"): shards and workers as Ray actors.
 
-One local Ray instance for the module, with its temporary and session files under the
-test's own temporary directory; every wait is bounded. Skipped only where Ray is not
+One local Ray instance for the module, with its temporary and session files in a short
+temporary directory of its own (removed after); every wait is bounded. Skipped only where Ray is not
 installed (the `test` extra installs it).
 """
 
 import os
+import pathlib
+import shutil
 import sys
+import tempfile
 import time
 
 import jax
@@ -26,10 +29,12 @@ ray = pytest.importorskip("ray", reason="Ray is not installed: pip install 'jrep
 
 
 @pytest.fixture(scope="module")
-def local_ray(tmp_path_factory):
+def local_ray():
     """The Ray instance the library starts itself (no address given)."""
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # no token file in the home dir
-    tmp = tmp_path_factory.mktemp("ray")
+    # A short directory of its own: Ray's socket paths under it must fit in 107 bytes
+    # (pytest's temporary directories under pytest-xdist do not).
+    tmp = pathlib.Path(tempfile.mkdtemp(prefix="jr-ray-"))
     saved = {k: os.environ.pop(k, None) for k in ("RAY_ADDRESS", "RAY_TMPDIR")}
     os.environ["RAY_TMPDIR"] = str(tmp)
     try:
@@ -41,6 +46,7 @@ def local_ray(tmp_path_factory):
                 os.environ[k] = v
     yield tmp
     ray.shutdown()
+    shutil.rmtree(tmp, ignore_errors=True)
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
