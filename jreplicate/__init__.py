@@ -3,6 +3,7 @@
 from jreplicate.checkpoint import CheckpointError, CheckpointManager
 from jreplicate.context import PerReplica, ReplicaContext
 from jreplicate.input import InputContext, InputIterator, InputReplicationMode
+from jreplicate.layout import MODEL_AXIS, REPLICA_AXIS, Layout
 from jreplicate.losses import compute_average_loss
 from jreplicate.ps.capture import pushable
 from jreplicate.ps.remote import (
@@ -13,11 +14,8 @@ from jreplicate.ps.remote import (
 )
 from jreplicate.replicator import Replicator
 from jreplicate.strategies import (
-    MODEL_AXIS,
-    REPLICA_AXIS,
     ClusterError,
     ClusterSpec,
-    Layout,
     MirroredStrategy,
     MultiWorkerStrategy,
     ParameterServerStrategy,

@@ -33,7 +33,7 @@ def test_init_defines_nothing_itself():
 def test_submodules_import():
     for name in ("replicator", "context", "losses", "demo", "input.sources",
                  "input.prefetch", "input.staging", "input.padding", "strategies.mirrored",
-                 "strategies.layout", "execution.program",
+                 "layout", "execution.program",
                  "execution.nnx_args", "_jax_compat", "strategies.multi_worker",
                  "launch", "checkpoint", "sync_replicas", "strategies.parameter_server",
                  "ps.placement", "ps.shard", "ps.ledger", "ps.client", "ps.capture",

@@ -9,7 +9,7 @@ from typing import Any
 
 import numpy as np
 
-from jreplicate.strategies.layout import Layout
+from jreplicate.layout import Layout
 
 #: What :meth:`Executor.run_again` returns when the call needs the full :meth:`Executor.run`.
 NOT_RUN = object()

@@ -27,7 +27,7 @@ from jreplicate._jax_compat import varying_axes
 from jreplicate._tree import flatten_arrays, path_str
 from jreplicate.context import MaskedBatch, ReplicaContext
 from jreplicate.execution import fast, nnx_args
-from jreplicate.strategies.layout import Layout
+from jreplicate.layout import Layout
 
 
 @dataclasses.dataclass(frozen=True)

@@ -21,7 +21,7 @@ from jreplicate.execution import donation, fast, nnx_args
 from jreplicate.execution.base import Executor
 from jreplicate.execution.cache import ProgramCache
 from jreplicate.execution.program import Program, Signature
-from jreplicate.strategies.layout import Layout
+from jreplicate.layout import Layout
 
 _MAX_ENTRIES = 64
 

@@ -21,7 +21,7 @@ class PSConfig:
       shard_devices: one device per shard.
       worker_devices: per worker (sync group), its devices.
       num_replicas_in_sync: devices per worker.
-      layout: the :class:`jreplicate.strategies.layout.Layout` of the workers' replicas.
+      layout: the :class:`jreplicate.layout.Layout` of the workers' replicas.
       carrier: ``"embedded"`` or ``"ray"``.
       max_staleness: the bounded delay tau, or None.
       max_attempts: tries of a step before its error is raised.

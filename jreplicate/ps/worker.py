@@ -31,12 +31,12 @@ from jreplicate._jax_compat import varying_axes
 from jreplicate.context import PerReplica
 from jreplicate.execution.base import NOT_RUN
 from jreplicate.execution.spmd import SPMDExecutor
+from jreplicate.layout import mesh_layout, replica_mesh
 from jreplicate.ps.capture import capturing
 from jreplicate.ps.client import ShardClient
 from jreplicate.ps.remote import StepCancelledError, WorkerLostError
 from jreplicate.ps.shard import Decision, TokenTimeoutError, TokenWaitInterrupted
 from jreplicate.ps.worker_input import InputEnded, WorkerInput, WorkerPipelines
-from jreplicate.strategies.layout import mesh_layout, replica_mesh
 
 
 @dataclasses.dataclass

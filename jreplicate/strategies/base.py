@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 import jax
 from jax.sharding import Mesh
 
-from jreplicate.strategies.layout import MODEL_AXIS, REPLICA_AXIS, Layout
+from jreplicate.layout import MODEL_AXIS, REPLICA_AXIS, Layout
 
 if TYPE_CHECKING:
     from jreplicate.execution.base import Executor
@@ -22,7 +22,7 @@ class Strategy(abc.ABC):
 
     A strategy provides two things, both fixed when it is created:
 
-    * a :class:`~jreplicate.strategies.layout.Layout`: the mesh, its replica and model
+    * a :class:`~jreplicate.layout.Layout`: the mesh, its replica and model
       axes, the devices of each replica, this process's replicas and the workers;
     * an executor (:meth:`make_executor`): places state, turns input elements into what
       a step consumes, compiles and runs steps, and returns results.

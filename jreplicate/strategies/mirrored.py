@@ -9,13 +9,13 @@ import jax
 import numpy as np
 
 from jreplicate.execution.spmd import SPMDExecutor
-from jreplicate.strategies.base import Strategy
-from jreplicate.strategies.layout import (
+from jreplicate.layout import (
     Layout,
     check_logical_devices_per_replica,
     mesh_layout,
     replica_mesh,
 )
+from jreplicate.strategies.base import Strategy
 
 
 def _resolve_devices(devices: Sequence[jax.Device | int] | None) -> list[jax.Device]:

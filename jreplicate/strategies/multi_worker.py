@@ -13,15 +13,15 @@ import jax
 from jax.sharding import Mesh
 
 from jreplicate.execution.spmd import SPMDExecutor
-from jreplicate.strategies import cluster as _cluster
-from jreplicate.strategies.base import Strategy
-from jreplicate.strategies.cluster import ClusterSpec, Timeouts
-from jreplicate.strategies.layout import (
+from jreplicate.layout import (
     Layout,
     check_logical_devices_per_replica,
     mesh_layout,
     replica_mesh,
 )
+from jreplicate.strategies import cluster as _cluster
+from jreplicate.strategies.base import Strategy
+from jreplicate.strategies.cluster import ClusterSpec, Timeouts
 
 _instances = itertools.count()
 

@@ -49,6 +49,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from jreplicate.layout import MODEL_AXIS, REPLICA_AXIS, Layout, replica_mesh
 from jreplicate.ps.config import PSConfig
 from jreplicate.ps.device_layout import assign_devices
 from jreplicate.ps.executor import ParameterServerExecutor
@@ -57,7 +58,6 @@ from jreplicate.ps.ray_options import resolve as resolve_ray_options
 from jreplicate.ps.ray_options import warn_if_gpus_unused
 from jreplicate.ps.shard_restart import ShardRestart
 from jreplicate.strategies.base import Strategy
-from jreplicate.strategies.layout import MODEL_AXIS, REPLICA_AXIS, Layout, replica_mesh
 
 
 def _count(name: str, value: Any, minimum: int, what: str) -> int:

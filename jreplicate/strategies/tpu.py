@@ -12,9 +12,7 @@ from jax.experimental import mesh_utils
 from jax.sharding import AxisType, Mesh
 
 from jreplicate.execution.spmd import SPMDExecutor
-from jreplicate.strategies import cluster as _cluster
-from jreplicate.strategies.base import Strategy
-from jreplicate.strategies.layout import (
+from jreplicate.layout import (
     MODEL_AXIS,
     REPLICA_AXIS,
     Layout,
@@ -22,6 +20,8 @@ from jreplicate.strategies.layout import (
     check_logical_devices_per_replica,
     mesh_layout,
 )
+from jreplicate.strategies import cluster as _cluster
+from jreplicate.strategies.base import Strategy
 
 _instances = itertools.count()
 _AUTO = (AxisType.Auto, AxisType.Auto)

@@ -1,4 +1,11 @@
-"""Layout: where a strategy's replicas live, computed once and frozen."""
+"""Layout: where a strategy's replicas live, computed once and frozen.
+
+The frozen value a strategy hands down to what it builds: the executors
+(:mod:`jreplicate.execution`) and the parameter-server core (:mod:`jreplicate.ps`)
+receive a :class:`Layout`, never the strategy. It sits below all three layers and
+imports none of them (``tests/test_import_graph.py`` checks it). Also here: the mesh
+axis names and the helpers that build a replica mesh and check its factors.
+"""
 
 from __future__ import annotations
 
