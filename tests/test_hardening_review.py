@@ -71,14 +71,14 @@ def test_a_loop_whose_read_ends_at_exit_never_places_the_steps_read():
     so that the reading thread (which the exit does not wait for) never goes on into
     JAX while it is torn down. A device loop took that error for an input error at step
     k and placed its k complete steps (a device transfer during teardown)."""
-    from jreplicate.input import prefetch
+    from jreplicate.input import shutdown
 
     rep = jr.Replicator(jr.MirroredStrategy(devices=jax.local_devices()[:1]))
 
     def source(ctx):
         for i in range(6):
             if i == 2:
-                prefetch._exiting.set()  # the exit begins while this element is read
+                shutdown.begin_exit()  # the exit begins while this element is read
             yield np.full((1,), i, np.float32)
 
     it = rep.prepare_input(source, prefetch_on_device=False)
@@ -99,8 +99,8 @@ def test_a_loop_whose_read_ends_at_exit_never_places_the_steps_read():
         thread.start()
         thread.join(timeout=60)
     finally:
-        prefetch._exiting.clear()
-    assert len(raised) == 1 and isinstance(raised[0], prefetch.InputClosedError), raised
+        shutdown._exiting.clear()
+    assert len(raised) == 1 and isinstance(raised[0], shutdown.InputClosedError), raised
     assert placed == []
 
 

@@ -17,6 +17,9 @@ import weakref
 from collections.abc import Callable
 from typing import Any
 
+from jreplicate.input import shutdown
+from jreplicate.input.shutdown import InputClosedError
+
 _END = object()
 END = _END  # the end-of-stream marker of drain()
 ERROR = object()  # drain()'s marker of an error the stream went on after
@@ -25,16 +28,6 @@ EXIT_JOIN_TIMEOUT = 5.0
 _POLL = 0.05  # seconds between checks for a stop request while waiting
 
 _live: weakref.WeakSet[Prefetcher] = weakref.WeakSet()
-_exiting = threading.Event()
-
-
-class InputClosedError(RuntimeError):
-    """A read was abandoned because its input iterator was closed or the process exits."""
-
-
-def exiting() -> bool:
-    """True once the interpreter has started to exit (the exit hook has run)."""
-    return _exiting.is_set()
 
 
 def stop_all(timeout: float = EXIT_JOIN_TIMEOUT) -> list[threading.Thread]:
@@ -45,20 +38,18 @@ def stop_all(timeout: float = EXIT_JOIN_TIMEOUT) -> list[threading.Thread]:
     the runtime is torn down: a thread inside a JAX call then would abort the process.
     A thread inside a source's read runs user code, not JAX, and is not waited for (a
     stalled reader would hold up Ctrl-C): the read, once it returns, raises
-    :class:`InputClosedError` (see :meth:`jreplicate.input.sources.Pipeline.next`), so
+    :class:`InputClosedError` (see :mod:`jreplicate.input.shutdown`), so
     the thread never goes on into JAX. Returns the threads neither ended nor reading
     after ``timeout``.
     """
-    from jreplicate.input.sources import threads_reading  # it imports this module
-
-    _exiting.set()  # before the readers are looked at: see Pipeline.next
+    shutdown.begin_exit()  # before the readers are looked at: see Pipeline.next
     prefetchers = list(_live)
     for p in prefetchers:
         p._stop.set()
     deadline = time.monotonic() + timeout
 
     def busy(p: Prefetcher) -> bool:
-        return p._thread.is_alive() and p._thread.ident not in threads_reading()
+        return p._thread.is_alive() and p._thread.ident not in shutdown.threads_reading()
 
     for p in prefetchers:
         while busy(p) and time.monotonic() < deadline:
@@ -230,7 +221,7 @@ class ReaderPool:
             self._tasks.put((fn, k, results, done))
         for _ in range(n):
             while not done.acquire(timeout=_POLL):
-                if self._closed.is_set() or _exiting.is_set():
+                if self._closed.is_set() or shutdown.exiting():
                     raise InputClosedError(
                         "this input iterator was closed (Replicator.finalize(), "
                         "InputIterator.close() or the process exiting) while reading; "

@@ -2,17 +2,14 @@
 
 from __future__ import annotations
 
-import threading
-import weakref
-from _thread import get_ident
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import jax
 import numpy as np
 
+from jreplicate.input import shutdown
 from jreplicate.input.context import InputContext
-from jreplicate.input.prefetch import InputClosedError, _exiting
 
 
 class Pipeline:
@@ -34,9 +31,7 @@ class Pipeline:
     def __init__(self, input_fn: Callable[[InputContext], Any], ctx: InputContext):
         self._fn = input_fn
         self.ctx = ctx
-        self._reader: int | None = None  # the thread inside a read, if any
         self._open(input_fn(ctx))
-        _pipelines.add(self)
 
     def _open(self, source: Any) -> None:
         self._source = source
@@ -50,16 +45,12 @@ class Pipeline:
     def next(self) -> Any:
         """The next element; raises StopIteration at the end of the source, and
         InputClosedError for a read that ends after the process began to exit."""
-        self._reader = get_ident()  # user code, not JAX: see threads_reading
+        shutdown.start_read()  # user code, not JAX: see shutdown.threads_reading
         try:
             item = self._source() if self.kind == "callable" else next(self._it)
         finally:
-            self._reader = None
-        # Set before the exit looked at _reader: a daemon thread (prefetch, reader), which
-        # the exit does not wait for, must not go on into JAX. A non-daemon thread (a
-        # user's training thread outliving the main thread) is joined before teardown.
-        if _exiting.is_set() and threading.current_thread().daemon:
-            raise InputClosedError("the process is exiting; the element read is dropped.")
+            shutdown.end_read()
+        shutdown.check_read_kept()
         return item
 
     def reinitialize(self) -> None:
@@ -73,16 +64,6 @@ class Pipeline:
             self._open(self._fn(self.ctx))  # a one-shot iterator: ask input_fn again
         else:
             self._open(self._source)
-
-
-_pipelines: weakref.WeakSet[Pipeline] = weakref.WeakSet()
-
-
-def threads_reading() -> set[int]:
-    """Threads now inside a read from a source (user code, not JAX); once the process
-    began to exit, such a read raises instead of returning (see :meth:`Pipeline.next`).
-    Used by :func:`jreplicate.input.prefetch.stop_all`, which does not wait for them."""
-    return {p._reader for p in list(_pipelines) if p._reader is not None}
 
 
 def _classify(source: Any, ctx: InputContext) -> str:
