@@ -9,7 +9,8 @@ iterators read only this, never the strategy (so ``jreplicate.ps`` does not impo
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+
+from jreplicate.layout import Layout
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,7 +43,7 @@ class PSConfig:
     shard_devices: tuple
     worker_devices: tuple
     num_replicas_in_sync: int
-    layout: Any
+    layout: Layout
     carrier: str
     max_staleness: int | None
     max_attempts: int
