@@ -39,7 +39,7 @@ import optax  # noqa: E402
 from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
-from jreplicate.sync_replicas import replica_grad, sync_replicas  # noqa: E402
+from jreplicate.sync import replica_grad, sync_replicas  # noqa: E402
 
 N = 8
 

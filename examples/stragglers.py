@@ -43,7 +43,7 @@ import optax  # noqa: E402
 from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
-from jreplicate.sync_replicas import replica_grad, sync_replicas  # noqa: E402
+from jreplicate.sync import replica_grad, sync_replicas  # noqa: E402
 
 REPLICAS = 8
 SYNC_CONFIGS = ("8/0", "7/1", "6/2", "5/3")

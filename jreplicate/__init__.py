@@ -23,7 +23,7 @@ from jreplicate.strategies import (
     Timeouts,
     TPUStrategy,
 )
-from jreplicate.sync_replicas import (
+from jreplicate.sync import (
     SyncReplicasState,
     TokenQueue,
     averaged_params,

@@ -1,14 +1,16 @@
 """Every public name is importable, and __init__ only re-exports."""
 
 import importlib
+import importlib.util
 
 import jreplicate
 import jreplicate.execution
 import jreplicate.input
 import jreplicate.strategies
+import jreplicate.sync
 import jreplicate.testing
 
-sync_module = importlib.import_module("jreplicate.sync_replicas")  # shadowed by the function
+sync_module = jreplicate.sync
 
 
 def test_every_public_name_imports():
@@ -22,7 +24,8 @@ def test_every_public_name_imports():
 
 
 def test_init_defines_nothing_itself():
-    for module in (jreplicate, jreplicate.execution, jreplicate.input, jreplicate.strategies):
+    for module in (jreplicate, jreplicate.execution, jreplicate.input, jreplicate.strategies,
+                   jreplicate.sync):
         for name in module.__all__:
             obj = getattr(module, name)
             owner = getattr(obj, "__module__", None)
@@ -35,7 +38,7 @@ def test_submodules_import():
                  "input.prefetch", "input.staging", "input.padding", "strategies.mirrored",
                  "layout", "execution.program",
                  "execution.nnx_args", "_jax_compat", "strategies.multi_worker",
-                 "launch", "checkpoint", "sync_replicas", "strategies.parameter_server",
+                 "launch", "checkpoint", "sync", "strategies.parameter_server",
                  "ps.placement", "ps.shard", "ps.ledger", "ps.client", "ps.capture",
                  "ps.worker", "ps.coordinator", "ps.remote", "ps.ray_carrier",
                  "ps.executor", "ps.embedded", "ps.handle", "ps._ray_proxy", "testing"):
@@ -45,6 +48,13 @@ def test_submodules_import():
 def test_sync_replicas_names_are_top_level():
     for name in sync_module.__all__:
         assert getattr(jreplicate, name) is getattr(sync_module, name)
+
+
+def test_sync_replicas_is_a_function_not_a_module():
+    # the function once shadowed a module of the same name (issue 16 item 2)
+    assert importlib.util.find_spec("jreplicate.sync_replicas") is None
+    assert callable(jreplicate.sync.sync_replicas)
+    assert jreplicate.sync.sync_replicas is jreplicate.sync_replicas
 
 
 def test_fault_injection_is_not_on_the_strategy():

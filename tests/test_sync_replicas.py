@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from jreplicate.sync_replicas import (
+from jreplicate.sync import (
     SyncReplicasState,
     TokenQueue,
     averaged_params,

@@ -16,7 +16,7 @@ from jax.sharding import PartitionSpec as P
 import jreplicate.sync.spmd
 import jreplicate.sync.state
 import jreplicate.sync.transform
-from jreplicate.sync_replicas import (
+from jreplicate.sync import (
     averaged_params,
     replica_grad,
     replica_value_and_grad,

@@ -118,7 +118,7 @@ def check_own_gradients(grads: Any, axis_name: str) -> None:
                 f"{jax.tree_util.keystr(path) or '<root>'} is the same on every replica. "
                 "JAX returns gradients of replicated params already SUMMED over the "
                 "replicas, but sync_replicas needs each replica's own gradient. Compute "
-                "it with jreplicate.sync_replicas.replica_value_and_grad(loss)(params, "
+                "it with jreplicate.sync.replica_value_and_grad(loss)(params, "
                 f"batch), or differentiate w.r.t. jax.lax.pcast(params, {axis_name!r}, "
                 "to='varying')."
             )

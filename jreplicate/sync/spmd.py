@@ -82,7 +82,7 @@ def replica_value_and_grad(
     Example:
       >>> import jax, jax.numpy as jnp
       >>> from jax.sharding import PartitionSpec as P
-      >>> from jreplicate.sync_replicas import replica_value_and_grad
+      >>> from jreplicate.sync import replica_value_and_grad
       >>> mesh = jax.make_mesh((2,), ("replica",), devices=jax.devices()[:2])
       >>> loss = lambda w, x: jnp.sum(w * x)
       >>> def step(w, x):

@@ -113,7 +113,7 @@ def tokens_available(opt_state: Any) -> jax.Array:
 
     Example:
       >>> import jax.numpy as jnp, optax
-      >>> from jreplicate.sync_replicas import sync_replicas, tokens_available
+      >>> from jreplicate.sync import sync_replicas, tokens_available
       >>> tx = sync_replicas(optax.sgd(1.0), replicas_to_aggregate=2, num_tokens=3)
       >>> int(tokens_available(tx.init(jnp.zeros(2))))
       3
@@ -149,7 +149,7 @@ def take_token(opt_state: Any) -> tuple[jax.Array, Any]:
 
     Example:
       >>> import jax.numpy as jnp, optax
-      >>> from jreplicate.sync_replicas import sync_replicas, take_token
+      >>> from jreplicate.sync import sync_replicas, take_token
       >>> tx = sync_replicas(optax.sgd(1.0), replicas_to_aggregate=1)
       >>> params = jnp.zeros(2)
       >>> state = tx.init(params)
@@ -198,7 +198,7 @@ def averaged_params(opt_state: Any, params: optax.Params) -> optax.Params:
 
     Example:
       >>> import jax.numpy as jnp, optax
-      >>> from jreplicate.sync_replicas import sync_replicas, averaged_params
+      >>> from jreplicate.sync import sync_replicas, averaged_params
       >>> tx = sync_replicas(optax.sgd(1.0), 1, variable_averages=0.5)
       >>> params = jnp.zeros(2)
       >>> updates, state = tx.update(jnp.ones(2), tx.init(params), params)

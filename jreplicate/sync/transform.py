@@ -105,7 +105,7 @@ def sync_replicas(
 
     Example (host driver, TensorFlow's two-worker test):
       >>> import jax.numpy as jnp, optax
-      >>> from jreplicate.sync_replicas import sync_replicas, take_token
+      >>> from jreplicate.sync import sync_replicas, take_token
       >>> tx = sync_replicas(optax.sgd(2.0), replicas_to_aggregate=2)
       >>> params = {"v0": jnp.array(0.0), "v1": jnp.array(1.0)}
       >>> state = tx.init(params)
@@ -119,7 +119,7 @@ def sync_replicas(
     Example (SPMD driver, 4 replicas, the slowest one is a dropped backup):
       >>> import jax
       >>> from jax.sharding import PartitionSpec as P
-      >>> from jreplicate.sync_replicas import replica_grad
+      >>> from jreplicate.sync import replica_grad
       >>> mesh = jax.make_mesh((4,), ("replica",), devices=jax.devices()[:4])
       >>> tx = sync_replicas(optax.sgd(1.0), replicas_to_aggregate=3)
       >>> def step(w, state, x, t):
