@@ -19,8 +19,7 @@ import time
 import jax.numpy as jnp
 import pytest
 
-from jreplicate import _dirlock
-from jreplicate.checkpoint import CheckpointError, CheckpointManager
+from jreplicate.checkpoint import CheckpointError, CheckpointManager, dirlock
 from jreplicate.replicator import Replicator
 from jreplicate.strategies.mirrored import MirroredStrategy
 from tests.test_multi_worker_processes import ROOT, SCRIPTS, _launch
@@ -141,7 +140,7 @@ def test_without_flock_a_dead_holders_lock_is_stale(tmp_path, rep, monkeypatch):
     def no_flock(fd, op):
         raise OSError(errno.ENOLCK, "No locks available")
 
-    monkeypatch.setattr(_dirlock.fcntl, "flock", no_flock)
+    monkeypatch.setattr(dirlock.fcntl, "flock", no_flock)
     dead = subprocess.Popen(["true"])
     dead.wait(timeout=10)
     lock = tmp_path / "jreplicate.lock"

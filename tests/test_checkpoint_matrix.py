@@ -254,7 +254,7 @@ def _harmful(t):
 
 def _placed(tree):
     """Which saved leaf (by its value) the rule puts at each normalised path."""
-    from jreplicate._checkpoint_tree import template_leaves
+    from jreplicate.checkpoint.tree import template_leaves
     leaves = jax.tree.leaves(tree)
     return {norm: leaves[i] for norm, (_, i) in template_leaves(tree).items()}
 
@@ -262,7 +262,7 @@ def _placed(tree):
 def _stored(tree):
     import orbax.checkpoint as ocp
 
-    from jreplicate._checkpoint_tree import normalised
+    from jreplicate.checkpoint.tree import normalised
     serial = ocp.tree.serialize_tree(tree, keep_empty_nodes=True)
     return {n: v for n, (_, v) in normalised(serial, lambda x: isinstance(x, int)).items()}
 

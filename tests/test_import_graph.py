@@ -119,6 +119,8 @@ LAYERS = {  # a module under the key imports nothing from under the values
     "jreplicate.execution": ("jreplicate.ps", "jreplicate.strategies"),
     "jreplicate.ps": ("jreplicate.strategies",),
     "jreplicate.layout": ("jreplicate.execution", "jreplicate.ps", "jreplicate.strategies"),
+    # checkpointing sits above the strategies whose state it saves
+    "jreplicate.strategies": ("jreplicate.checkpoint",),
 }
 
 

@@ -4,6 +4,7 @@ import importlib
 import importlib.util
 
 import jreplicate
+import jreplicate.checkpoint
 import jreplicate.execution
 import jreplicate.input
 import jreplicate.strategies
@@ -15,7 +16,7 @@ sync_module = jreplicate.sync
 
 def test_every_public_name_imports():
     for module in (jreplicate, jreplicate.execution, jreplicate.input, jreplicate.strategies,
-                   sync_module, jreplicate.testing):
+                   sync_module, jreplicate.checkpoint, jreplicate.testing):
         assert module.__all__, module
         for name in module.__all__:
             obj = getattr(module, name)
@@ -25,7 +26,7 @@ def test_every_public_name_imports():
 
 def test_init_defines_nothing_itself():
     for module in (jreplicate, jreplicate.execution, jreplicate.input, jreplicate.strategies,
-                   jreplicate.sync):
+                   jreplicate.sync, jreplicate.checkpoint):
         for name in module.__all__:
             obj = getattr(module, name)
             owner = getattr(obj, "__module__", None)
@@ -38,7 +39,8 @@ def test_submodules_import():
                  "input.prefetch", "input.staging", "input.padding", "strategies.mirrored",
                  "layout", "execution.program",
                  "execution.nnx_args", "_jax_compat", "strategies.multi_worker",
-                 "launch", "checkpoint", "sync", "strategies.parameter_server",
+                 "launch", "checkpoint", "checkpoint.manager", "checkpoint.checks",
+                 "checkpoint.tree", "checkpoint.dirlock", "sync", "strategies.parameter_server",
                  "ps.placement", "ps.shard", "ps.ledger", "ps.client", "ps.capture",
                  "ps.worker", "ps.coordinator", "ps.remote", "ps.ray_carrier",
                  "ps.executor", "ps.embedded", "ps.handle", "ps._ray_proxy", "testing"):

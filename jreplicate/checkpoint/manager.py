@@ -30,13 +30,13 @@ and dtypes) as ``init_fn``'s, where empty nodes (``None``, ``{}``, ``optax.Empty
 and one-element tuples (``optax.chain(tx)``'s state) do not count: adam's state restores
 into adamw's. Any other difference is a :class:`CheckpointError` that lists what differs
 on both sides and leaves the files where they are; never a silent cast, never a silent
-restart at step 0. :mod:`jreplicate._checkpoint_tree` gives the rule and why it is safe.
+restart at step 0. :mod:`jreplicate.checkpoint.tree` gives the rule and why it is safe.
 
 One directory, one job: the chief holds ``<directory>/jreplicate.lock`` (see
-:mod:`jreplicate._dirlock`) from construction to :meth:`CheckpointManager.close`, so a
-second manager on the directory (two jobs started by mistake) fails instead of
-overwriting the first one's steps. The lock dies with its process, so a crashed job's
-restart takes it over.
+:mod:`jreplicate.checkpoint.dirlock`) from construction to
+:meth:`CheckpointManager.close`, so a second manager on the directory (two jobs started
+by mistake) fails instead of overwriting the first one's steps. The lock dies with its
+process, so a crashed job's restart takes it over.
 """
 
 from __future__ import annotations
@@ -54,8 +54,10 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jreplicate import _wire
-from jreplicate._checkpoint_checks import mismatch, one_line, path_problem, quiet_orbax
-from jreplicate._checkpoint_tree import (
+from jreplicate._tree import path_str
+from jreplicate.checkpoint.checks import mismatch, one_line, path_problem, quiet_orbax
+from jreplicate.checkpoint.dirlock import LOCK_NAME, DirectoryLock, LockHeldError
+from jreplicate.checkpoint.tree import (
     data_problem,
     metadata_problem,
     normalised,
@@ -64,8 +66,6 @@ from jreplicate._checkpoint_tree import (
     state_digest,
     template_leaves,
 )
-from jreplicate._dirlock import LOCK_NAME, DirectoryLock, LockHeldError
-from jreplicate._tree import path_str
 from jreplicate.context import PerReplica
 from jreplicate.strategies.base import Strategy
 
@@ -437,7 +437,7 @@ class CheckpointManager:
 
         The data is read in the structure it was saved in (so that only damage can make
         the read fail), checked against its metadata and checksums, then placed in
-        ``template``'s structure by the rule of :mod:`jreplicate._checkpoint_tree`.
+        ``template``'s structure by the rule of :mod:`jreplicate.checkpoint.tree`.
         """
         import orbax.checkpoint as ocp
         target = jax.tree.map(lambda m: np.zeros(m.shape, m.dtype), stored)

@@ -14,8 +14,8 @@ from typing import Any
 import jax
 import numpy as np
 
-from jreplicate._checkpoint_tree import normalised, spec, template_leaves
 from jreplicate._tree import path_str
+from jreplicate.checkpoint.tree import normalised, spec, template_leaves
 
 
 def one_line(e: BaseException, limit: int = 300) -> str:
@@ -71,7 +71,7 @@ def quiet_orbax():
 def mismatch(stored: Any, template: Any, what: str) -> str | None:
     """How the stored tree of array metadata differs from ``template``, or None.
 
-    Paths are matched by the rule of :mod:`jreplicate._checkpoint_tree` (empty nodes and
+    Paths are matched by the rule of :mod:`jreplicate.checkpoint.tree` (empty nodes and
     one-element wrappers do not count); the message lists, in init_fn()'s terms and the
     checkpoint's, what only one side has and what differs in shape or dtype, then the fix.
     """
