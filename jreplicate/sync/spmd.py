@@ -146,7 +146,8 @@ def arrives_before(times: jax.Array) -> jax.Array:
     """``before[j, i]``: replica ``i``'s gradient arrives before replica ``j``'s.
 
     A strict total order on the replicas, whatever the times: by time as a number
-    (``-0.0`` equals ``0.0``, ``-inf`` comes first, ``+inf`` after every finite time),
+    (``-0.0`` equals ``0.0``; a subnormal time equals ``0.0`` too, as XLA flushes
+    denormals to zero; ``-inf`` comes first, ``+inf`` after every finite time),
     every NaN after every number, and equal times (NaN among them) by replica id. So the
     ranks ``sum(before & fresh, axis=1)`` of the fresh replicas are ``0, 1, ...`` with
     no repeat, and "rank < needed" selects exactly ``min(needed, fresh)`` of them
