@@ -101,7 +101,23 @@ class CheckpointManager:
         ``directory`` (the message names the path), or another manager (another job, or
         an unclosed manager of this process) holds the directory's lock.
 
-    Example (every process runs this; see ``tests/mp_scripts/train.py``)::
+    Example (state saved, then restored by a new manager, as after a restart):
+      >>> import tempfile, jax.numpy as jnp, jreplicate as jr
+      >>> rep = jr.Replicator(jr.MirroredStrategy())
+      >>> directory = tempfile.mkdtemp()
+      >>> mngr = jr.CheckpointManager(directory, rep)
+      >>> mngr.restore_or_initialize(lambda: {"w": jnp.zeros(2)})[0]  # nothing saved: 0
+      0
+      >>> mngr.save(3, {"w": jnp.ones(2)}, force=True)
+      True
+      >>> mngr.close()
+      >>> mngr = jr.CheckpointManager(directory, rep)
+      >>> step, state = mngr.restore_or_initialize(lambda: {"w": jnp.zeros(2)})
+      >>> step, state["w"].tolist()
+      (3, [1.0, 1.0])
+      >>> mngr.close()
+
+    A training loop (every process runs this; see ``tests/mp_scripts/train.py``)::
 
         mngr = CheckpointManager("/tmp/ckpt", rep, save_interval_steps=100)
         step, (params, opt) = mngr.restore_or_initialize(

@@ -61,6 +61,16 @@ class InputIterator(PrefetchStaging):
     processes or for a failing ``input_fn``, and none waits in a collective for a
     process that has stopped. In ``SINGLE`` mode worker 0 reads every replica's element
     and the batch is broadcast to the other processes (on the main thread).
+
+    Example:
+      >>> import itertools, numpy as np, jreplicate as jr
+      >>> rep = jr.Replicator(jr.MirroredStrategy())
+      >>> inputs = rep.prepare_input(lambda ctx: itertools.count(np.float32(0)))
+      >>> batch = next(inputs)  # one element per replica, stacked and sharded
+      >>> batch
+      PerReplica(num_replicas=8, shape=(), dtype=float32)
+      >>> sorted(np.asarray(batch.array).tolist())
+      [0.0, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0]
     """
 
     def __init__(self, owner: object, strategy: Strategy, executor: Executor,

@@ -40,6 +40,25 @@ class RemoteValue:
     Attributes:
       step_id: the scheduled step's id (also the id of its push).
       worker: the worker that ran it (None until it has run).
+
+    Example:
+      >>> import jax.numpy as jnp, optax, jreplicate as jr
+      >>> strategy = jr.ParameterServerStrategy(num_ps=1, num_workers=1)
+      >>> rep = jr.Replicator(strategy)
+      >>> with rep.scope():
+      ...     w = jnp.zeros(2)
+      ...     tx = jr.pushable(optax.sgd(0.5))
+      ...     opt = tx.init(w)
+      >>> def step(ctx, w, opt):
+      ...     updates, opt = tx.update(jnp.ones(2), opt, w)
+      ...     return optax.apply_updates(w, updates), opt
+      >>> value = rep.run(step, None, w, opt)  # scheduled: returns at once
+      >>> value.fetch()[0].tolist()  # waits; the step ran on the pulled parameters
+      [0.0, 0.0]
+      >>> rep.join()
+      >>> strategy.parameters().tolist()  # the shard applied the pushed gradient
+      [-0.5, -0.5]
+      >>> strategy.shutdown()
     """
 
     def __init__(self, step_id: int):
