@@ -41,24 +41,23 @@ class RemoteValue:
       step_id: the scheduled step's id (also the id of its push).
       worker: the worker that ran it (None until it has run).
 
-    Example:
+    Example (the step returns its loss; the value is a future of it):
       >>> import jax.numpy as jnp, optax, jreplicate as jr
-      >>> strategy = jr.ParameterServerStrategy(num_ps=1, num_workers=1)
-      >>> rep = jr.Replicator(strategy)
+      >>> ps = jr.ParameterServerStrategy(num_ps=1, num_workers=1)
+      >>> rep = jr.Replicator(ps)
       >>> with rep.scope():
-      ...     w = jnp.zeros(2)
-      ...     tx = jr.pushable(optax.sgd(0.5))
-      ...     opt = tx.init(w)
-      >>> def step(ctx, w, opt):
-      ...     updates, opt = tx.update(jnp.ones(2), opt, w)
-      ...     return optax.apply_updates(w, updates), opt
-      >>> value = rep.run(step, None, w, opt)  # scheduled: returns at once
-      >>> value.fetch()[0].tolist()  # waits; the step ran on the pulled parameters
-      [0.0, 0.0]
+      ...     params, sgd = jnp.ones(3), jr.pushable(optax.sgd(0.1))
+      ...     state = sgd.init(params)
+      >>> def loss_step(ctx, params, state):
+      ...     sgd.update(2 * params, state, params)  # the gradient of sum(params**2)
+      ...     return jnp.sum(params ** 2)
+      >>> loss = rep.run(loss_step, None, params, state)  # scheduled: returns at once
+      >>> float(loss.fetch()), loss.step_id  # waits for the step
+      (3.0, 0)
       >>> rep.join()
-      >>> strategy.parameters().tolist()  # the shard applied the pushed gradient
-      [-0.5, -0.5]
-      >>> strategy.shutdown()
+      >>> ps.parameters().tolist()  # 1 - 0.1 * 2, applied by the shard
+      [0.800000011920929, 0.800000011920929, 0.800000011920929]
+      >>> ps.shutdown()
     """
 
     def __init__(self, step_id: int):
