@@ -134,10 +134,10 @@ class PSWorker:
         one = len(devices) == 1
         self._place = jax.jit(lambda tree: tree, out_shardings=self.layout.replicated,
                               donate_argnums=0 if one else ())
-        self._first_runs: set = set()  # step functions run here before (compiled)
         self._place_both = jax.jit(lambda p, b: (p, b), out_shardings=(
             self.layout.replicated, self.layout.per_replica),
             donate_argnums=(0, 1) if one else ())
+        self._first_runs: set = set()  # step functions run here before (compiled)
         client.between_shards = self._between_shards
 
     def _between_shards(self, i: int) -> None:
