@@ -19,6 +19,15 @@ class InputReplicationMode(enum.Enum):
 
     Whatever the mode, a pipeline yields *per-replica* batches and each replica takes
     one element per step.
+
+    Example (``PER_REPLICA``: one pipeline per replica, each told which it is):
+      >>> import numpy as np, jreplicate as jr
+      >>> rep = jr.Replicator(jr.MirroredStrategy())
+      >>> def input_fn(ctx):
+      ...     return iter([np.full((2,), ctx.input_pipeline_id, np.float32)] * 3)
+      >>> it = rep.prepare_input(input_fn, jr.InputReplicationMode.PER_REPLICA)
+      >>> np.asarray(rep.run(lambda ctx, x: x[0], it).array).tolist()  # replica r: pipeline r
+      [0.0, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0]
     """
 
     SINGLE = 0

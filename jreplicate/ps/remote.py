@@ -16,15 +16,72 @@ class WorkerLostError(RuntimeError):
     """A worker died or became unusable; its step is rescheduled on another worker.
 
     Raise it from a step to simulate a worker failure (the step runs again elsewhere).
+
+    Example (the first try of step 0 "loses" its worker; the step runs again):
+      >>> import jax.numpy as jnp, optax, jreplicate as jr
+      >>> ps = jr.ParameterServerStrategy(num_ps=1, num_workers=2)
+      >>> rep = jr.Replicator(ps)
+      >>> with rep.scope():
+      ...     params, sgd = jnp.ones(2), jr.pushable(optax.sgd(0.5))
+      ...     state = sgd.init(params)
+      >>> tries = []
+      >>> def step(ctx, params, state):
+      ...     tries.append(1)
+      ...     if len(tries) == 1:
+      ...         raise jr.WorkerLostError("simulated preemption")
+      ...     sgd.update(jnp.ones(2), state, params)
+      >>> rep.run(step, None, params, state).fetch()
+      >>> rep.join()
+      >>> len(tries), ps.parameters().tolist()  # applied once, by the second try
+      (2, [0.5, 0.5])
+      >>> ps.shutdown()
     """
 
 
 class ParameterServerError(RuntimeError):
-    """A parameter-server shard failed; training cannot continue (restore a checkpoint)."""
+    """A parameter-server shard failed; training cannot continue (restore a checkpoint).
+
+    Raised by :meth:`RemoteValue.fetch`, :meth:`jreplicate.Replicator.join` and the next
+    :meth:`jreplicate.Replicator.run` once a shard is lost (a shard's update raised, or
+    its Ray actor died and could not be restarted). The shards' state may then be
+    inconsistent: restore the last checkpoint (``CheckpointManager.restore_or``) into a
+    new strategy.
+
+    Example (catching it around a training loop):
+      >>> import jreplicate as jr
+      >>> try:
+      ...     raise jr.ParameterServerError("shard 1 lost: its update raised ...")
+      ... except jr.ParameterServerError as e:
+      ...     print("restore the last checkpoint:", e)
+      restore the last checkpoint: shard 1 lost: its update raised ...
+    """
 
 
 class StepCancelledError(RuntimeError):
-    """The step was never run: training stopped first (an error, or shutdown)."""
+    """The step was never run: training stopped first (an error, or shutdown).
+
+    Raised by :meth:`RemoteValue.fetch` of a step that was scheduled but not run, e.g.
+    because another step raised first or the strategy was shut down; the step's push
+    was never applied.
+
+    Example (the strategy shuts down with steps still queued):
+      >>> import time, jax.numpy as jnp, optax, jreplicate as jr
+      >>> ps = jr.ParameterServerStrategy(num_ps=1, num_workers=1)
+      >>> rep = jr.Replicator(ps)
+      >>> with rep.scope():
+      ...     params, sgd = jnp.ones(2), jr.pushable(optax.sgd(0.5))
+      ...     state = sgd.init(params)
+      >>> def slow(ctx, params, state):
+      ...     time.sleep(0.2)
+      ...     sgd.update(jnp.ones(2), state, params)
+      >>> futures = [rep.run(slow, None, params, state) for _ in range(4)]
+      >>> ps.shutdown()
+      >>> try:
+      ...     futures[-1].fetch()
+      ... except jr.StepCancelledError as e:
+      ...     print(e)
+      the strategy shut down before this step ran
+    """
 
 
 def _to_numpy(x: Any) -> Any:

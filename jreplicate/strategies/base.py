@@ -29,6 +29,16 @@ class Strategy(abc.ABC):
 
     :class:`jreplicate.Replicator`, the input layer and checkpoints only use this
     protocol, so a strategy that is not SPMD plugs in with an executor of its own.
+
+    Example (the facts every strategy answers, here on 8 devices):
+      >>> import jreplicate as jr
+      >>> s = jr.MirroredStrategy(logical_devices_per_replica=2)
+      >>> isinstance(s, jr.Strategy), s.num_replicas, s.logical_devices_per_replica
+      (True, 4, 2)
+      >>> s.axis_name, dict(s.mesh.shape)
+      ('replica', {'replica': 4, 'model': 2})
+      >>> s.layout.replica_devices[1] == tuple(s.mesh.devices[1])  # replica 1's devices
+      True
     """
 
     @property

@@ -26,6 +26,14 @@ class TokenQueue(NamedTuple):
 
     The queue holds ``head_count`` tokens of value ``head_step``, then
     ``per_step`` tokens of each value ``head_step + 1, ..., global_step``.
+
+    Example (three tokens of step 0 to start, two per later step):
+      >>> import jax.numpy as jnp, optax
+      >>> from jreplicate.sync import sync_replicas
+      >>> tx = sync_replicas(optax.sgd(1.0), replicas_to_aggregate=2, num_tokens=3)
+      >>> q = tx.init(jnp.zeros(2)).tokens
+      >>> int(q.head_step), int(q.head_count), int(q.per_step)
+      (0, 3, 2)
     """
 
     head_step: jax.Array
@@ -41,6 +49,17 @@ class SyncReplicasState(NamedTuple):
 
     Every field is a pytree of arrays, so the state can be checkpointed, passed through
     ``jax.jit`` and replicated across devices like any optax state.
+
+    Example (two replicas' gradients make one update; a third, late one is dropped):
+      >>> import jax.numpy as jnp, optax
+      >>> from jreplicate.sync import sync_replicas
+      >>> tx = sync_replicas(optax.sgd(1.0), replicas_to_aggregate=2)
+      >>> params = jnp.zeros(2)
+      >>> state = tx.init(params)
+      >>> for g in (1.0, 3.0, 5.0):  # every gradient computed at step 0
+      ...     updates, state = tx.update(jnp.full(2, g), state, params, local_step=0)
+      >>> int(state.global_step), int(state.num_accumulated), int(state.dropped_stale)
+      (1, 0, 1)
     """
 
     accumulators: optax.Updates
