@@ -19,14 +19,79 @@ def is_array_like(x: Any) -> bool:
     return isinstance(x, (jax.Array, np.ndarray, np.generic, bool, int, float, complex))
 
 
-def flatten_arrays(tree: Any, message: Callable[[tuple, Any], str]) -> tuple[list, Any]:
-    """``tree_flatten_with_path`` that raises ``TypeError(message(path, leaf))`` for the
-    first leaf that is not array-like."""
+def flatten_arrays(tree: Any, message: Callable[[tuple, Any], str],
+                   what: str = "") -> tuple[list, Any]:
+    """``tree_flatten_with_path`` that raises ``TypeError(message(path, leaf))`` naming
+    every leaf that is not array-like (see :func:`report`; ``what`` heads the list)."""
     pairs, treedef = jax.tree_util.tree_flatten_with_path(tree)
-    for path, leaf in pairs:
-        if not is_array_like(leaf):
-            raise TypeError(message(path, leaf))
+    report([TypeError(message(path, leaf)) for path, leaf in pairs
+            if not is_array_like(leaf)], what)
     return pairs, treedef
+
+
+class LeafErrors(TypeError, ValueError):
+    """Several leaves of one pytree are wrong, some by type and some by value: caught by
+    ``except TypeError`` and by ``except ValueError`` alike."""
+
+
+#: At most this many leaves are listed in one error; the rest are counted.
+MAX_LISTED = 12
+
+
+def report(problems: list[Exception], what: str) -> None:
+    """Raises the leaf ``problems`` of one pytree at once, or returns if there are none.
+
+    One problem is raised as it is (its one-line message names the leaf, the path and
+    the fix). Several are raised as one error, headed by ``what``, with one bullet per
+    leaf (the ``what: `` each message starts with is said once), as
+    ``jax/_src/shard_map.py`` reports every bad spec at once: fixing one leaf never
+    just uncovers the next. The error is a ``TypeError`` if they all are, a
+    ``ValueError`` if they all are, otherwise a :class:`LeafErrors` (both).
+
+    Example:
+      >>> report([TypeError("f(x): ['a'] is a str"), TypeError("f(x): ['b'] is a str")],
+      ...        "f(x)")
+      Traceback (most recent call last):
+      TypeError: f(x): 2 leaves are wrong:
+        - ['a'] is a str
+        - ['b'] is a str
+    """
+    if len(problems) == 1:
+        raise problems[0]
+    if not problems:
+        return
+    prefix = f"{what}: " if what else ""
+    bullets = [str(e).removeprefix(prefix) if prefix else str(e)
+               for e in problems[:MAX_LISTED]]
+    more = len(problems) - len(bullets)
+    lines = [f"{prefix}{len(problems)} leaves are wrong:"]
+    lines += ["  - " + b.replace("\n", "\n    ") for b in bullets]
+    if more:
+        lines.append(f"  ... and {more} more (fix these and run again to see them)")
+    kinds = {type(e) for e in problems}
+    kind = (kinds.pop() if len(kinds) == 1 else
+            TypeError if all(issubclass(k, TypeError) for k in kinds) else
+            ValueError if all(issubclass(k, ValueError) for k in kinds) else LeafErrors)
+    raise kind("\n".join(lines))
+
+
+def map_checked(fn: Callable[[tuple, Any], Any], tree: Any, what: str,
+                is_leaf: Callable[[Any], bool] | None = None) -> Any:
+    """``tree_map_with_path(fn, tree)`` where ``fn`` checks each leaf and may raise
+    ``TypeError``/``ValueError`` for it: every leaf is checked, then the problems are
+    raised together by :func:`report`."""
+    problems: list[Exception] = []
+
+    def leaf(path, x):
+        try:
+            return fn(path, x)
+        except (TypeError, ValueError) as e:
+            problems.append(e)
+            return None
+
+    out = jax.tree_util.tree_map_with_path(leaf, tree, is_leaf=is_leaf)
+    report(problems, what)
+    return out
 
 
 def covers(index: tuple, shape: tuple) -> bool:
@@ -35,12 +100,12 @@ def covers(index: tuple, shape: tuple) -> bool:
 
 
 def check_array_leaves(tree: Any, what: str) -> None:
-    """Raises TypeError naming the first leaf of ``tree`` that is not array-like."""
+    """Raises TypeError naming every leaf of ``tree`` that is not array-like."""
     flatten_arrays(tree, lambda path, leaf: (
         f"{what}: the leaf at {what_path(path)} is a {type(leaf).__name__}, not an "
         "array. Collectives and replicated computation work on pytrees of arrays "
         "(jax.Array, numpy arrays or Python numbers); remove the leaf or close over "
-        "it as a constant in your step function instead."))
+        "it as a constant in your step function instead."), what)
 
 
 def what_path(path: tuple) -> str:

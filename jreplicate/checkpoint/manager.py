@@ -54,7 +54,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jreplicate import _wire
-from jreplicate._tree import path_str
+from jreplicate._tree import map_checked, path_str
 from jreplicate.checkpoint.checks import mismatch, one_line, path_problem, quiet_orbax
 from jreplicate.checkpoint.dirlock import LOCK_NAME, DirectoryLock, LockHeldError
 from jreplicate.checkpoint.tree import (
@@ -534,7 +534,7 @@ def _zeros_like(tree: Any) -> Any:
     def leaf(path, x):
         _check_not_key(x, path, "restore_or_initialize: init_fn() returned")
         return np.zeros(np.shape(x), x.dtype)
-    return jax.tree_util.tree_map_with_path(leaf, tree)
+    return map_checked(leaf, tree, "restore_or_initialize: init_fn() returned")
 
 
 def _check_not_key(x: Any, path: Any, what: str) -> None:
@@ -547,7 +547,8 @@ def _check_not_key(x: Any, path: Any, what: str) -> None:
 
 
 def _to_host(tree: Any, what: str) -> Any:
-    """Numpy copies of a pytree's leaves, read from this process's devices."""
+    """Numpy copies of a pytree's leaves, read from this process's devices; raises for
+    every leaf that cannot be checkpointed at once."""
     def leaf(path, x):
         if isinstance(x, PerReplica):
             raise ValueError(
@@ -575,5 +576,4 @@ def _to_host(tree: Any, what: str) -> Any:
             "Checkpointed state must be a pytree of arrays (for a Flax NNX module, "
             "checkpoint nnx.state(module))."
         )
-    return jax.tree_util.tree_map_with_path(leaf, tree, is_leaf=lambda x: isinstance(
-        x, PerReplica))
+    return map_checked(leaf, tree, what, is_leaf=lambda x: isinstance(x, PerReplica))

@@ -1,0 +1,94 @@
+"""Errors collect, then report: every bad leaf of a validated pytree in one message.
+
+A user fixing a pytree should never fix one leaf only to meet the next: the run
+arguments, collectives' values, step outputs and checkpointed state name every bad
+leaf at once, one bullet each with its path and fix (``jax/_src/shard_map.py``'s
+style); one bad leaf keeps the one-line form.
+"""
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from jreplicate import CheckpointManager, MirroredStrategy, Replicator
+from jreplicate._tree import MAX_LISTED, LeafErrors, map_checked, report
+
+
+def _check(path, x):
+    if isinstance(x, str):
+        raise TypeError(f"f(tree): {jax_path(path)} is a str, not an array")
+    if isinstance(x, float) and x < 0:
+        raise ValueError(f"f(tree): {jax_path(path)} is negative")
+    return x
+
+
+def jax_path(path):
+    import jax
+    return jax.tree_util.keystr(path)
+
+
+leaf_values = st.one_of(st.floats(0, 10), st.floats(-10, -0.5), st.text(max_size=3))
+
+
+@settings(deadline=None, max_examples=60)
+@given(st.dictionaries(st.from_regex(r"[a-z]{1,4}", fullmatch=True), leaf_values,
+                       max_size=20))
+def test_every_bad_leaf_is_reported_once(tree):
+    """Against a reference list of the bad leaves: none bad returns the mapped tree;
+    one bad keeps the one-line message; several list each (up to MAX_LISTED) once,
+    with the error type that every caller's ``except`` still catches."""
+    bad = {k: v for k, v in tree.items()
+           if isinstance(v, str) or (isinstance(v, float) and v < 0)}
+    if not bad:
+        assert map_checked(_check, tree, "f(tree)") == tree
+        return
+    with pytest.raises((TypeError, ValueError)) as info:
+        map_checked(_check, tree, "f(tree)")
+    msg = str(info.value)
+    types = {TypeError if isinstance(v, str) else ValueError for v in bad.values()}
+    if len(bad) == 1:
+        assert "\n" not in msg and msg.startswith("f(tree): ")
+        assert type(info.value) is types.pop()
+        return
+    assert msg.splitlines()[0] == f"f(tree): {len(bad)} leaves are wrong:"
+    listed = [line for line in msg.splitlines() if line.startswith("  - ")]
+    assert len(listed) == min(len(bad), MAX_LISTED)
+    for k in sorted(bad)[:MAX_LISTED]:  # dicts flatten in sorted key order
+        assert sum(f"['{k}']" in line for line in listed) == 1
+    assert ("more" in msg.splitlines()[-1]) == (len(bad) > MAX_LISTED)
+    assert type(info.value) is (types.pop() if len(types) == 1 else LeafErrors)
+
+
+def test_mixed_kinds_are_caught_as_either():
+    problems = [TypeError("g: ['a'] is a str"), ValueError("g: ['b'] is negative")]
+    for kind in (TypeError, ValueError):
+        with pytest.raises(kind, match=r"(?s)g: 2 leaves are wrong:.*\['a'\].*\['b'\]"):
+            report(problems, "g")
+    report([], "g")  # nothing to report
+
+
+def test_checkpoint_save_names_every_bad_leaf(tmp_path):
+    rep = Replicator(MirroredStrategy())
+    ids = rep.run(lambda ctx: ctx.replica_id)
+    with CheckpointManager(tmp_path, rep) as mngr:
+        state = {"ids": ids, "name": "x", "w": jnp.ones(2), "count": np.int32(3)}
+        with pytest.raises(LeafErrors) as info:
+            mngr.save(0, state, force=True)
+        lines = str(info.value).splitlines()
+        assert lines[0] == "CheckpointManager.save(state): 2 leaves are wrong:"
+        assert "['ids'] is a PerReplica value" in lines[1]
+        assert "['name'] is a str, not an array" in lines[2]
+        assert mngr.latest_step() is None  # nothing written
+        with pytest.raises(ValueError, match=r"^CheckpointManager.save\(state\): \['ids'\]"):
+            mngr.save(0, {"ids": ids, "w": jnp.ones(2)}, force=True)  # one: one line
+
+
+def test_collective_names_every_non_array_leaf():
+    rep = Replicator(MirroredStrategy())
+    with pytest.raises(TypeError) as info:
+        rep.run(lambda ctx: ctx.all_sum({"a": "x", "b": ctx.replica_id, "c": None or "y"}))
+    lines = str(info.value).splitlines()
+    assert lines[0] == "ReplicaContext.all_sum(value): 2 leaves are wrong:"
+    assert "['a']" in lines[1] and "['c']" in lines[2] and "not an array" in lines[2]
