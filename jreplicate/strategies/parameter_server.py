@@ -283,10 +283,11 @@ class ParameterServerStrategy(Strategy):
         bound on the staleness of its update, at most ``max_staleness``), finish_times
         (per worker, ``time.monotonic()`` of each completed step)."""
         c = self._ex().coordinator
-        return {"scheduled": c.scheduled, "completed": c.completed,
-                "completed_by": list(c.completed_by), "rescheduled": c.rescheduled,
-                "alive": c.alive, "replaced": c.replaced, "max_alongside": c.max_alongside,
-                "finish_times": [list(t) for t in c.finish_times]}
+        st = c.stats()
+        return {"scheduled": st.scheduled, "completed": st.completed,
+                "completed_by": list(st.completed_by), "rescheduled": st.rescheduled,
+                "alive": c.alive, "replaced": st.replaced, "max_alongside": st.max_alongside,
+                "finish_times": [list(t) for t in st.finish_times]}
 
     def state(self) -> dict[str, Any]:
         """Every shard's state and ledger as numpy, for
