@@ -7,8 +7,10 @@
 * :mod:`jreplicate.ps.capture`: :func:`jreplicate.pushable`, how a step's optimizer
   update becomes a push.
 * :mod:`jreplicate.ps.worker`: a worker running scheduled steps on its devices.
-* :mod:`jreplicate.ps.coordinator`: TF2 ``ClusterCoordinator`` scheduling, faults,
-  bounded delay.
+* :mod:`jreplicate.ps.coordinator`: TF2 ``ClusterCoordinator`` scheduling and faults,
+  composed of :mod:`jreplicate.ps.closure_queue` (the queued and running steps, TF's
+  ``_CoordinatedClosureQueue``) and :mod:`jreplicate.ps.admission` (the bounded-staleness
+  gate, the token-starvation detector, the statistics).
 * :mod:`jreplicate.ps.remote`: :class:`jreplicate.RemoteValue` and the errors.
 * :mod:`jreplicate.ps.executor`: the strategy's executor (registration, scheduling).
 * :mod:`jreplicate.ps.embedded`: shards and workers as objects and threads of this
