@@ -5,10 +5,13 @@
 applied once; stale gradients (computed at an old ``local_step``) and the slowest
 gradients of each step (backup replicas) are dropped and counted.
 
-Where things live: ``transform.py`` holds :func:`sync_replicas` itself; ``state.py`` its
-state (:class:`SyncReplicasState`), the token queue and :func:`averaged_params`;
-``spmd.py`` each replica's own gradient inside ``shard_map`` (the SPMD driver);
-``checks.py`` the argument checks (private). This ``__init__`` only re-exports.
+Where things live: ``transform.py`` holds :func:`sync_replicas` itself (its options
+checked into a frozen config, ``init`` and the choice of driver); ``aggregate.py`` the two
+drivers and the counting of accepted and dropped gradients, as pure functions (private);
+``state.py`` its state (:class:`SyncReplicasState`), the token queue and
+:func:`averaged_params`; ``spmd.py`` each replica's own gradient inside ``shard_map`` (the
+SPMD driver); ``checks.py`` the argument checks (private). This ``__init__`` only
+re-exports.
 
 Public names (also at the top level, ``jr.sync_replicas`` etc.):
 

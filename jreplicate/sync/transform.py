@@ -1,29 +1,27 @@
-"""The ``sync_replicas`` optax transformation (TensorFlow's ``SyncReplicasOptimizer``)."""
+"""The ``sync_replicas`` optax transformation (TensorFlow's ``SyncReplicasOptimizer``).
+
+:func:`sync_replicas` checks its options once into a frozen
+:class:`~jreplicate.sync.aggregate.Config`; its ``init`` and ``update`` are closures of
+a few lines over it, delegating to :func:`_init` and :func:`_update` here, which hands
+each call to a driver in ``aggregate.py`` (the way ``optax.MultiSteps`` is written).
+"""
 
 from __future__ import annotations
 
+import functools
 import numbers
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import optax
 
-from jreplicate.sync import checks, spmd
+from jreplicate.sync import aggregate, checks, spmd
+from jreplicate.sync.aggregate import Config
 from jreplicate.sync.state import SyncReplicasState, TokenQueue
 
 _I32 = checks.I32
-
-
-class _Push(NamedTuple):
-    """What one ``update`` call brings to the accumulators (all int32 but ``gsum``)."""
-
-    gsum: Any  # sum of the gradients accepted now, accumulator dtypes
-    n_new: Any  # how many gradients were accepted
-    prev_late: Any  # pushes for the step completed last (backup candidates)
-    other_stale: Any  # pushes for older (or future) steps
-    losers: Any  # fresh gradients that lose the race if this call completes the step
 
 
 def sync_replicas(
@@ -134,6 +132,38 @@ def sync_replicas(
       >>> float(w), int(state.dropped_backup)
       (-2.0, 1)
     """
+    cfg = _config(inner, replicas_to_aggregate, total_num_replicas, variable_averages,
+                  variables_to_average, num_tokens, axis_name)
+    host_update = jax.jit(functools.partial(aggregate.host_update, cfg))
+
+    def init_fn(params: optax.Params) -> SyncReplicasState:
+        return _init(cfg, params)
+
+    def update_fn(
+        updates: optax.Updates,
+        state: SyncReplicasState,
+        params: optax.Params | None = None,
+        *,
+        local_step: Any = None,
+        arrival_time: Any = None,
+        **extra_args: Any,
+    ) -> tuple[optax.Updates, SyncReplicasState]:
+        return _update(cfg, host_update, updates, state, params, local_step, arrival_time,
+                       extra_args)
+
+    return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def _config(
+    inner: Any,
+    replicas_to_aggregate: Any,
+    total_num_replicas: Any,
+    variable_averages: Any,
+    variables_to_average: Any,
+    num_tokens: Any,
+    axis_name: str,
+) -> Config:
+    """The arguments of :func:`sync_replicas`, checked; raises naming the bad one."""
     k = checks.check_count(
         "replicas_to_aggregate", replicas_to_aggregate, "gradients averaged per update"
     )
@@ -144,8 +174,7 @@ def sync_replicas(
             total_num_replicas,
             "replicas pushing gradients; None means replicas_to_aggregate",
         )
-    host_total = k if total is None else total
-    n_tokens = checks.check_num_tokens(num_tokens, k, host_total)
+    n_tokens = checks.check_num_tokens(num_tokens, k, k if total is None else total)
     decay = None
     if variable_averages is not None:
         if isinstance(variable_averages, bool) or not isinstance(variable_averages, numbers.Real):
@@ -168,271 +197,78 @@ def sync_replicas(
             "inner must be an optax.GradientTransformation (e.g. optax.sgd(0.1)), got "
             f"{type(inner).__name__}."
         )
-    inner = optax.with_extra_args_support(inner)
+    return Config(optax.with_extra_args_support(inner), k, total, n_tokens, decay,
+                  variables_to_average, axis_name)
 
-    def init_fn(params: optax.Params) -> SyncReplicasState:
-        if not jax.tree.leaves(params):
+
+def _init(cfg: Config, params: optax.Params) -> SyncReplicasState:
+    """The state before any push: empty accumulators, ``num_tokens`` tokens of step 0."""
+    if not jax.tree.leaves(params):
+        raise ValueError(
+            "sync_replicas: Must supply at least one variable, but params "
+            f"{params!r} has no arrays. Pass the pytree of trainable arrays."
+        )
+    ema = None
+    if cfg.decay is not None:
+        mask = checks.resolve_mask(cfg.variables_to_average, params)
+        ema = jax.tree.map(lambda p, m: jnp.array(p) if m else None, params, mask)
+    return SyncReplicasState(
+        accumulators=jax.tree.map(jnp.zeros_like, params),
+        num_accumulated=checks.zero(),
+        global_step=checks.zero(),
+        tokens=TokenQueue(
+            head_step=checks.zero(),
+            head_count=jnp.full((), cfg.n_tokens, _I32),
+            per_step=jnp.full((), max(cfg.host_total, cfg.k), _I32),
+        ),
+        inner_state=cfg.inner.init(params),
+        ema=ema,
+        late_this_step=checks.zero(),
+        dropped_stale=checks.zero(),
+        dropped_backup=checks.zero(),
+    )
+
+
+def _update(
+    cfg: Config,
+    host_update: Callable[..., Any],
+    updates: optax.Updates,
+    state: SyncReplicasState,
+    params: optax.Params | None,
+    local_step: Any,
+    arrival_time: Any,
+    extra_args: dict,
+) -> tuple[optax.Updates, SyncReplicasState]:
+    """Checks the arguments and picks the driver: SPMD if ``cfg.axis_name`` is bound."""
+    if not isinstance(state, SyncReplicasState):
+        raise ValueError(
+            "sync_replicas: update() needs the state returned by tx.init(params), got "
+            f"{type(state).__name__}."
+        )
+    checks.check_grads(updates, state, params)
+    if cfg.decay is not None and params is None:
+        raise ValueError(
+            "sync_replicas(variable_averages=...) needs the params: call "
+            "tx.update(grads, state, params)."
+        )
+    axis_name = cfg.axis_name
+    n = spmd.bound_axis_size(axis_name)
+    if n is not None:
+        if cfg.total is not None and cfg.total != n:
             raise ValueError(
-                "sync_replicas: Must supply at least one variable, but params "
-                f"{params!r} has no arrays. Pass the pytree of trainable arrays."
+                f"total_num_replicas={cfg.total} but the {axis_name!r} mesh axis has {n} "
+                f"replicas; pass total_num_replicas={n} or None."
             )
-        ema = None
-        if decay is not None:
-            mask = checks.resolve_mask(variables_to_average, params)
-            ema = jax.tree.map(lambda p, m: jnp.array(p) if m else None, params, mask)
-        return SyncReplicasState(
-            accumulators=jax.tree.map(jnp.zeros_like, params),
-            num_accumulated=checks.zero(),
-            global_step=checks.zero(),
-            tokens=TokenQueue(
-                head_step=checks.zero(),
-                head_count=jnp.full((), n_tokens, _I32),
-                per_step=jnp.full((), max(host_total, k), _I32),
-            ),
-            inner_state=inner.init(params),
-            ema=ema,
-            late_this_step=checks.zero(),
-            dropped_stale=checks.zero(),
-            dropped_backup=checks.zero(),
+        return aggregate.spmd_update(cfg, updates, state, params, local_step, arrival_time,
+                                     n, extra_args)
+    if arrival_time is not None:
+        raise ValueError(
+            "arrival_time is only used inside a replica context (shard_map over "
+            f"axis {axis_name!r}); the host driver takes pushes in call order."
         )
-
-    def host_push(grads: Any, state: SyncReplicasState, local_step: Any) -> _Push:
-        gs = state.global_step
-        ls = gs if local_step is None else checks.as_scalar(local_step, "local_step", _I32, "int")
-        fresh = ls == gs
-        gsum = jax.tree.map(
-            lambda g, a: jnp.where(fresh, g.astype(a.dtype), jnp.zeros((), a.dtype)),
-            grads,
-            state.accumulators,
-        )
-        prev_late = (~fresh & (ls == gs - 1)).astype(_I32)
-        return _Push(
-            gsum,
-            fresh.astype(_I32),
-            prev_late,
-            (~fresh).astype(_I32) - prev_late,
-            jnp.zeros((), _I32),
-        )
-
-    def spmd_update(
-        grads: Any,
-        state: SyncReplicasState,
-        params: Any,
-        local_step: Any,
-        arrival_time: Any,
-        n: int,
-        extra_args: dict,
-    ) -> tuple[optax.Updates, SyncReplicasState]:
-        checks.check_own_gradients(grads, axis_name)
-        checks.check_arrival_time(arrival_time)
-        gs = state.global_step
-        me = jax.lax.axis_index(axis_name)
-        needed = k - state.num_accumulated
-        if local_step is None and arrival_time is None:
-            contrib = me < needed
-            n_fresh = jnp.asarray(n, _I32)
-            prev_late = other_stale = jnp.zeros((), _I32)
-        else:
-            ls = (
-                gs
-                if local_step is None
-                else checks.as_scalar(local_step, "local_step", _I32, "int")
-            )
-            t_vec = spmd.replicated_vector(arrival_time, axis_name, n, "arrival_time")
-            if t_vec is not None:  # every replica already knows every arrival time
-                ls_vec = (jnp.full((n,), gs, _I32) if local_step is None
-                          else spmd.gather_scalars([ls], axis_name, n)[0])
-            else:
-                t = (
-                    jnp.zeros((), jnp.float32)
-                    if arrival_time is None
-                    else checks.as_scalar(arrival_time, "arrival_time", jnp.float32, "a time")
-                )
-                ls_vec, t_vec = spmd.gather_scalars([ls, t], axis_name, n)
-            fresh = ls_vec == gs
-            # earlier[j, i]: replica i's gradient arrives before replica j's (a total
-            # order even with NaN, infinities and ties: exact ranks, exact counts).
-            earlier = spmd.arrives_before(t_vec)
-            rank = jnp.sum(earlier & fresh[None, :], axis=1)
-            contrib = (fresh & (rank < needed))[me]
-            n_fresh = jnp.sum(fresh).astype(_I32)
-            # A gradient for the step before arriving after the one that completes this
-            # step is two steps late by then: stale, as in the host driver.
-            completer = fresh & (rank == needed - 1)
-            after_update = jnp.any(earlier & completer[None, :], axis=1)
-            prev_late = jnp.sum(~fresh & (ls_vec == gs - 1) & ~after_update).astype(_I32)
-            other_stale = jnp.sum(~fresh).astype(_I32) - prev_late
-        if local_step is None and n >= k:
-            # Every call completes a step (n fresh gradients >= the needed ones).
-            return _complete_step(
-                grads, state, params, contrib, needed, n, extra_args, everyone_if_first=k == n
-            )
-        gsum = _masked_psum(grads, contrib, state.accumulators)
-        push = _Push(
-            gsum,
-            jnp.minimum(n_fresh, needed).astype(_I32),
-            prev_late,
-            other_stale,
-            jnp.maximum(n_fresh - needed, 0).astype(_I32),
-        )
-        return _finish(push, state, params, max(n - k, 0), extra_args)
-
-    def _masked_psum(grads: Any, contrib: Any, like: Any) -> Any:
-        return jax.lax.psum(
-            jax.tree.map(
-                lambda g, a: jnp.where(contrib, g.astype(a.dtype), jnp.zeros((), a.dtype)),
-                grads,
-                like,
-            ),
-            axis_name,
-        )
-
-    def _complete_step(
-        grads: Any,
-        state: SyncReplicasState,
-        params: Any,
-        contrib: Any,
-        needed: Any,
-        n: int,
-        extra_args: dict,
-        everyone_if_first: bool,
-    ) -> tuple[optax.Updates, SyncReplicasState]:
-        """SPMD step known to complete: no branch around ``inner``, so XLA can fuse it.
-
-        The accumulators are read only when a previous call left gradients in them
-        (``num_accumulated > 0``, e.g. from the host driver).
-        """
-        acc = state.accumulators
-        first = state.num_accumulated == 0
-
-        def fresh_start(grads, acc):
-            if everyone_if_first:  # all n replicas contribute: no masking pass
-                return jax.lax.psum(jax.tree.map(checks.cast_like, grads, acc), axis_name)
-            return _masked_psum(grads, contrib, acc)
-
-        def continued(grads, acc):
-            return jax.tree.map(jnp.add, _masked_psum(grads, contrib, acc), acc)
-
-        # The accumulators are left as they are (they are only read while
-        # num_accumulated > 0), so they are neither copied nor written here.
-        total = jax.lax.cond(first, fresh_start, continued, grads, acc)
-        avg = jax.tree.map(lambda a: a / k, total)
-        upd, inner_state = inner.update(avg, state.inner_state, params, **extra_args)
-        losers = n - needed
-        backup = jnp.minimum(losers, n - k)
-        return upd, state._replace(
-            accumulators=acc,
-            num_accumulated=jnp.zeros_like(state.num_accumulated),
-            global_step=state.global_step + 1,
-            inner_state=inner_state,
-            ema=_averaged(state.ema, params, upd),
-            late_this_step=losers.astype(_I32),
-            dropped_stale=(state.dropped_stale + losers - backup).astype(_I32),
-            dropped_backup=(state.dropped_backup + backup).astype(_I32),
-        )
-
-    def _averaged(ema: Any, params: Any, upd: Any) -> Any:
-        if ema is None:
-            return None
-        new_params = optax.apply_updates(params, upd)
-        return jax.tree.map(
-            lambda e, p: None if e is None else e - (1.0 - decay) * (e - p),
-            ema,
-            new_params,
-            is_leaf=checks.is_none,
-        )
-
-    def update_fn(
-        updates: optax.Updates,
-        state: SyncReplicasState,
-        params: optax.Params | None = None,
-        *,
-        local_step: Any = None,
-        arrival_time: Any = None,
-        **extra_args: Any,
-    ) -> tuple[optax.Updates, SyncReplicasState]:
-        if not isinstance(state, SyncReplicasState):
-            raise ValueError(
-                "sync_replicas: update() needs the state returned by tx.init(params), got "
-                f"{type(state).__name__}."
-            )
-        checks.check_grads(updates, state, params)
-        if decay is not None and params is None:
-            raise ValueError(
-                "sync_replicas(variable_averages=...) needs the params: call "
-                "tx.update(grads, state, params)."
-            )
-        n = spmd.bound_axis_size(axis_name)
-        if n is None:
-            if arrival_time is not None:
-                raise ValueError(
-                    "arrival_time is only used inside a replica context (shard_map over "
-                    f"axis {axis_name!r}); the host driver takes pushes in call order."
-                )
-            if local_step is not None:
-                local_step = checks.as_scalar(local_step, "local_step", _I32, "int")
-            args = (updates, state, params, local_step, extra_args)
-            if checks.compilable(args):  # eager call: run one cached compiled program
-                return host_update_jit(*args)
-            return host_update(*args)
-        else:
-            if total is not None and total != n:
-                raise ValueError(
-                    f"total_num_replicas={total} but the {axis_name!r} mesh axis has {n} "
-                    f"replicas; pass total_num_replicas={n} or None."
-                )
-            return spmd_update(updates, state, params, local_step, arrival_time, n, extra_args)
-
-    def host_update(grads, state, params, local_step, extra_args):
-        push = host_push(grads, state, local_step)
-        return _finish(push, state, params, max(host_total - k, 0), extra_args)
-
-    host_update_jit = jax.jit(host_update)
-
-    def _finish(
-        push: _Push, state: SyncReplicasState, params: Any, quota: int, extra_args: dict
-    ) -> tuple[optax.Updates, SyncReplicasState]:
-        """Adds a push to the accumulators; applies ``inner`` (under ``lax.cond``) when
-        the step is complete."""
-        count = state.num_accumulated + push.n_new
-        apply = count >= k
-        room = jnp.maximum(quota - state.late_this_step, 0)
-        backup = jnp.minimum(push.prev_late, room)
-        stale = push.prev_late - backup + push.other_stale
-        late = state.late_this_step + push.prev_late
-        # Accumulators hold garbage while num_accumulated == 0 (see SyncReplicasState).
-        first = state.num_accumulated == 0
-        acc = jax.tree.map(lambda a, g: jnp.where(first, g, a + g), state.accumulators, push.gsum)
-
-        def do_apply(acc, inner_state, ema):
-            avg = jax.tree.map(lambda a: a / count.astype(a.dtype), acc)
-            upd, inner_state = inner.update(avg, inner_state, params, **extra_args)
-            return upd, inner_state, _averaged(ema, params, upd)
-
-        operands = (acc, state.inner_state, state.ema)
-        applied = jax.eval_shape(do_apply, *operands)
-
-        def applied_branch(acc, inner_state, ema):
-            out = do_apply(acc, inner_state, ema)
-            return spmd.match_varying(out, (applied[0], inner_state, ema))
-
-        def skipped_branch(acc, inner_state, ema):
-            zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), applied[0])
-            return spmd.match_varying((zeros, inner_state, ema), applied)
-
-        upd, inner_state, ema = jax.lax.cond(apply, applied_branch, skipped_branch, *operands)
-        backup_after = jnp.where(apply, jnp.minimum(push.losers, quota), 0)
-        stale_after = jnp.where(apply, push.losers, 0) - backup_after
-        return upd, SyncReplicasState(
-            accumulators=acc,
-            num_accumulated=jnp.where(apply, 0, count).astype(_I32),
-            global_step=(state.global_step + apply).astype(_I32),
-            tokens=state.tokens,
-            inner_state=inner_state,
-            ema=ema,
-            late_this_step=jnp.where(apply, push.losers, late).astype(_I32),
-            dropped_stale=(state.dropped_stale + stale + stale_after).astype(_I32),
-            dropped_backup=(state.dropped_backup + backup + backup_after).astype(_I32),
-        )
-
-    return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+    if local_step is not None:
+        local_step = checks.as_scalar(local_step, "local_step", _I32, "int")
+    args = (updates, state, params, local_step, extra_args)
+    if checks.compilable(args):  # eager call: run one cached compiled program
+        return host_update(*args)
+    return aggregate.host_update(cfg, *args)
