@@ -46,6 +46,7 @@ class StalenessGate:
         self._alongside: dict[int, int] = {}  # running step id -> steps it ran alongside
         self._idle: dict[int, int] = {}  # worker waiting for a step -> its ticket
         self._tickets = 0
+        self._max = 0  # the most steps one step ran alongside, so far
 
     def arrive(self, worker: int) -> None:
         """``worker`` starts waiting for a step (takes a ticket)."""
@@ -74,7 +75,10 @@ class StalenessGate:
         for i in self._alongside:
             self._alongside[i] += 1
         self._alongside[step_id] = len(self._alongside)
-        self._stats.saw_alongside(max(self._alongside.values()))
+        n = max(self._alongside.values())
+        if n > self._max:
+            self._max = n
+            self._stats.saw_alongside(n)
 
     def stop(self, step_id: int) -> None:
         self._alongside.pop(step_id, None)

@@ -317,16 +317,16 @@ class Coordinator:
         """The next closure ``w`` may run, marked running (None: stop, or none now when
         not ``wait``-ing)."""
         q, gate = self._queue, self._gate
+        kw = {} if gate.tau is None else {"admit": lambda c: gate.admits(
+            w, lambda v: self._can_run(v, c), q.running())}
         with q.lock:
             gate.arrive(w)
             try:
                 c = q.get(w, lambda c: self._can_run(w, c), stop=lambda: not self._alive[w],
-                          admit=lambda c: gate.admits(
-                              w, lambda v: self._can_run(v, c), q.running()),
-                          idle_timeout=self.IDLE_EXIT if wait else 0)
+                          idle_timeout=self.IDLE_EXIT if wait else 0, **kw)
             finally:
                 gate.leave(w)
-                if gate.tau is not None:
+                if kw:
                     q.notify_takers()  # the next idle worker may be first now
             if c is None and wait and self._alive[w] and not q.stopped:
                 self._threads[w] = None  # idle: restarted by the next schedule
