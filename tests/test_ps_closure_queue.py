@@ -1,6 +1,7 @@
-"""The coordinator's units without processes or JAX: the closure queue (order, put_back,
-errors, waits that end exactly when their predicate turns, under random interleavings),
-the staleness gate, the starvation detector and the statistics snapshot."""
+"""The coordinator's units with threads and no processes: the closure queue (order,
+put_back, errors, waits that end exactly when their predicate turns, under random
+interleavings), the staleness gate, the starvation detector and the statistics snapshot,
+and the coordinator's starvation check with fake token waits."""
 
 import random
 import threading
@@ -12,6 +13,8 @@ from hypothesis import strategies as st
 
 from jreplicate.ps.admission import StalenessGate, StarvationDetector, StatsRecorder
 from jreplicate.ps.closure_queue import ClosureQueue
+from jreplicate.ps.coordinator import Coordinator
+from jreplicate.ps.remote import StepCancelledError
 from jreplicate.ps.worker import Closure
 from tests._ps_helpers import bounded_test  # noqa: F401 (autouse: every test bounded)
 
@@ -270,3 +273,42 @@ def test_stats_snapshot_is_immutable_and_counts_concurrent_updates_exactly():
     assert snap.completed == 2000 and len(snap.finish_times[0]) == 500  # a copy
     with pytest.raises(AttributeError):
         snap.completed = 1
+
+
+def _token_runner(token: threading.Event, interrupted: threading.Event):
+    """A step that waits for ``token`` as a token-gated worker does: counted as waiting
+    (``on_token_wait``) while it blocks; cancelled by ``interrupted``."""
+    def start(c, on_token_wait):
+        def wait():
+            on_token_wait(True)
+            try:
+                while not token.wait(0.01):
+                    if interrupted.is_set():
+                        raise StepCancelledError("interrupted")
+            finally:
+                on_token_wait(False)
+            return c.step_id
+        return wait
+    return start
+
+
+@pytest.mark.parametrize("token_there", [False, True])
+def test_join_cancels_token_waits_only_when_shard_0_has_no_token(token_there):
+    """Every running step waits, none queued: with no token to give, join raises
+    StepCancelledError after the grace; with one, it keeps waiting and returns."""
+    token, interrupted = threading.Event(), threading.Event()
+    co = Coordinator([_token_runner(token, interrupted)] * 2, starved=lambda: not token_there,
+                     interrupt=interrupted.set)
+    co.STARVED_AFTER = co._starvation.grace = 0.3
+    values = [co.schedule(_c(i)) for i in range(2)]
+    if token_there:
+        threading.Timer(1.0, token.set).start()
+        co.join(timeout=BOUND)
+        assert [v.fetch(timeout=1) for v in values] == [0, 1]
+    else:
+        t0 = time.monotonic()
+        with pytest.raises(StepCancelledError, match="cannot go on"):
+            co.join(timeout=BOUND)
+        assert 0.25 < time.monotonic() - t0 < BOUND / 2 and co.pending == 0
+        assert all(isinstance(v._error, StepCancelledError) for v in values)
+    co.shutdown(wait=1.0)
