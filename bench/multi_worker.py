@@ -3,7 +3,7 @@
 The model and step are those of ``bench/overhead.py``: an MLP 784-1024-1024-10,
 softmax cross-entropy, SGD with momentum 0.9, global batch 256 (32 per replica). Both
 configurations run the same program through ``Replicator(MultiWorkerStrategy()).run``,
-started by ``python -m jreplicate.launch``:
+started by ``python -m jreplicate.cluster.launch``:
 
 * ``1x8``: ``--nproc 1 --devices-per-proc 8`` (no cross-process traffic);
 * ``2x4``: ``--nproc 2 --devices-per-proc 4`` (gradients all-reduced across processes by
@@ -50,7 +50,7 @@ def worker(args: argparse.Namespace) -> None:
     sys.path.insert(0, ROOT)
     from jreplicate.strategies.multi_worker import MultiWorkerStrategy
 
-    strategy = MultiWorkerStrategy()  # from jreplicate.launch's environment
+    strategy = MultiWorkerStrategy()  # from jreplicate.cluster.launch's environment
 
     import jax
     import jax.numpy as jnp
@@ -133,7 +133,7 @@ def worker(args: argparse.Namespace) -> None:
 
 
 def run_config(nproc: int, devices: int, args: argparse.Namespace) -> dict:
-    cmd = [sys.executable, "-m", "jreplicate.launch", "--nproc", str(nproc),
+    cmd = [sys.executable, "-m", "jreplicate.cluster.launch", "--nproc", str(nproc),
            "--devices-per-proc", str(devices), "--timeout", "600", __file__, "--worker",
            "--rounds", str(args.rounds), "--steps", str(args.steps)]
     env = {k: v for k, v in os.environ.items() if not k.startswith("JREPLICATE_")}

@@ -2,7 +2,7 @@
 
 Every process runs this same script::
 
-    python -m jreplicate.launch --nproc 2 --devices-per-proc 4 --max-restarts 2 \\
+    python -m jreplicate.cluster.launch --nproc 2 --devices-per-proc 4 --max-restarts 2 \\
         examples/train_multi_worker.py --steps 200 --ckpt /tmp/jreplicate_mw_ckpt
 
 * ``jr.MultiWorkerStrategy()`` joins the cluster the launcher describes in the

@@ -1,6 +1,7 @@
 """jreplicate: replicate a JAX step function across devices, hosts and clusters."""
 
 from jreplicate.checkpoint import CheckpointError, CheckpointManager
+from jreplicate.cluster import ClusterError, ClusterSpec, Timeouts
 from jreplicate.context import PerReplica, ReplicaContext
 from jreplicate.input import InputContext, InputIterator, InputReplicationMode
 from jreplicate.layout import MODEL_AXIS, REPLICA_AXIS, Layout
@@ -14,13 +15,10 @@ from jreplicate.ps.remote import (
 )
 from jreplicate.replicator import Replicator
 from jreplicate.strategies import (
-    ClusterError,
-    ClusterSpec,
     MirroredStrategy,
     MultiWorkerStrategy,
     ParameterServerStrategy,
     Strategy,
-    Timeouts,
     TPUStrategy,
 )
 from jreplicate.sync import (

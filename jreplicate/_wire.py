@@ -1,6 +1,6 @@
 """Typed, validated messages between processes (private).
 
-Agreement messages (:meth:`jreplicate.strategies.cluster.Agreement.exchange`) are JSON;
+Agreement messages (:meth:`jreplicate.cluster.agreement.Agreement.exchange`) are JSON;
 nothing that crosses processes is unpickled. This module holds the small schema
 checkers those messages are read with, and the JSON description of a pytree structure
 that input elements carry, so that a process which never saw an element (SINGLE mode,

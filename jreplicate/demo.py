@@ -3,7 +3,7 @@
 Run it with ``python -m jreplicate.demo`` (or the ``jreplicate-demo`` script). On a
 machine without accelerators it simulates 8 CPU devices. It compiles the step (shown as
 its own phase), trains with a progress bar on stderr (plain lines every 10 % of the
-steps when stderr is not a terminal, e.g. piped or under ``jreplicate.launch``) and
+steps when stderr is not a terminal, e.g. piped or under ``jreplicate.cluster.launch``) and
 prints the held-out accuracy on stdout.
 """
 

@@ -10,7 +10,7 @@ import jreplicate
 
 MODULES = sorted(
     m.name for m in pkgutil.walk_packages(jreplicate.__path__, "jreplicate.")
-    if m.name not in ("jreplicate.launch", "jreplicate.demo")  # entry points, no doctests
+    if m.name not in ("jreplicate.cluster.launch", "jreplicate.demo")  # entry points, no doctests
 )
 
 

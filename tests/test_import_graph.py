@@ -116,6 +116,9 @@ def test_no_import_cycle():
 
 
 LAYERS = {  # a module under the key imports nothing from under the values
+    # the multi-process runtime sits below everything that runs on it
+    "jreplicate.cluster": ("jreplicate.strategies", "jreplicate.execution", "jreplicate.ps",
+                           "jreplicate.checkpoint"),
     "jreplicate.execution": ("jreplicate.ps", "jreplicate.strategies"),
     "jreplicate.ps": ("jreplicate.strategies",),
     "jreplicate.layout": ("jreplicate.execution", "jreplicate.ps", "jreplicate.strategies"),

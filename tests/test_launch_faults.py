@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from jreplicate.launch import tied_to_parent
+from jreplicate.cluster.launch import tied_to_parent
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPTS = ROOT / "tests" / "mp_scripts"
@@ -34,7 +34,7 @@ def _env() -> dict[str, str]:
 
 
 def _start_launcher(args: list[str]) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "jreplicate.launch", *args]
+    cmd = [sys.executable, "-m", "jreplicate.cluster.launch", *args]
     return subprocess.Popen(tied_to_parent(cmd), cwd=ROOT, env=_env(), stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, start_new_session=True)
 
@@ -60,7 +60,8 @@ def test_one_workers_exception_stops_the_group_and_is_named():
     print(f"group stopped {took:.2f}s after process 1's exception (bound {STOP_BOUND}s)")
     assert p.returncode == 1, err[-3000:]
     last = err.strip().splitlines()[-1]
-    assert last == ("jreplicate.launch: process 1 of 2 failed first: exit code 1; it raised "
+    assert last == ("jreplicate.cluster.launch: process 1 of 2 failed first: exit code 1; it "
+                    "raised "
                     "ValueError: bad batch at step 5; stopped the other processes"), err[-3000:]
     assert took < STOP_BOUND, err[-3000:]
     assert "DONE" not in out

@@ -19,19 +19,21 @@ import numpy as np
 import optax
 import pytest
 
-from jreplicate import launch
 from jreplicate.checkpoint import COMMIT_MARKER, CheckpointError, CheckpointManager
+from jreplicate.cluster import launch, runtime, watchdog
+from jreplicate.cluster import spec as cluster_spec
+from jreplicate.cluster.discovery import from_tf_config, resolve_cluster
+from jreplicate.cluster.spec import ClusterSpec, Timeouts
 from jreplicate.input.context import InputReplicationMode
 from jreplicate.replicator import Replicator
-from jreplicate.strategies import cluster
-from jreplicate.strategies.cluster import ClusterSpec, Timeouts, from_tf_config, resolve_cluster
 from jreplicate.strategies.mirrored import MirroredStrategy
 from jreplicate.strategies.multi_worker import MultiWorkerStrategy
 from tests._models import init_mlp
 
 PLAIN = str(Path(__file__).parent / "mp_scripts" / "plain.py")
-ENV_VARS = [cluster.ENV_COORDINATOR, cluster.ENV_NUM_PROCESSES, cluster.ENV_PROCESS_ID,
-            cluster.ENV_LOCAL_DEVICE_IDS, cluster.TF_CONFIG, *cluster.ENV_TIMEOUTS.values()]
+ENV_VARS = [cluster_spec.ENV_COORDINATOR, cluster_spec.ENV_NUM_PROCESSES,
+            cluster_spec.ENV_PROCESS_ID, cluster_spec.ENV_LOCAL_DEVICE_IDS,
+            cluster_spec.TF_CONFIG, *cluster_spec.ENV_TIMEOUTS.values()]
 
 
 @pytest.fixture(autouse=True)
@@ -79,9 +81,9 @@ def test_resolve_order_arguments_env_tf_config(monkeypatch):
     monkeypatch.setenv("TF_CONFIG", json.dumps(
         {"cluster": {"worker": ["t0:9", "t1:9"]}, "task": {"type": "worker", "index": 1}}))
     assert resolve_cluster() == ClusterSpec("t0:9", 2, 1, None, "TF_CONFIG")
-    monkeypatch.setenv(cluster.ENV_COORDINATOR, "127.0.0.1:5000")
-    monkeypatch.setenv(cluster.ENV_NUM_PROCESSES, "4")
-    monkeypatch.setenv(cluster.ENV_PROCESS_ID, "3")
+    monkeypatch.setenv(cluster_spec.ENV_COORDINATOR, "127.0.0.1:5000")
+    monkeypatch.setenv(cluster_spec.ENV_NUM_PROCESSES, "4")
+    monkeypatch.setenv(cluster_spec.ENV_PROCESS_ID, "3")
     assert resolve_cluster() == ClusterSpec("127.0.0.1:5000", 4, 3, None,
                                             "JREPLICATE_* environment")
     assert resolve_cluster("h:1", 2, 0, [0, 1]) == ClusterSpec("h:1", 2, 0, (0, 1), "arguments")
@@ -103,7 +105,7 @@ def test_resolve_argument_errors(kwargs, match):
 
 
 def test_resolve_partial_environment(monkeypatch):
-    monkeypatch.setenv(cluster.ENV_COORDINATOR, "127.0.0.1:5000")
+    monkeypatch.setenv(cluster_spec.ENV_COORDINATOR, "127.0.0.1:5000")
     with pytest.raises(ValueError, match="but not JREPLICATE_NUM_PROCESSES, JREPLICATE_PROCESS"):
         resolve_cluster()
 
@@ -127,9 +129,9 @@ def test_initialize_gets_what_is_left_of_the_initialization_timeout(monkeypatch)
     monkeypatch.setattr(jax.distributed, "initialize", lambda *a, **kw: seen.update(kw))
     monkeypatch.setattr(jax.config, "update", lambda *a: None)
     monkeypatch.setenv("XLA_FLAGS", os.environ.get("XLA_FLAGS", ""))
-    monkeypatch.setattr(cluster._jax_compat, "backends_are_initialized", lambda: False)
-    monkeypatch.setattr(cluster, "_reachable", lambda address, deadline: time.sleep(2) is None)
-    cluster.connect(ClusterSpec("127.0.0.1:1", 2, 1), Timeouts(initialization_timeout=5))
+    monkeypatch.setattr(runtime._jax_compat, "backends_are_initialized", lambda: False)
+    monkeypatch.setattr(runtime, "_reachable", lambda address, deadline: time.sleep(2) is None)
+    runtime.connect(ClusterSpec("127.0.0.1:1", 2, 1), Timeouts(initialization_timeout=5))
     assert seen["initialization_timeout"] == 3
 
 
@@ -304,7 +306,7 @@ def test_launch_propagates_first_failure(monkeypatch, capsys):
     code, out, err, elapsed = _launch(monkeypatch, capsys, "--nproc", "3", "--grace", "1",
                                       PLAIN, "exit3")
     assert code == 3
-    assert ("jreplicate.launch: process 1 of 3 failed first: exit code 3; its last stderr "
+    assert ("jreplicate.cluster.launch: process 1 of 3 failed first: exit code 3; its last stderr "
             "line: ValueError: bad shard; stopped the other processes") in err
     assert elapsed < 30  # the others (sleeping 60 s) were stopped
 
@@ -366,5 +368,5 @@ def test_child_env():
     assert (env["JREPLICATE_PROCESS_ID"], env["JREPLICATE_NUM_PROCESSES"]) == ("1", "2")
     assert env["JREPLICATE_RESTART_COUNT"] == "3" and env["PJRT_NPROC"] == "10"
     assert launch.describe_status(-signal.SIGTERM) == "killed by signal 15 (SIGTERM)"
-    assert "could not join the cluster" in launch.describe_status(cluster.EXIT_INIT_TIMEOUT)
+    assert "could not join the cluster" in launch.describe_status(watchdog.EXIT_INIT_TIMEOUT)
     assert os.path.exists(PLAIN) and sys.executable

@@ -20,7 +20,7 @@ import jax
 import numpy as np
 import pytest
 
-from jreplicate.launch import child_env, free_port, tied_to_parent
+from jreplicate.cluster.launch import child_env, free_port, tied_to_parent
 from jreplicate.strategies.multi_worker import MultiWorkerStrategy
 from tests.mp_scripts import train as train_script
 
@@ -50,8 +50,8 @@ def _base_env(**extra: str) -> dict[str, str]:
 
 
 def _launch(args: list[str], timeout: float = 150) -> subprocess.CompletedProcess:
-    """Runs ``python -m jreplicate.launch args``, killing its whole group on timeout."""
-    cmd = [sys.executable, "-m", "jreplicate.launch", "--timeout", str(timeout - 10), *args]
+    """Runs ``python -m jreplicate.cluster.launch args``, killing its whole group on timeout."""
+    cmd = [sys.executable, "-m", "jreplicate.cluster.launch", "--timeout", str(timeout - 10), *args]
     p = subprocess.Popen(tied_to_parent(cmd), cwd=ROOT, env=_base_env(),
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                          start_new_session=True)

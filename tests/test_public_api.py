@@ -5,6 +5,7 @@ import importlib.util
 
 import jreplicate
 import jreplicate.checkpoint
+import jreplicate.cluster
 import jreplicate.execution
 import jreplicate.input
 import jreplicate.strategies
@@ -16,7 +17,7 @@ sync_module = jreplicate.sync
 
 def test_every_public_name_imports():
     for module in (jreplicate, jreplicate.execution, jreplicate.input, jreplicate.strategies,
-                   sync_module, jreplicate.checkpoint, jreplicate.testing):
+                   sync_module, jreplicate.checkpoint, jreplicate.testing, jreplicate.cluster):
         assert module.__all__, module
         for name in module.__all__:
             obj = getattr(module, name)
@@ -26,7 +27,7 @@ def test_every_public_name_imports():
 
 def test_init_defines_nothing_itself():
     for module in (jreplicate, jreplicate.execution, jreplicate.input, jreplicate.strategies,
-                   jreplicate.sync, jreplicate.checkpoint):
+                   jreplicate.sync, jreplicate.checkpoint, jreplicate.cluster):
         for name in module.__all__:
             obj = getattr(module, name)
             owner = getattr(obj, "__module__", None)
@@ -39,8 +40,9 @@ def test_submodules_import():
                  "input.prefetch", "input.staging", "input.padding", "strategies.mirrored",
                  "layout", "execution.program",
                  "execution.nnx_args", "_jax_compat", "strategies.multi_worker",
-                 "launch", "checkpoint", "checkpoint.manager", "checkpoint.checks",
-                 "checkpoint.tree", "checkpoint.dirlock", "sync", "strategies.parameter_server",
+                 "cluster.launch", "cluster.spec", "cluster.discovery", "cluster.runtime",
+                 "cluster.agreement", "cluster.watchdog", "checkpoint", "checkpoint.manager",
+                 "checkpoint.checks", "checkpoint.tree", "checkpoint.dirlock", "sync", "strategies.parameter_server",
                  "ps.placement", "ps.shard", "ps.ledger", "ps.client", "ps.capture",
                  "ps.worker", "ps.coordinator", "ps.remote", "ps.ray_carrier",
                  "ps.executor", "ps.embedded", "ps.handle", "ps._ray_proxy", "testing"):

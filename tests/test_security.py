@@ -27,10 +27,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from jreplicate import _jax_compat, _wire, launch
+from jreplicate import _jax_compat, _wire
+from jreplicate.cluster import launch, runtime
+from jreplicate.cluster import spec as cluster_spec
+from jreplicate.cluster.agreement import Agreement
+from jreplicate.cluster.spec import ClusterSpec, MessageError, Timeouts
 from jreplicate.context import MaskedBatch
-from jreplicate.strategies import cluster
-from jreplicate.strategies.cluster import Agreement, ClusterSpec, MessageError, Timeouts
 from tests._sockets import is_loopback, listening_sockets
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -56,7 +58,7 @@ def test_launched_job_listens_on_loopback_only(tmp_path):
     env.update(PYTHONPATH=str(ROOT), JREPLICATE_INITIALIZATION_TIMEOUT="60",
                JREPLICATE_HEARTBEAT_TIMEOUT="10", JREPLICATE_SHUTDOWN_TIMEOUT="10")
     go, log = tmp_path / "go", tmp_path / "out.txt"
-    cmd = [sys.executable, "-m", "jreplicate.launch", "--timeout", "150", "--nproc", "2",
+    cmd = [sys.executable, "-m", "jreplicate.cluster.launch", "--timeout", "150", "--nproc", "2",
            "--devices-per-proc", "2", str(SCRIPTS / "listen.py"), str(go)]
     with open(log, "w") as out:
         p = subprocess.Popen(launch.tied_to_parent(cmd), cwd=ROOT, env=env, stdout=out,
@@ -85,7 +87,7 @@ def test_launched_job_listens_on_loopback_only(tmp_path):
 # -- where the coordinator and gloo listen ---------------------------------------------
 @pytest.fixture
 def no_bind_env(monkeypatch):
-    for k in (cluster.ENV_BIND_ADDRESS, "JAX_COORDINATOR_BIND_ADDRESS"):
+    for k in (cluster_spec.ENV_BIND_ADDRESS, "JAX_COORDINATOR_BIND_ADDRESS"):
         monkeypatch.delenv(k, raising=False)
 
 
@@ -100,20 +102,20 @@ def no_bind_env(monkeypatch):
     ("127.0.0.1:1234", "[::]:1234", "[::]:1234"),  # the user's word is final
 ])
 def test_bind_address(no_bind_env, coordinator, given, want):
-    assert cluster.resolve_bind_address(coordinator, given) == want
+    assert runtime.resolve_bind_address(coordinator, given) == want
 
 
 def test_bind_address_environment(no_bind_env, monkeypatch):
-    monkeypatch.setenv(cluster.ENV_BIND_ADDRESS, "10.0.0.1:7")
-    assert cluster.resolve_bind_address("10.0.0.1:7") == "10.0.0.1:7"
-    monkeypatch.setenv(cluster.ENV_BIND_ADDRESS, "nowhere")
-    with pytest.raises(ValueError, match=cluster.ENV_BIND_ADDRESS):
-        cluster.resolve_bind_address("127.0.0.1:7")
-    monkeypatch.delenv(cluster.ENV_BIND_ADDRESS)
+    monkeypatch.setenv(cluster_spec.ENV_BIND_ADDRESS, "10.0.0.1:7")
+    assert runtime.resolve_bind_address("10.0.0.1:7") == "10.0.0.1:7"
+    monkeypatch.setenv(cluster_spec.ENV_BIND_ADDRESS, "nowhere")
+    with pytest.raises(ValueError, match=cluster_spec.ENV_BIND_ADDRESS):
+        runtime.resolve_bind_address("127.0.0.1:7")
+    monkeypatch.delenv(cluster_spec.ENV_BIND_ADDRESS)
     monkeypatch.setenv("JAX_COORDINATOR_BIND_ADDRESS", "10.0.0.1:7")  # JAX reads it
-    assert cluster.resolve_bind_address("127.0.0.1:7") is None
+    assert runtime.resolve_bind_address("127.0.0.1:7") is None
     with pytest.raises(ValueError, match=r"coordinator_bind_address=\.\.\.\) is 'x'"):
-        cluster.resolve_bind_address("127.0.0.1:7", "x")
+        runtime.resolve_bind_address("127.0.0.1:7", "x")
 
 
 @pytest.mark.parametrize("coordinator, bind, gloo", [
@@ -128,9 +130,9 @@ def test_connect_passes_bind_address_and_gloo_host(no_bind_env, monkeypatch, coo
     monkeypatch.setattr(jax.distributed, "initialize", lambda *a, **kw: seen.update(kw))
     monkeypatch.setattr(jax.config, "update", lambda *a: None)
     monkeypatch.setenv("XLA_FLAGS", os.environ.get("XLA_FLAGS", ""))
-    monkeypatch.setattr(cluster._jax_compat, "backends_are_initialized", lambda: False)
-    monkeypatch.setattr(cluster._jax_compat, "set_gloo_hostname", hosts.append)
-    spec = cluster.connect(ClusterSpec(coordinator, 2, 0), Timeouts(initialization_timeout=5))
+    monkeypatch.setattr(_jax_compat, "backends_are_initialized", lambda: False)
+    monkeypatch.setattr(_jax_compat, "set_gloo_hostname", hosts.append)
+    spec = runtime.connect(ClusterSpec(coordinator, 2, 0), Timeouts(initialization_timeout=5))
     assert seen["coordinator_bind_address"] == bind == spec.coordinator_bind_address
     assert hosts == [gloo]
 
@@ -214,7 +216,7 @@ def _with(**changes):
 ])
 def test_malformed_message_names_its_sender(monkeypatch, raw, match):
     kv = _FakeKV({"p/0/0": json.dumps(REPORT).encode(), "p/0/2": raw})
-    monkeypatch.setattr(cluster._jax_compat, "distributed_client", lambda: kv)
+    monkeypatch.setattr(_jax_compat, "distributed_client", lambda: kv)
     agreement = Agreement("p", num_processes=3, process_id=1, timeout=1)
     with pytest.raises(MessageError, match=match) as e:
         agreement.exchange(REPORT, "this step's input", _wire.input_report)
@@ -225,7 +227,7 @@ def test_malformed_message_names_its_sender(monkeypatch, raw, match):
 def test_well_formed_messages_come_back_in_process_order(monkeypatch):
     other = {**REPORT, "status": "end", "spec": None, "seen": False}
     kv = _FakeKV({"p/0/0": json.dumps(other).encode()})
-    monkeypatch.setattr(cluster._jax_compat, "distributed_client", lambda: kv)
+    monkeypatch.setattr(_jax_compat, "distributed_client", lambda: kv)
     got = Agreement("p", 2, 1, timeout=1).exchange(REPORT, "x", _wire.input_report)
     assert got == [other, REPORT]
     assert json.loads(kv.values["p/0/1"]) == REPORT  # published as JSON
@@ -234,7 +236,7 @@ def test_well_formed_messages_come_back_in_process_order(monkeypatch):
 def test_checked_messages_are_cached_by_their_bytes_only(monkeypatch):
     """A repeated message is not checked again; a different one always is."""
     kv = _FakeKV({"p/0/0": json.dumps(REPORT).encode(), "p/1/0": b'{"status": 1}'})
-    monkeypatch.setattr(cluster._jax_compat, "distributed_client", lambda: kv)
+    monkeypatch.setattr(_jax_compat, "distributed_client", lambda: kv)
     agreement = Agreement("p", 2, 1, timeout=1)
     spec = REPORT["spec"]
     mine = {**REPORT, "spec": _wire.Encoded(spec)}  # spliced in as computed once

@@ -26,7 +26,7 @@ def test_train_multi_worker_example_under_the_launcher_resumes_after_a_failure(t
     env = {k: v for k, v in os.environ.items()
            if not k.startswith(("JREPLICATE_", "JAX_", "XLA_")) and k != "TF_CONFIG"}
     env.update(TIMEOUTS, PYTHONPATH=str(ROOT))
-    cmd = [sys.executable, "-m", "jreplicate.launch", "--nproc", "2", "--devices-per-proc",
+    cmd = [sys.executable, "-m", "jreplicate.cluster.launch", "--nproc", "2", "--devices-per-proc",
            "2", "--max-restarts", "1", "--timeout", "170", str(EXAMPLE), "--steps", "30",
            "--save-every", "5", "--log-every", "10", "--fail-at", "13",
            "--ckpt", str(tmp_path / "ckpt")]

@@ -11,8 +11,8 @@ from jax.sharding import Mesh
 from jreplicate.layout import MODEL_AXIS, REPLICA_AXIS, Layout
 
 if TYPE_CHECKING:
+    from jreplicate.cluster.agreement import Agreement
     from jreplicate.execution.base import Executor
-    from jreplicate.strategies.cluster import Agreement
 
 __all__ = ["MODEL_AXIS", "REPLICA_AXIS", "Strategy"]
 

@@ -12,6 +12,9 @@ from typing import final
 import jax
 from jax.sharding import Mesh
 
+from jreplicate.cluster import discovery, runtime
+from jreplicate.cluster.agreement import Agreement
+from jreplicate.cluster.spec import ClusterError, ClusterSpec, Timeouts
 from jreplicate.execution.spmd import SPMDExecutor
 from jreplicate.layout import (
     Layout,
@@ -19,9 +22,7 @@ from jreplicate.layout import (
     mesh_layout,
     replica_mesh,
 )
-from jreplicate.strategies import cluster as _cluster
 from jreplicate.strategies.base import Strategy
-from jreplicate.strategies.cluster import ClusterSpec, Timeouts
 
 _instances = itertools.count()
 
@@ -40,10 +41,10 @@ class MultiWorkerStrategy(Strategy):
     replicas).
 
     Where the cluster comes from, in order: the arguments; the ``JREPLICATE_*``
-    environment variables of ``python -m jreplicate.launch``; a ``TF_CONFIG``-style JSON
-    (``{"cluster": {"worker": ["host:port", ...]}, "task": {"type": "worker",
-    "index": i}}``, worker 0's address being the coordinator's); JAX's auto-detection
-    (Cloud TPU, SLURM, Open MPI); else one process.
+    environment variables of ``python -m jreplicate.cluster.launch``; a
+    ``TF_CONFIG``-style JSON (``{"cluster": {"worker": ["host:port", ...]}, "task":
+    {"type": "worker", "index": i}}``, worker 0's address being the coordinator's);
+    JAX's auto-detection (Cloud TPU, SLURM, Open MPI); else one process.
 
     Create the strategy at the start of the program, before any JAX computation: it
     starts the distributed runtime, which must come before the JAX backend.
@@ -66,8 +67,8 @@ class MultiWorkerStrategy(Strategy):
     * an uncaught exception in one process ends it at once, with status 1, after its
       traceback: it does not wait in the runtime's shutdown barrier (up to
       ``shutdown_timeout``) for peers that wait for it in a collective.
-      ``python -m jreplicate.launch`` then stops the others and names that process and
-      its exception (measured with the default timeouts: the group stops 5.4 s after the
+      ``python -m jreplicate.cluster.launch`` then stops the others and names that
+      process and its exception (measured with the default timeouts: the group stops 5.4 s after the
       exception, of which 5 s are the launcher's ``--grace``).
     * validation that decides between continuing and raising (device counts, input
       structure and shapes, end of input, a failing ``input_fn``, checkpoint errors) is
@@ -108,7 +109,7 @@ class MultiWorkerStrategy(Strategy):
       ClusterError: the coordinator cannot be reached within ``initialization_timeout``.
 
     Example (``train.py``, run with
-    ``python -m jreplicate.launch --nproc 2 --devices-per-proc 4 train.py``)::
+    ``python -m jreplicate.cluster.launch --nproc 2 --devices-per-proc 4 train.py``)::
 
         import jreplicate as jr
         strategy = jr.MultiWorkerStrategy(heartbeat_timeout=30)  # first, before JAX work
@@ -137,10 +138,10 @@ class MultiWorkerStrategy(Strategy):
         self._timeouts = Timeouts.resolve(
             initialization_timeout=initialization_timeout, heartbeat_timeout=heartbeat_timeout,
             shutdown_timeout=shutdown_timeout, collective_timeout=collective_timeout)
-        spec = _cluster.resolve_cluster(coordinator_address, num_processes, process_id,
+        spec = discovery.resolve_cluster(coordinator_address, num_processes, process_id,
                                         local_device_ids)
-        self._cluster = _cluster.connect(spec, self._timeouts, cluster_detection_method,
-                                         coordinator_bind_address)
+        self._cluster = runtime.connect(spec, self._timeouts, cluster_detection_method,
+                                       coordinator_bind_address)
         self._layout = mesh_layout(_global_mesh(m))
         self._uid = next(_instances)
         self._agreements = itertools.count()
@@ -180,14 +181,14 @@ class MultiWorkerStrategy(Strategy):
                 f"num_workers={self.num_workers}, worker_index={self.worker_index})")
 
     # -- agreement (used by the input iterator and the checkpoint manager) -------------
-    def agreement(self, name: str) -> _cluster.Agreement | None:
+    def agreement(self, name: str) -> Agreement | None:
         """A new all-gather channel (``None`` for one process); every process must create
         its channels in one order."""
         if self.num_workers == 1:
             return None
         prefix = f"jreplicate/{self._uid}/{name}/{next(self._agreements)}"
-        return _cluster.Agreement(prefix, self.num_workers, self.worker_index,
-                                  self._timeouts.collective_timeout)
+        return Agreement(prefix, self.num_workers, self.worker_index,
+                         self._timeouts.collective_timeout)
 
 
 _PEER_FAILURE_SIGNS = ("gloo", "connection closed by peer", "timed out waiting",
@@ -205,9 +206,9 @@ def _explain_peer_failures(strategy: MultiWorkerStrategy) -> None:
     ``shutdown_timeout``, for peers that are themselves waiting in a collective for
     this process, so one process's exception would stall the whole group (and a
     launcher would see a peer abort first). Exiting closes this process's connections,
-    so the peers' collectives fail at once, and ``python -m jreplicate.launch`` stops
-    them and names this process and its exception. An interactive interpreter is not
-    ended.
+    so the peers' collectives fail at once, and ``python -m jreplicate.cluster.launch``
+    stops them and names this process and its exception. An interactive interpreter is
+    not ended.
     """
     previous = sys.excepthook
     if getattr(previous, "_jreplicate", False):
@@ -217,7 +218,7 @@ def _explain_peer_failures(strategy: MultiWorkerStrategy) -> None:
     def hook(kind, value, tb):
         previous(kind, value, tb)
         text = str(value).lower()
-        if isinstance(value, _cluster.ClusterError) or (
+        if isinstance(value, ClusterError) or (
                 issubclass(kind, RuntimeError) and any(s in text for s in _PEER_FAILURE_SIGNS)):
             sys.stderr.write(
                 f"jreplicate: process {strategy.worker_index} of {strategy.num_workers} "
@@ -259,7 +260,7 @@ def _global_mesh(logical_devices_per_replica: int) -> Mesh:
         raise ValueError(
             f"MultiWorkerStrategy needs the same number of devices on every process, got "
             f"{listing}. Give every process the same devices (local_device_ids=..., or "
-            "--devices-per-proc K with jreplicate.launch / "
+            "--devices-per-proc K with jreplicate.cluster.launch / "
             "XLA_FLAGS=--xla_force_host_platform_device_count=K on CPU)."
         )
     return replica_mesh(devices, logical_devices_per_replica, "MultiWorkerStrategy")

@@ -11,6 +11,8 @@ import numpy as np
 from jax.experimental import mesh_utils
 from jax.sharding import AxisType, Mesh
 
+from jreplicate.cluster.agreement import Agreement
+from jreplicate.cluster.spec import Timeouts
 from jreplicate.execution.spmd import SPMDExecutor
 from jreplicate.layout import (
     MODEL_AXIS,
@@ -20,7 +22,6 @@ from jreplicate.layout import (
     check_logical_devices_per_replica,
     mesh_layout,
 )
-from jreplicate.strategies import cluster as _cluster
 from jreplicate.strategies.base import Strategy
 
 _instances = itertools.count()
@@ -93,12 +94,12 @@ class TPUStrategy(Strategy):
     def make_executor(self) -> SPMDExecutor:
         return SPMDExecutor(self._layout)
 
-    def agreement(self, name: str) -> _cluster.Agreement | None:
+    def agreement(self, name: str) -> Agreement | None:
         if self.num_workers == 1:
             return None
         prefix = f"jreplicate/tpu{self._uid}/{name}/{next(self._agreements)}"
-        return _cluster.Agreement(prefix, self.num_workers, self.worker_index,
-                                  _cluster.Timeouts().collective_timeout)
+        return Agreement(prefix, self.num_workers, self.worker_index,
+                                  Timeouts().collective_timeout)
 
 
 def _tpu_devices(devices: Sequence[jax.Device] | None) -> list:

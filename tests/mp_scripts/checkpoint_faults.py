@@ -1,6 +1,6 @@
 """Checkpoint faults across processes: every process must raise the same error, promptly.
 
-Run under ``python -m jreplicate.launch --nproc 2`` with ``--dir D`` (``D/not_a_dir`` is a
+Run under ``python -m jreplicate.cluster.launch --nproc 2`` with ``--dir D`` (``D/not_a_dir`` is a
 file). The chief alone touches the directory, so each fault is seen by the chief only;
 the script prints ``RESULT <scenario> <outcome> <seconds> <message>`` per scenario, where
 the outcome is ``ok`` or the exception type, and ``DONE``.

@@ -1,6 +1,6 @@
 """Validation across processes: every process must raise the same error, none may hang.
 
-Run under ``python -m jreplicate.launch --nproc 2``. Each scenario is set up so that it
+Run under ``python -m jreplicate.cluster.launch --nproc 2``. Each scenario is set up so that it
 would pass on one process and fail on the other; the script prints one
 ``RESULT <scenario> <exception type> <message>`` line per scenario and ``DONE``.
 """

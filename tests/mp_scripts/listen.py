@@ -1,6 +1,6 @@
 """A job that opens every socket a multi-worker job opens, then waits to be inspected.
 
-Run under ``python -m jreplicate.launch --nproc 2 --devices-per-proc 2 listen.py FILE``:
+Run under ``python -m jreplicate.cluster.launch --nproc 2 --devices-per-proc 2 listen.py FILE``:
 the coordination service, gloo collectives and input agreements all run (padded input
 where process 1 has no element at all, SINGLE-mode namedtuples built on process 1 from
 process 0's description); each process prints its results and ``READY``, then waits

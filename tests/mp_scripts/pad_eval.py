@@ -1,6 +1,6 @@
 """Padded evaluation across processes: every example of an uneven split counts once.
 
-Run under ``python -m jreplicate.launch --nproc 2 --devices-per-proc 2``. Process p
+Run under ``python -m jreplicate.cluster.launch --nproc 2 --devices-per-proc 2``. Process p
 holds ``40 + 23 * p`` examples (PER_WORKER input, per-replica batch 4), so the processes
 run out at different steps; the chief prints the counts of two sweeps.
 """

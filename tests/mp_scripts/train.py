@@ -1,6 +1,6 @@
 """Multi-worker training job used by tests/test_multi_worker_processes.py.
 
-Run under ``python -m jreplicate.launch`` (or with the JREPLICATE_* variables set). Trains
+Run under ``python -m jreplicate.cluster.launch`` (or with the JREPLICATE_* variables set). Trains
 the MLP of tests/_models with Adam on a fixed data set, with input in one or more
 replication modes, optionally checkpointing through jreplicate.checkpoint and failing on
 purpose; the chief writes the final parameters to ``--out``.

@@ -1,14 +1,14 @@
-"""Starts a multi-process job on this machine: ``python -m jreplicate.launch``.
+"""Starts a multi-process job on this machine: ``python -m jreplicate.cluster.launch``.
 
 Usage::
 
-    python -m jreplicate.launch --nproc N [--devices-per-proc K] [--max-restarts R] \\
+    python -m jreplicate.cluster.launch --nproc N [--devices-per-proc K] [--max-restarts R] \\
         [--timeout S] script.py [args ...]
 
 Starts ``N`` copies of ``script.py`` (or ``-m module``) that find each other through a
 coordinator on ``127.0.0.1`` and a free port (``--host`` may name another loopback
 address, ``::1`` or ``localhost``; every socket of the job listens on loopback only, see
-:func:`jreplicate.strategies.cluster.connect`): each gets ``JREPLICATE_COORDINATOR``,
+:func:`jreplicate.cluster.runtime.connect`): each gets ``JREPLICATE_COORDINATOR``,
 ``JREPLICATE_NUM_PROCESSES`` and ``JREPLICATE_PROCESS_ID``, which
 :class:`jreplicate.MultiWorkerStrategy` reads, and ``JREPLICATE_RESTART_COUNT`` (0 for
 the first attempt). ``--devices-per-proc K`` gives every process ``K`` simulated CPU
@@ -43,16 +43,16 @@ import threading
 import time
 from collections.abc import Sequence
 
-from jreplicate.strategies.cluster import (
+from jreplicate.cluster.spec import (
     ENV_COORDINATOR,
     ENV_NUM_PROCESSES,
     ENV_PROCESS_ID,
-    EXIT_INIT_TIMEOUT,
     is_loopback_host,
 )
+from jreplicate.cluster.watchdog import EXIT_INIT_TIMEOUT
 
 ENV_RESTART_COUNT = "JREPLICATE_RESTART_COUNT"
-_PROG = "jreplicate.launch"
+_PROG = "jreplicate.cluster.launch"
 
 
 def free_port(host: str = "127.0.0.1") -> int:
