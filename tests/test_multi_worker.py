@@ -33,7 +33,8 @@ from tests._models import init_mlp
 PLAIN = str(Path(__file__).parent / "mp_scripts" / "plain.py")
 ENV_VARS = [cluster_spec.ENV_COORDINATOR, cluster_spec.ENV_NUM_PROCESSES,
             cluster_spec.ENV_PROCESS_ID, cluster_spec.ENV_LOCAL_DEVICE_IDS,
-            cluster_spec.TF_CONFIG, *cluster_spec.ENV_TIMEOUTS.values()]
+            cluster_spec.TF_CONFIG, *cluster_spec.ENV_TIMEOUTS.values(),
+            watchdog.ENV_FAIL_FAST]
 
 
 @pytest.fixture(autouse=True)
@@ -145,6 +146,66 @@ def test_single_process_strategy():
     assert repr(s) == "MultiWorkerStrategy(num_replicas=8, num_workers=1, worker_index=0)"
     assert MultiWorkerStrategy(num_processes=1, heartbeat_timeout=5).timeouts.heartbeat_timeout \
         == 5
+
+
+# -- fail fast: opt-in, as TensorFlow's preemption handler ------------------------------
+@pytest.fixture
+def excepthook(monkeypatch):
+    """Restores sys.excepthook after the test; returns the one before it."""
+    monkeypatch.setattr(sys, "excepthook", sys.excepthook)
+    return sys.excepthook
+
+
+def test_strategy_installs_no_excepthook_unless_asked(monkeypatch, excepthook):
+    # As a worker of two processes (the hook was installed for num_workers > 1).
+    monkeypatch.setattr(MultiWorkerStrategy, "num_workers", property(lambda self: 2))
+    MultiWorkerStrategy()
+    assert sys.excepthook is excepthook  # a library leaves process-wide state alone
+    monkeypatch.setenv(watchdog.ENV_FAIL_FAST, "1")  # as the launcher's processes
+    MultiWorkerStrategy(fail_fast=False)
+    assert sys.excepthook is excepthook
+    MultiWorkerStrategy()
+    assert getattr(sys.excepthook, "_jreplicate", False)
+    hook = sys.excepthook
+    MultiWorkerStrategy(fail_fast=True)  # installed once
+    assert sys.excepthook is hook
+
+
+def test_fail_fast_true_installs_the_hook_in_one_process(excepthook):
+    s = MultiWorkerStrategy(fail_fast=True)
+    assert s.num_workers == 1 and getattr(sys.excepthook, "_jreplicate", False)
+
+
+def test_fail_fast_argument_and_environment_are_checked(monkeypatch, excepthook):
+    with pytest.raises(TypeError, match=r"MultiWorkerStrategy\(fail_fast=...\) is 1; it must "
+                                        "be True, False or None"):
+        MultiWorkerStrategy(fail_fast=1)
+    monkeypatch.setenv(watchdog.ENV_FAIL_FAST, "maybe")
+    with pytest.raises(ValueError, match="JREPLICATE_FAIL_FAST='maybe' is neither 1 nor 0"):
+        MultiWorkerStrategy()
+    for value, want in [("0", False), ("", False), ("1", True), ("true", True)]:
+        monkeypatch.setenv(watchdog.ENV_FAIL_FAST, value)
+        assert watchdog.fail_fast_requested(None) is want
+    assert sys.excepthook is excepthook
+
+
+def test_fail_fast_hook_prints_then_exits_explained(monkeypatch, capsys, excepthook):
+    printed, exits = [], []
+    monkeypatch.setattr(sys, "excepthook", lambda *a: printed.append(a[0]))
+    monkeypatch.setattr(watchdog, "_exit_now", exits.append)
+    watchdog.install_fail_fast(1, 2, Timeouts(heartbeat_timeout=4, collective_timeout=8))
+    cases = [(RuntimeError("gloo: Connection closed by peer"), 1, True),
+             (cluster_spec.ClusterError("did not arrive"), 1, True),
+             (ValueError("bad batch"), 1, False), (KeyboardInterrupt(), 130, False)]
+    for error, status, explained in cases:
+        sys.excepthook(type(error), error, None)
+        err = capsys.readouterr().err
+        assert printed[-1] is type(error) and exits[-1] == status  # the traceback first
+        assert ("jreplicate: process 1 of 2 stopped because a collective across processes "
+                "failed" in err) is explained, err
+        if explained:
+            assert "heartbeat_timeout=4s" in err and "collective_timeout=8s" in err
+    assert len(exits) == len(printed) == len(cases)
 
 
 def test_joining_a_cluster_after_the_backend_started_is_an_error():
@@ -367,6 +428,13 @@ def test_child_env():
     assert env["XLA_FLAGS"] == "--a=1 --xla_force_host_platform_device_count=4"
     assert (env["JREPLICATE_PROCESS_ID"], env["JREPLICATE_NUM_PROCESSES"]) == ("1", "2")
     assert env["JREPLICATE_RESTART_COUNT"] == "3" and env["PJRT_NPROC"] == "10"
+    assert env[watchdog.ENV_FAIL_FAST] == "1"  # the launcher's processes fail fast
+    one = launch.child_env({}, coordinator="127.0.0.1:9", nproc=1, rank=0,
+                           devices_per_proc=None, restart=0)
+    assert watchdog.ENV_FAIL_FAST not in one  # one process has no peers to hold up
+    kept = launch.child_env({watchdog.ENV_FAIL_FAST: "0"}, coordinator="127.0.0.1:9",
+                            nproc=2, rank=0, devices_per_proc=None, restart=0)
+    assert kept[watchdog.ENV_FAIL_FAST] == "0"  # the user's word is final
     assert launch.describe_status(-signal.SIGTERM) == "killed by signal 15 (SIGTERM)"
     assert "could not join the cluster" in launch.describe_status(watchdog.EXIT_INIT_TIMEOUT)
     assert os.path.exists(PLAIN) and sys.executable

@@ -42,7 +42,8 @@ def test_submodules_import():
                  "execution.nnx_args", "_jax_compat", "strategies.multi_worker",
                  "cluster.launch", "cluster.spec", "cluster.discovery", "cluster.runtime",
                  "cluster.agreement", "cluster.watchdog", "checkpoint", "checkpoint.manager",
-                 "checkpoint.checks", "checkpoint.tree", "checkpoint.dirlock", "sync", "strategies.parameter_server",
+                 "checkpoint.checks", "checkpoint.tree", "checkpoint.dirlock", "sync",
+                 "strategies.parameter_server",
                  "ps.placement", "ps.shard", "ps.ledger", "ps.client", "ps.capture",
                  "ps.worker", "ps.coordinator", "ps.remote", "ps.ray_carrier",
                  "ps.executor", "ps.embedded", "ps.handle", "ps._ray_proxy", "testing"):

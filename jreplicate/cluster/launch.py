@@ -11,7 +11,10 @@ address, ``::1`` or ``localhost``; every socket of the job listens on loopback o
 :func:`jreplicate.cluster.runtime.connect`): each gets ``JREPLICATE_COORDINATOR``,
 ``JREPLICATE_NUM_PROCESSES`` and ``JREPLICATE_PROCESS_ID``, which
 :class:`jreplicate.MultiWorkerStrategy` reads, and ``JREPLICATE_RESTART_COUNT`` (0 for
-the first attempt). ``--devices-per-proc K`` gives every process ``K`` simulated CPU
+the first attempt). With ``N > 1`` each also gets ``JREPLICATE_FAIL_FAST=1`` (unless
+set already): a strategy created with ``fail_fast=None`` then ends its process at the
+first uncaught exception, so that the peers are not left waiting for it in a collective.
+``--devices-per-proc K`` gives every process ``K`` simulated CPU
 devices (``XLA_FLAGS=--xla_force_host_platform_device_count=K``, ``JAX_PLATFORMS=cpu``).
 
 Every output line of process ``i`` is printed prefixed with ``[p<i>]``. When a process
@@ -49,7 +52,7 @@ from jreplicate.cluster.spec import (
     ENV_PROCESS_ID,
     is_loopback_host,
 )
-from jreplicate.cluster.watchdog import EXIT_INIT_TIMEOUT
+from jreplicate.cluster.watchdog import ENV_FAIL_FAST, EXIT_INIT_TIMEOUT
 
 ENV_RESTART_COUNT = "JREPLICATE_RESTART_COUNT"
 _PROG = "jreplicate.cluster.launch"
@@ -99,11 +102,18 @@ def describe_status(returncode: int) -> str:
 
 def child_env(base: dict[str, str], *, coordinator: str, nproc: int, rank: int,
               devices_per_proc: int | None, restart: int) -> dict[str, str]:
-    """The environment of process ``rank``."""
+    """The environment of process ``rank``.
+
+    With more than one process it asks the strategies to fail fast
+    (``JREPLICATE_FAIL_FAST=1``, unless ``base`` sets it): a process that raised ends at
+    once, so that its peers are not left waiting for it in a collective.
+    """
     env = dict(base)
     env.update({ENV_COORDINATOR: coordinator, ENV_NUM_PROCESSES: str(nproc),
                 ENV_PROCESS_ID: str(rank), ENV_RESTART_COUNT: str(restart),
                 "PYTHONUNBUFFERED": "1"})
+    if nproc > 1:
+        env.setdefault(ENV_FAIL_FAST, "1")
     if devices_per_proc is not None:
         flag = "--xla_force_host_platform_device_count"
         kept = [f for f in env.get("XLA_FLAGS", "").split() if not f.startswith(flag)]

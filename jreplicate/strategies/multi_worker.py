@@ -3,18 +3,15 @@
 from __future__ import annotations
 
 import itertools
-import logging
-import os
-import sys
 from collections.abc import Sequence
 from typing import final
 
 import jax
 from jax.sharding import Mesh
 
-from jreplicate.cluster import discovery, runtime
+from jreplicate.cluster import discovery, runtime, watchdog
 from jreplicate.cluster.agreement import Agreement
-from jreplicate.cluster.spec import ClusterError, ClusterSpec, Timeouts
+from jreplicate.cluster.spec import ClusterSpec, Timeouts
 from jreplicate.execution.spmd import SPMDExecutor
 from jreplicate.layout import (
     Layout,
@@ -64,11 +61,12 @@ class MultiWorkerStrategy(Strategy):
       stopped by the runtime when it loses them (or by the launcher). Measured with
       ``collective_timeout=8, heartbeat_timeout=4``: all processes exit 8.4 s after the
       hang began; the bound is ``collective_timeout + heartbeat_timeout`` plus a second.
-    * an uncaught exception in one process ends it at once, with status 1, after its
-      traceback: it does not wait in the runtime's shutdown barrier (up to
-      ``shutdown_timeout``) for peers that wait for it in a collective.
-      ``python -m jreplicate.cluster.launch`` then stops the others and names that
-      process and its exception (measured with the default timeouts: the group stops 5.4 s after the
+    * with ``fail_fast`` (on in processes started by ``python -m
+      jreplicate.cluster.launch``), an uncaught exception in one process ends it at
+      once, with status 1, after its traceback: it does not wait in the runtime's
+      shutdown barrier (up to ``shutdown_timeout``) for peers that wait for it in a
+      collective. The launcher then stops the others and names that process and its
+      exception (measured with the default timeouts: the group stops 5.4 s after the
       exception, of which 5 s are the launcher's ``--grace``).
     * validation that decides between continuing and raising (device counts, input
       structure and shapes, end of input, a failing ``input_fn``, checkpoint errors) is
@@ -102,10 +100,21 @@ class MultiWorkerStrategy(Strategy):
       logical_devices_per_replica: M, the devices one replica spans (default 1); must
         divide the number of devices of each process. See
         :class:`jreplicate.MirroredStrategy`.
+      fail_fast: whether an uncaught exception ends this process at once (status 1,
+        130 for KeyboardInterrupt), without waiting in ``jax.distributed``'s shutdown
+        barrier. A process that raised must not leave its peers hanging in a
+        collective, waiting for it until ``collective_timeout``, while it waits for them
+        in the barrier until ``shutdown_timeout``. ``True`` installs a process-wide
+        ``sys.excepthook`` (it also explains errors caused by a dead or stuck peer);
+        ``False`` never does; ``None`` (the default) installs it only when the
+        environment sets ``JREPLICATE_FAIL_FAST=1``, as ``python -m
+        jreplicate.cluster.launch`` does for the processes of a job of more than one
+        process. See :func:`jreplicate.cluster.watchdog.install_fail_fast`.
 
     Raises:
       ValueError: inconsistent arguments or environment, or processes with different
         numbers of devices.
+      TypeError: ``fail_fast`` is not a bool or None (checked before connecting).
       ClusterError: the coordinator cannot be reached within ``initialization_timeout``.
 
     Example (``train.py``, run with
@@ -132,9 +141,11 @@ class MultiWorkerStrategy(Strategy):
         cluster_detection_method: str | None = None,
         logical_devices_per_replica: int = 1,
         coordinator_bind_address: str | None = None,
+        fail_fast: bool | None = None,
     ):
         m = check_logical_devices_per_replica(logical_devices_per_replica,
                                               "MultiWorkerStrategy")
+        fail_fast = watchdog.fail_fast_requested(fail_fast)
         self._timeouts = Timeouts.resolve(
             initialization_timeout=initialization_timeout, heartbeat_timeout=heartbeat_timeout,
             shutdown_timeout=shutdown_timeout, collective_timeout=collective_timeout)
@@ -145,8 +156,8 @@ class MultiWorkerStrategy(Strategy):
         self._layout = mesh_layout(_global_mesh(m))
         self._uid = next(_instances)
         self._agreements = itertools.count()
-        if self.num_workers > 1:
-            _explain_peer_failures(self)
+        if fail_fast:
+            watchdog.install_fail_fast(self.worker_index, self.num_workers, self._timeouts)
 
     # -- facts ---------------------------------------------------------------------
     @property
@@ -189,64 +200,6 @@ class MultiWorkerStrategy(Strategy):
         prefix = f"jreplicate/{self._uid}/{name}/{next(self._agreements)}"
         return Agreement(prefix, self.num_workers, self.worker_index,
                          self._timeouts.collective_timeout)
-
-
-_PEER_FAILURE_SIGNS = ("gloo", "connection closed by peer", "timed out waiting",
-                       "heartbeat", "coordination service", "unavailable", "deadline")
-
-
-def _explain_peer_failures(strategy: MultiWorkerStrategy) -> None:
-    """Makes an uncaught exception end this process at once, explained.
-
-    A dead or stuck peer surfaces as a terse runtime error from XLA or gloo (or as a
-    :class:`ClusterError` from jreplicate's agreements): the hook says, once, what it
-    means. Then, after the previous hook has printed the traceback, the process exits
-    with status 1 (130 for KeyboardInterrupt) without running ``atexit`` handlers:
-    JAX's would wait in the distributed runtime's shutdown barrier, up to
-    ``shutdown_timeout``, for peers that are themselves waiting in a collective for
-    this process, so one process's exception would stall the whole group (and a
-    launcher would see a peer abort first). Exiting closes this process's connections,
-    so the peers' collectives fail at once, and ``python -m jreplicate.cluster.launch``
-    stops them and names this process and its exception. An interactive interpreter is
-    not ended.
-    """
-    previous = sys.excepthook
-    if getattr(previous, "_jreplicate", False):
-        return
-    t = strategy.timeouts
-
-    def hook(kind, value, tb):
-        previous(kind, value, tb)
-        text = str(value).lower()
-        if isinstance(value, ClusterError) or (
-                issubclass(kind, RuntimeError) and any(s in text for s in _PEER_FAILURE_SIGNS)):
-            sys.stderr.write(
-                f"jreplicate: process {strategy.worker_index} of {strategy.num_workers} "
-                "stopped because a collective across processes failed: another process died "
-                f"(detected at once, or within heartbeat_timeout={t.heartbeat_timeout:g}s) "
-                "or stopped taking part (detected after collective_timeout="
-                f"{t.collective_timeout:g}s). See that process's output for the cause (the "
-                "launcher names the process that failed first).\n")
-        if hasattr(sys, "ps1") or sys.flags.interactive:
-            return  # a REPL carries on after an exception
-        _exit_now(130 if issubclass(kind, KeyboardInterrupt) else 1)
-
-    hook._jreplicate = True  # type: ignore[attr-defined]
-    sys.excepthook = hook
-
-
-def _exit_now(status: int) -> None:
-    """Flushes output and logging, then ends the process without atexit handlers."""
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except Exception:  # a closed or broken stream: nothing more to save
-            pass
-    try:
-        logging.shutdown()
-    except Exception:  # a faulty handler must not keep the process alive
-        pass
-    os._exit(status)
 
 
 def _global_mesh(logical_devices_per_replica: int) -> Mesh:
