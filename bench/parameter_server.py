@@ -68,7 +68,7 @@ def measure(workers: int, tx_fn, steps: int, *, straggler: float = 0.0,
     y = rng.integers(0, 10, size=64).astype(np.int32)
     with rep.scope():
         params = init(jax.random.key(0))
-        tx = jr.pushable(tx_fn())
+        tx = jr.ps.pushable(tx_fn())
         opt = tx.init(params)
 
     def step(ctx, batch, p, o):

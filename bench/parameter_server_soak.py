@@ -40,7 +40,7 @@ def one_run(seed: int, steps: int, join_bound: float) -> tuple[bool, str]:
     rep = jr.Replicator(s)
     with rep.scope():
         w = jnp.zeros(4)
-        tx = jr.pushable(optax.sgd(0.01))
+        tx = jr.ps.pushable(optax.sgd(0.01))
         opt = tx.init(w)
 
     def step(ctx, w, opt):

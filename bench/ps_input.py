@@ -64,7 +64,7 @@ def measure(mode: str, steps: int, sleep_s: float, carrier: str) -> dict[str, fl
     rep = jr.Replicator(s)
     with rep.scope():
         p = init(jax.random.key(0))
-        tx = jr.pushable(optax.sgd(1e-2))
+        tx = jr.ps.pushable(optax.sgd(1e-2))
         o = tx.init(p)
 
     def step(ctx, batch, p, o):

@@ -169,7 +169,7 @@ class Carrier:
         self.rep = jr.Replicator(self.s)
         with self.rep.scope():
             self.params = init(jax.random.key(0), sizes)
-            self.tx = jr.pushable(optax.adam(LR))
+            self.tx = jr.ps.pushable(optax.adam(LR))
             self.opt = self.tx.init(self.params)
         self.inputs = self.rep.prepare_input(input_fn)
         tx = self.tx

@@ -1,71 +1,68 @@
-"""jreplicate: replicate a JAX step function across devices, hosts and clusters."""
+"""jreplicate: replicate a JAX step function across devices, hosts and clusters.
 
-from jreplicate.checkpoint import CheckpointError, CheckpointManager
-from jreplicate.cluster import ClusterError, ClusterSpec, Timeouts
+The top level holds what a researcher types daily: :class:`Replicator`, the four
+strategies, :class:`ReplicaContext` and :class:`PerReplica`, the input API,
+:func:`compute_average_loss`, :func:`sync_replicas`, :class:`CheckpointManager` and the
+mesh axis names. The rest lives in namespaces, as ``tf.distribute`` tiers its
+``cluster_resolver`` and ``coordinator``:
+
+* ``jr.ps``: parameter-server training (:func:`jreplicate.ps.pushable`,
+  :class:`jreplicate.ps.RemoteValue` and its errors);
+* ``jr.cluster``: the multi-process runtime (:class:`jreplicate.cluster.ClusterSpec`,
+  :class:`jreplicate.cluster.Timeouts`, :class:`jreplicate.cluster.ClusterError`);
+* ``jr.sync``: token-gated aggregation's state and helpers (``take_token``,
+  ``averaged_params``, ``replica_grad``, ...);
+* ``jr.strategies``: the :class:`jreplicate.strategies.Strategy` protocol and the
+  :class:`jreplicate.strategies.Layout` a strategy computes;
+* ``jr.checkpoint``, ``jr.input``, ``jr.execution``: each layer's own names;
+  ``jreplicate.testing``: fault injection for tests.
+
+Example:
+  >>> import jax.numpy as jnp, jreplicate as jr
+  >>> rep = jr.Replicator(jr.MirroredStrategy())
+  >>> total = rep.run(lambda ctx, x: ctx.all_sum(x * ctx.replica_id), None, jnp.ones(2))
+  >>> total.tolist()  # 1 * (0 + 1 + ... + 7), on every replica
+  [28.0, 28.0]
+"""
+
+from jreplicate import checkpoint, cluster, execution, input, ps, strategies, sync
+from jreplicate.checkpoint import CheckpointManager
 from jreplicate.context import PerReplica, ReplicaContext
 from jreplicate.input import InputContext, InputIterator, InputReplicationMode
-from jreplicate.layout import MODEL_AXIS, REPLICA_AXIS, Layout
+from jreplicate.layout import MODEL_AXIS, REPLICA_AXIS
 from jreplicate.losses import compute_average_loss
-from jreplicate.ps.capture import pushable
-from jreplicate.ps.remote import (
-    ParameterServerError,
-    RemoteValue,
-    StepCancelledError,
-    WorkerLostError,
-)
 from jreplicate.replicator import Replicator
 from jreplicate.strategies import (
     MirroredStrategy,
     MultiWorkerStrategy,
     ParameterServerStrategy,
-    Strategy,
     TPUStrategy,
 )
-from jreplicate.sync import (
-    SyncReplicasState,
-    TokenQueue,
-    averaged_params,
-    replica_grad,
-    replica_value_and_grad,
-    sync_replicas,
-    take_token,
-    tokens_available,
-)
+from jreplicate.sync import sync_replicas
 
 __version__ = "0.1.0"
 
 __all__ = [
     "MODEL_AXIS",
     "REPLICA_AXIS",
-    "CheckpointError",
     "CheckpointManager",
-    "ClusterError",
-    "ClusterSpec",
     "InputContext",
     "InputIterator",
     "InputReplicationMode",
-    "Layout",
     "MirroredStrategy",
     "MultiWorkerStrategy",
-    "ParameterServerError",
     "ParameterServerStrategy",
     "PerReplica",
-    "RemoteValue",
     "ReplicaContext",
     "Replicator",
-    "StepCancelledError",
-    "Strategy",
-    "SyncReplicasState",
     "TPUStrategy",
-    "Timeouts",
-    "TokenQueue",
-    "WorkerLostError",
-    "averaged_params",
+    "checkpoint",
+    "cluster",
     "compute_average_loss",
-    "pushable",
-    "replica_grad",
-    "replica_value_and_grad",
+    "execution",
+    "input",
+    "ps",
+    "strategies",
+    "sync",
     "sync_replicas",
-    "take_token",
-    "tokens_available",
 ]

@@ -40,6 +40,17 @@ class Layout:
       local_replica_ids: the replicas whose devices this process addresses.
       num_workers: processes (workers) taking part.
       worker_index: this process's index among them, in process-index order.
+
+    Example (two replicas of two logical devices each, on 4 of the 8 devices):
+      >>> import jax, jreplicate as jr
+      >>> s = jr.MirroredStrategy(devices=jax.devices()[:4], logical_devices_per_replica=2)
+      >>> layout = s.layout
+      >>> layout.num_replicas, layout.logical_devices_per_replica, layout.local_replica_ids
+      (2, 2, (0, 1))
+      >>> [[d.id for d in r] for r in layout.replica_devices]
+      [[0, 1], [2, 3]]
+      >>> layout.per_replica.spec  # values stacked over replicas on their leading axis
+      P('replica',)
     """
 
     mesh: Mesh | None

@@ -22,7 +22,8 @@ class Replicator:
     """Replicates a step function across the replicas of ``strategy``.
 
     Args:
-      strategy: a :class:`jreplicate.Strategy`, e.g. :class:`jreplicate.MirroredStrategy`.
+      strategy: a :class:`jreplicate.strategies.Strategy`, e.g.
+        :class:`jreplicate.MirroredStrategy`.
 
     Example:
       >>> import jax, jax.numpy as jnp, jreplicate as jr

@@ -12,7 +12,7 @@ Example:
   >>> rep = jr.Replicator(strategy)
   >>> with rep.scope():
   ...     params = {"w": jnp.zeros(4), "b": jnp.zeros(2)}
-  ...     opt_state = jr.pushable(optax.sgd(0.1)).init(params)
+  ...     opt_state = jr.ps.pushable(optax.sgd(0.1)).init(params)
   >>> jrt.set_worker_delay(strategy, 3, 0.05)      # worker 3 is a straggler
   >>> jrt.kill_worker(strategy, 1, when="push")    # dies between two shards' pushes
   >>> jrt.kill_worker(jr.MirroredStrategy(), 0)
@@ -50,6 +50,22 @@ def kill_worker(strategy: ParameterServerStrategy, worker: int, *,
 
     Raises:
       ValueError: ``worker`` is out of range or ``when`` is not one of the above.
+
+    Example (worker 1 dies; its step runs again on worker 0, applied once):
+      >>> import jax.numpy as jnp, optax, jreplicate as jr
+      >>> ps = jr.ParameterServerStrategy(num_ps=1, num_workers=2)
+      >>> rep = jr.Replicator(ps)
+      >>> with rep.scope():
+      ...     params, sgd = jnp.zeros(2), jr.ps.pushable(optax.sgd(1.0))
+      ...     state = sgd.init(params)
+      >>> step = lambda ctx, p, s: sgd.update(jnp.ones(2), s, p)
+      >>> kill_worker(ps, 1)
+      >>> for _ in range(4):
+      ...     _ = rep.run(step, None, params, state)
+      >>> rep.join()
+      >>> ps.parameters().tolist(), ps.stats()["completed"]
+      ([-4.0, -4.0], 4)
+      >>> ps.shutdown()
     """
     _executor(strategy).kill_worker(worker, when)
 
@@ -60,6 +76,22 @@ def set_worker_delay(strategy: ParameterServerStrategy, worker: int,
 
     Raises:
       ValueError: ``worker`` is out of range.
+
+    Example (worker 1 is a straggler: worker 0 takes most steps):
+      >>> import jax.numpy as jnp, optax, jreplicate as jr
+      >>> ps = jr.ParameterServerStrategy(num_ps=1, num_workers=2)
+      >>> rep = jr.Replicator(ps)
+      >>> with rep.scope():
+      ...     params, sgd = jnp.zeros(2), jr.ps.pushable(optax.sgd(1.0))
+      ...     state = sgd.init(params)
+      >>> step = lambda ctx, p, s: sgd.update(jnp.ones(2), s, p)
+      >>> set_worker_delay(ps, 1, 0.2)
+      >>> for _ in range(6):
+      ...     _ = rep.run(step, None, params, state)
+      >>> rep.join()
+      >>> ps.parameters().tolist()
+      [-6.0, -6.0]
+      >>> ps.shutdown()
     """
     _executor(strategy).set_worker_delay(worker, seconds)
 
@@ -69,5 +101,21 @@ def kill_shard(strategy: ParameterServerStrategy, shard: int) -> None:
 
     Raises:
       ValueError: ``shard`` is out of range.
+
+    Example (shard 1 is lost: training stops with an error, restore a checkpoint):
+      >>> import jax, jax.numpy as jnp, optax, jreplicate as jr
+      >>> ps = jr.ParameterServerStrategy(num_ps=2, num_workers=2)
+      >>> rep = jr.Replicator(ps)
+      >>> with rep.scope():
+      ...     params, sgd = {'a': jnp.zeros(2), 'b': jnp.zeros(2)}, jr.ps.pushable(optax.sgd(1.0))
+      ...     state = sgd.init(params)
+      >>> step = lambda ctx, p, s: sgd.update(jax.tree.map(jnp.ones_like, p), s, p)
+      >>> kill_shard(ps, 1)
+      >>> try:
+      ...     rep.run(step, None, params, state).fetch()
+      ... except jr.ps.ParameterServerError as e:
+      ...     print("lost:", str(e)[:40])
+      lost: ...
+      >>> ps.shutdown()
     """
     _executor(strategy).kill_shard(shard)

@@ -53,7 +53,7 @@ def part_a_one_device_driver_matches_a_reference():
     rep = jr.Replicator(s)
     with rep.scope():
         w = jnp.zeros(3)
-        tx = jr.pushable(optax.sgd(LR))
+        tx = jr.ps.pushable(optax.sgd(LR))
         opt = tx.init(w)
 
     def step(ctx, batch, w, opt):
@@ -92,7 +92,7 @@ def part_b_spread_crash_and_a_lost_node():
     rep = jr.Replicator(s)
     with rep.scope():
         params = {"a": jnp.zeros(3), "b": jnp.zeros(2)}
-        tx = jr.pushable(optax.sgd(LR))
+        tx = jr.ps.pushable(optax.sgd(LR))
         opt = tx.init(params)
 
     def step(ctx, p, opt):  # linear: every applied step adds -LR * [1, 2]

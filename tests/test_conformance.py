@@ -125,7 +125,7 @@ def test_training_matches_single_device(strategy):
         pytest.skip("ParameterServerStrategy: several asynchronous workers apply their "
                     "gradients in arrival order, not as one step; one worker (ps-1) is "
                     "sequential and checked here")
-    tx = jr.pushable(optax.sgd(0.1, momentum=0.9))  # the same step under every strategy
+    tx = jr.ps.pushable(optax.sgd(0.1, momentum=0.9))  # the same step under every strategy
     params = init_mlp(jax.random.key(1))
     ref_p, ref_o = params, tx.init(params)
     for s in range(5):
@@ -152,7 +152,7 @@ def test_training_matches_single_device(strategy):
                                enforce_ordering=True)
     for _ in range(5):
         out = rep.run(step, inputs, p, o)
-        if not isinstance(out, jr.RemoteValue):
+        if not isinstance(out, jr.ps.RemoteValue):
             p, o = out
     rep.join()  # scheduled steps (ParameterServerStrategy) finish here
     if isinstance(strategy, jr.ParameterServerStrategy):
@@ -239,7 +239,7 @@ def test_parameter_server_run_overloads_and_group_collectives(strategy):
     assert rep.num_replicas == g * strategy.num_ps_workers
     with rep.scope():
         w = jnp.zeros(3)
-        tx = jr.pushable(optax.sgd(1.0))
+        tx = jr.ps.pushable(optax.sgd(1.0))
         opt = tx.init(w)
 
     def step(ctx, batch, w, opt):
@@ -252,7 +252,7 @@ def test_parameter_server_run_overloads_and_group_collectives(strategy):
     scheduled = rep.run(step, inputs, w, opt)
     no_input = rep.run(lambda ctx, w, opt: step(ctx, jnp.zeros(2, jnp.int32), w, opt)[:2],
                        None, w, opt)
-    assert isinstance(scheduled, jr.RemoteValue) and isinstance(no_input, jr.RemoteValue)
+    assert isinstance(scheduled, jr.ps.RemoteValue) and isinstance(no_input, jr.ps.RemoteValue)
     rep.join()
     _, _, per_replica, count = scheduled.fetch()
     assert int(count) == g

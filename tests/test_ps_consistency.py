@@ -48,7 +48,7 @@ def _coupled(**kw):
     rep = jr.Replicator(s)
     with rep.scope():
         w = _w0()
-        tx = jr.pushable(jr.sync_replicas(optax.sgd(LR), replicas_to_aggregate=2,
+        tx = jr.ps.pushable(jr.sync_replicas(optax.sgd(LR), replicas_to_aggregate=2,
                                           total_num_replicas=3))
         opt = tx.init(w)
 
@@ -109,11 +109,11 @@ def test_a_worker_lost_mid_push_holds_the_tokens_until_every_shard_has_the_step(
     shards = [PSShard(i, pl.split(params)[i], tx, num_shards=2) for i in range(2)]
 
     def die(i):
-        raise jr.WorkerLostError("died between shard 0 and shard 1")
+        raise jr.ps.WorkerLostError("died between shard 0 and shard 1")
 
     client = ShardClient(shards, pl, token_gated=True, between_shards=die)
     grads = {"a": np.ones(2, np.float32), "b": np.full(2, 2.0, np.float32)}
-    with pytest.raises(jr.WorkerLostError):
+    with pytest.raises(jr.ps.WorkerLostError):
         client.push(0, 0, [0], grads, attempt=1)
     assert (shards[0].step, shards[1].step) == (1, 0)
     assert not shards[0].takeable()
@@ -169,7 +169,7 @@ def _token_gated(num_ps=2, **kw):
     rep = jr.Replicator(s)
     with rep.scope():
         w = {"a": jnp.zeros(4), "b": jnp.zeros(4)}
-        tx = jr.pushable(jr.sync_replicas(optax.sgd(0.1), replicas_to_aggregate=2,
+        tx = jr.ps.pushable(jr.sync_replicas(optax.sgd(0.1), replicas_to_aggregate=2,
                                           total_num_replicas=2))
         opt = tx.init(w)
 

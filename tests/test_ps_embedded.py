@@ -22,7 +22,7 @@ def _linear(num_ps=2, **kw):
     rep = jr.Replicator(s)
     with rep.scope():
         w = {"a": jnp.zeros(2), "b": jnp.zeros(3)}
-        tx = jr.pushable(optax.sgd(0.5))
+        tx = jr.ps.pushable(optax.sgd(0.5))
         opt = tx.init(w)
 
     def step(ctx, w, opt):
@@ -42,7 +42,7 @@ def test_run_schedules_and_returns_remote_values_at_once():
     t0 = time.monotonic()
     values = [rep.run(step, None, w, opt) for _ in range(4)]
     assert time.monotonic() - t0 < 0.15  # scheduled, not run
-    assert all(isinstance(v, jr.RemoteValue) for v in values)
+    assert all(isinstance(v, jr.ps.RemoteValue) for v in values)
     assert not values[-1].done()
     rep.join()
     assert all(v.done() for v in values)
@@ -82,11 +82,11 @@ def test_join_reraises_the_first_error_and_nothing_runs_after():
 def test_errors_name_the_fix():
     s = jr.ParameterServerStrategy(num_ps=2)
     rep = jr.Replicator(s)
-    with pytest.raises(ValueError, match="tx = jr.pushable"):
+    with pytest.raises(ValueError, match="tx = jr.ps.pushable"):
         rep.run(lambda ctx, w: w, None, jnp.zeros(2))
     with rep.scope():
         w = jnp.zeros(2)
-        tx = jr.pushable(optax.sgd(1.0))
+        tx = jr.ps.pushable(optax.sgd(1.0))
         opt = tx.init(w)
     with pytest.raises(ValueError, match="is the params passed to tx.init"):
         rep.run(lambda ctx, w: w, None, jnp.zeros(2))
@@ -108,7 +108,7 @@ def test_errors_name_the_fix():
 
 
 def test_pushable_is_the_transformation_outside_the_ps():
-    tx, ref = jr.pushable(optax.adam(0.1)), optax.adam(0.1)
+    tx, ref = jr.ps.pushable(optax.adam(0.1)), optax.adam(0.1)
     p = {"w": jnp.arange(3.0)}
     s1, s2 = tx.init(p), ref.init(p)
     for _ in range(3):
@@ -116,9 +116,9 @@ def test_pushable_is_the_transformation_outside_the_ps():
         u1, s1 = tx.update(g, s1, p)
         u2, s2 = ref.update(g, s2, p)
         np.testing.assert_array_equal(u1["w"], u2["w"])
-    assert jr.pushable(tx) is tx
+    assert jr.ps.pushable(tx) is tx
     with pytest.raises(TypeError, match="optax.GradientTransformation"):
-        jr.pushable("adam")
+        jr.ps.pushable("adam")
 
 
 def test_one_worker_equals_one_device_adam():
@@ -130,7 +130,7 @@ def test_one_worker_equals_one_device_adam():
     ys = np.random.default_rng(1).integers(0, 10, size=(6, 8)).astype(np.int32)
     with rep.scope():
         p = init_mlp(jax.random.key(0))
-        tx = jr.pushable(optax.adam(1e-2))
+        tx = jr.ps.pushable(optax.adam(1e-2))
         o = tx.init(p)
     assert s.placement.bytes_per_shard[0] > 0 and s.placement.bytes_per_shard[1] > 0
 
@@ -162,7 +162,7 @@ def test_sync_group_pushes_once_per_step_with_the_group_gradient():
     ys = np.random.default_rng(1).integers(0, 10, size=(3, 16)).astype(np.int32)
     with rep.scope():
         p = init_mlp(jax.random.key(0))
-        tx = jr.pushable(optax.sgd(0.1))
+        tx = jr.ps.pushable(optax.sgd(0.1))
         o = tx.init(p)
 
     def step(ctx, batch, p, o):
@@ -196,7 +196,7 @@ def test_three_sync_groups_of_two_train_asynchronously():
     assert s.num_ps_workers == 3 and rep.num_replicas == 6
     with rep.scope():
         w = jnp.zeros(4)
-        tx = jr.pushable(optax.sgd(0.1))
+        tx = jr.ps.pushable(optax.sgd(0.1))
         o = tx.init(w)
 
     def step(ctx, w, o):
@@ -294,11 +294,11 @@ def test_nnx_optimizer_update_becomes_a_push():
         rep = jr.Replicator(strategy)
         with rep.scope():
             model = NnxMLP(rngs=nnx.Rngs(0))
-            optimizer = nnx.Optimizer(model, jr.pushable(optax.adam(1e-2)), wrt=nnx.Param)
+            optimizer = nnx.Optimizer(model, jr.ps.pushable(optax.adam(1e-2)), wrt=nnx.Param)
         inputs = rep.prepare_input(lambda ctx: [(x[i], y[i]) for i in range(5)])
         out = [rep.run(step, inputs, model, optimizer) for _ in range(5)]
         rep.join()
-        losses[name] = [float(v.fetch() if isinstance(v, jr.RemoteValue) else v) for v in out]
+        losses[name] = [float(v.fetch() if isinstance(v, jr.ps.RemoteValue) else v) for v in out]
         trained[name] = strategy.parameters() if name == "ps" else \
             nnx.as_pure(nnx.state(model, nnx.Param))
     np.testing.assert_allclose(losses["ps"], losses["mirrored"], rtol=1e-5)
@@ -335,7 +335,7 @@ def test_a_workers_first_gradient_is_not_as_stale_as_its_compile():
     rep = jr.Replicator(s)
     with rep.scope():
         w = jnp.zeros(4)
-        tx = jr.pushable(optax.sgd(1e-3))
+        tx = jr.ps.pushable(optax.sgd(1e-3))
         opt = tx.init(w)
 
     def step(ctx, w, opt):

@@ -27,7 +27,7 @@ def _job(num_workers, per_pipeline, g=1, **kw):
     rep = jr.Replicator(s)
     with rep.scope():
         w = jnp.zeros(4)
-        tx = jr.pushable(optax.sgd(LR))
+        tx = jr.ps.pushable(optax.sgd(LR))
         opt = tx.init(w)
     calls = []
 
@@ -173,7 +173,7 @@ def test_token_gated_per_worker_input_with_a_killed_worker_keeps_the_ledger_exac
     rep = jr.Replicator(s)
     with rep.scope():
         w = jnp.zeros(4)
-        tx = jr.pushable(jr.sync_replicas(optax.sgd(0.1), replicas_to_aggregate=2,
+        tx = jr.ps.pushable(jr.sync_replicas(optax.sgd(0.1), replicas_to_aggregate=2,
                                           total_num_replicas=3))
         opt = tx.init(w)
 

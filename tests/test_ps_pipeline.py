@@ -119,7 +119,7 @@ def test_default_placement_gives_every_shard_a_share_of_an_mlps_bytes():
     with rep.scope():
         params = [{"w": jnp.zeros((a, b)), "b": jnp.zeros(b)}
                   for a, b in ((64, 256), (256, 256), (256, 10))]
-        jr.pushable(optax.adam(1e-3)).init(params)
+        jr.ps.pushable(optax.adam(1e-3)).init(params)
     sizes = s.placement.bytes_per_shard
     assert s.placement.policy == "size_balanced" and min(sizes) >= 0.2 * sum(sizes), sizes
     rr = place_parameters(params, 2)
@@ -136,7 +136,7 @@ def test_outputs_that_are_inputs_unchanged_come_back_as_the_inputs():
     rep = jr.Replicator(s)
     with rep.scope():
         w = {"k": jnp.arange(3.0)}
-        tx = jr.pushable(optax.adam(0.1))
+        tx = jr.ps.pushable(optax.adam(0.1))
         opt = tx.init(w)
 
     def step(ctx, x, w, opt):

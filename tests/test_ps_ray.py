@@ -74,7 +74,7 @@ def _job(tx_fn, **kw):
     rep = jr.Replicator(s)
     with rep.scope():
         w = jnp.zeros(4)
-        tx = jr.pushable(tx_fn())
+        tx = jr.ps.pushable(tx_fn())
         opt = tx.init(w)
 
     def step(ctx, w, opt):
@@ -117,7 +117,7 @@ def test_async_on_ray_with_a_worker_killed_at_40_percent(local_ray):
         rep.run(step, None, w, opt)
     t0 = time.monotonic()
     jrt.kill_shard(s, 1)
-    with pytest.raises(jr.ParameterServerError, match="shard"):
+    with pytest.raises(jr.ps.ParameterServerError, match="shard"):
         s._executor.coordinator.join(timeout=60)
     print(f"Ray: lost shard surfaced by join after {time.monotonic() - t0:.3f} s")
     assert time.monotonic() - t0 < 30
@@ -148,7 +148,7 @@ def test_per_worker_input_is_read_in_the_worker_actors(local_ray):
     rep = jr.Replicator(s)
     with rep.scope():
         w = jnp.zeros(3)
-        tx = jr.pushable(optax.sgd(1.0))
+        tx = jr.ps.pushable(optax.sgd(1.0))
         opt = tx.init(w)
 
     def input_fn(ctx):  # [pipeline, index, the reading process's pid]

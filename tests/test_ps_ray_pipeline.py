@@ -26,7 +26,7 @@ def _adam_job(carrier, num_workers=1, **kw):
     rep = jr.Replicator(s)
     with rep.scope():
         w = {"a": jnp.linspace(-1.0, 1.0, 8), "b": jnp.full((8, 3), 0.5)}
-        tx = jr.pushable(optax.adam(0.05))
+        tx = jr.ps.pushable(optax.adam(0.05))
         opt = tx.init(w)
 
     def step(ctx, w, opt):
@@ -78,7 +78,7 @@ def test_dropped_values_let_go_of_the_outputs_their_workers_hold():
     rep = jr.Replicator(s)
     with rep.scope():
         w = jnp.zeros((1024, 1024))
-        tx = jr.pushable(optax.sgd(0.01))
+        tx = jr.ps.pushable(optax.sgd(0.01))
         opt = tx.init(w)
 
     def step(ctx, w, opt):
@@ -101,7 +101,7 @@ def test_dropped_values_let_go_of_the_outputs_their_workers_hold():
     v = rep.run(step, None, w, opt)
     rep.join()
     jrt.kill_worker(s, v.worker, when="process")
-    with pytest.raises(jr.WorkerLostError, match=f"held by worker {v.worker}"):
+    with pytest.raises(jr.ps.WorkerLostError, match=f"held by worker {v.worker}"):
         v.fetch()
     s.shutdown()
 

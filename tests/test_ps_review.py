@@ -28,7 +28,7 @@ def _adam_job(num_ps=2, num_workers=2, carrier="embedded", **kw):
     rep = jr.Replicator(s)
     with rep.scope():
         params = {"a": jnp.zeros(3), "b": jnp.zeros(2)}
-        tx = jr.pushable(optax.adam(0.1))
+        tx = jr.ps.pushable(optax.adam(0.1))
         opt = tx.init(params)
 
     def step(ctx, p, opt):
@@ -123,7 +123,7 @@ def test_every_restarted_shard_reports_the_updates_it_lost():
     jrt.kill_shard(s, 0)
     jrt.kill_shard(s, 1)
     rep.run(step, None, params, opt)
-    with pytest.raises(jr.ParameterServerError):
+    with pytest.raises(jr.ps.ParameterServerError):
         rep.join()
     try:
         reports = [s.restart_shard(i, state) for i in (0, 1)]
@@ -144,7 +144,7 @@ def test_restart_shard_refuses_a_state_from_a_later_timeline():
     s.restore(older)
     jrt.kill_shard(s, 1)
     rep.run(step, None, params, opt)
-    with pytest.raises(jr.ParameterServerError):
+    with pytest.raises(jr.ps.ParameterServerError):
         rep.join()
     try:
         with pytest.raises(ValueError, match="restore"):
@@ -157,7 +157,7 @@ def test_a_batch_the_step_cannot_take_is_the_steps_error_not_every_workers_death
     rep = jr.Replicator(s)
     with rep.scope():
         w = jnp.zeros(2)
-        tx = jr.pushable(optax.sgd(0.1))
+        tx = jr.ps.pushable(optax.sgd(0.1))
         opt = tx.init(w)
 
     def step(ctx, b, w, opt):
@@ -204,7 +204,7 @@ def _counting_job(num_workers, **kw):
     rep = jr.Replicator(s)
     with rep.scope():
         p = {"a": jnp.zeros(1), "b": jnp.zeros(1), "c": jnp.zeros(2)}
-        tx = jr.pushable(optax.sgd(1.0))
+        tx = jr.ps.pushable(optax.sgd(1.0))
         opt = tx.init(p)
 
     def step(ctx, x, p, opt):
@@ -264,7 +264,7 @@ def test_pipelined_staleness_and_per_worker_input_when_a_ray_worker_dies_mid_ste
     finally:
         s.shutdown()
     t0 = time.monotonic()
-    with pytest.raises(jr.WorkerLostError, match="held by worker"):
+    with pytest.raises(jr.ps.WorkerLostError, match="held by worker"):
         kept.fetch()
     assert time.monotonic() - t0 < 30
 
@@ -276,7 +276,7 @@ def _input_job(**kw):
     rep = jr.Replicator(s)
     with rep.scope():
         w = jnp.zeros(1)
-        tx = jr.pushable(optax.sgd(1.0))
+        tx = jr.ps.pushable(optax.sgd(1.0))
         opt = tx.init(w)
 
     def input_fn(ctx):
@@ -379,7 +379,7 @@ def one_ray_worker_faults(local_ray):  # noqa: F811 (the imported fixture)
         saved = s.state()
         jrt.kill_shard(s, 0)
         rep.run(plain_step, None, w, opt)
-        with pytest.raises(jr.ParameterServerError):
+        with pytest.raises(jr.ps.ParameterServerError):
             rep.join()
         s.restart_shard(0, saved)
         _crash_and_wait(s)

@@ -21,7 +21,7 @@ def _job(carrier, **kw):
     rep = jr.Replicator(s)
     with rep.scope():
         params = {"a": jnp.zeros(3), "b": jnp.zeros(2)}
-        tx = jr.pushable(optax.sgd(LR))
+        tx = jr.ps.pushable(optax.sgd(LR))
         opt = tx.init(params)
 
     def step(ctx, p, opt):
@@ -51,12 +51,12 @@ def shard_restart_scenario(carrier: str) -> None:
     rep.join()
     jrt.kill_shard(s, lost)
     _run(rep, step, params, opt, 3)
-    with pytest.raises(jr.ParameterServerError, match="restart_shard"):
+    with pytest.raises(jr.ps.ParameterServerError, match="restart_shard"):
         rep.join()
-    with pytest.raises(jr.ParameterServerError):  # stopped until the shard is back
+    with pytest.raises(jr.ps.ParameterServerError):  # stopped until the shard is back
         rep.run(step, None, params, opt)
     if carrier == "ray":  # the lost shard's actor cannot answer: a named error
-        with pytest.raises(jr.ParameterServerError, match=f"restart_shard\\({lost}, state"):
+        with pytest.raises(jr.ps.ParameterServerError, match=f"restart_shard\\({lost}, state"):
             s.ledger()
     report = s.restart_shard(lost, saved)
     applied_live = s.ledger()[live]["applied"]
@@ -105,7 +105,7 @@ def test_restart_shard_refuses_what_it_cannot_do_honestly():
     rep = jr.Replicator(s)
     with rep.scope():
         w = jnp.zeros(4)
-        jr.pushable(jr.sync_replicas(optax.sgd(0.1), replicas_to_aggregate=2,
+        jr.ps.pushable(jr.sync_replicas(optax.sgd(0.1), replicas_to_aggregate=2,
                                      total_num_replicas=2)).init(w)
     with pytest.raises(ValueError, match=r"token-gated .* strategy.restore\(state\)"):
         s.restart_shard(1, s.state())

@@ -21,7 +21,7 @@ def _job(tx_fn, *, delay=0.0, **kw):
     rep = jr.Replicator(s)
     with rep.scope():
         w = jnp.zeros(4)
-        tx = jr.pushable(tx_fn())
+        tx = jr.ps.pushable(tx_fn())
         opt = tx.init(w)
 
     def step(ctx, w, opt):
@@ -116,7 +116,7 @@ def test_token_waits_that_nothing_can_satisfy_end_with_a_clear_error():
         shard0.take_token(time.monotonic() + 1)
     values = [rep.run(step, None, w, opt) for _ in range(2)]
     t0 = time.monotonic()
-    with pytest.raises(jr.StepCancelledError, match="cannot go on"):
+    with pytest.raises(jr.ps.StepCancelledError, match="cannot go on"):
         rep.join()
     assert time.monotonic() - t0 < 3
     assert all(v.done() for v in values) and not s._executor.coordinator._inflight
@@ -193,7 +193,7 @@ def test_a_step_raising_worker_lost_runs_again_elsewhere():
     def flaky(ctx, w, opt):
         traces.append(1)
         if len(traces) == 1:
-            raise jr.WorkerLostError("this worker's device fell off the bus")
+            raise jr.ps.WorkerLostError("this worker's device fell off the bus")
         return step(ctx, w, opt)
 
     v = rep.run(flaky, None, w, opt)
@@ -235,12 +235,12 @@ def test_a_lost_shard_is_a_clear_error_within_bounded_time():
     time.sleep(0.2)
     t0 = time.monotonic()
     jrt.kill_shard(s, 1)
-    with pytest.raises(jr.ParameterServerError, match="shard failed"):
+    with pytest.raises(jr.ps.ParameterServerError, match="shard failed"):
         rep.join()
     took = time.monotonic() - t0
     print(f"lost shard surfaced by join after {took:.3f} s")
     assert took < 3
-    with pytest.raises(jr.ParameterServerError):
+    with pytest.raises(jr.ps.ParameterServerError):
         rep.run(step, None, w, opt)
 
 
@@ -274,16 +274,16 @@ def test_token_gated_state_and_ledger_survive_a_checkpoint(tmp_path):
 @pytest.mark.parametrize("group", [1, 2])
 def test_the_sync_replicas_step_of_mirrored_runs_token_gated_on_the_ps(group):
     """The step written for MirroredStrategy with sync_replicas (each replica's own
-    gradient, jr.replica_value_and_grad) runs unchanged: a sync group pushes its mean."""
+    gradient, jr.sync.replica_value_and_grad) runs unchanged: a sync group pushes its mean."""
     s = jr.ParameterServerStrategy(num_ps=2, num_workers=2, num_replicas_in_sync=group)
     rep = jr.Replicator(s)
     with rep.scope():
         w = jnp.zeros(4)
-        tx = jr.pushable(jr.sync_replicas(optax.sgd(0.1), replicas_to_aggregate=2))
+        tx = jr.ps.pushable(jr.sync_replicas(optax.sgd(0.1), replicas_to_aggregate=2))
         opt = tx.init(w)
 
     def step(ctx, w, opt):
-        _, g = jr.replica_value_and_grad(lambda w: jnp.sum(w * (1.0 + ctx.replica_id)))(w)
+        _, g = jr.sync.replica_value_and_grad(lambda w: jnp.sum(w * (1.0 + ctx.replica_id)))(w)
         u, opt = tx.update(g, opt, w)
         return optax.apply_updates(w, u), opt
 

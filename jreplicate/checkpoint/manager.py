@@ -76,7 +76,18 @@ COMMIT_MARKER = "commit_success.txt"
 
 
 class CheckpointError(RuntimeError):
-    """A checkpoint could not be written or read (raised on every process alike)."""
+    """A checkpoint could not be written or read (raised on every process alike).
+
+    Example (the directory cannot be created: its parent is a file):
+      >>> import os, tempfile, jreplicate as jr
+      >>> parent = os.path.join(tempfile.mkdtemp(), "a_file")
+      >>> open(parent, "w").close()
+      >>> try:
+      ...     jr.CheckpointManager(os.path.join(parent, "ckpt"), jr.MirroredStrategy())
+      ... except jr.checkpoint.CheckpointError as e:
+      ...     print(str(e).split(": ")[1])
+      /tmp/.../a_file is a file, where a directory is needed. Give a directory path that ...
+    """
 
 
 class _Damaged(Exception):
@@ -89,7 +100,7 @@ class CheckpointManager:
     Args:
       directory: where step directories (``<directory>/<step>``) are written. Only the
         chief's file system needs it.
-      strategy: the :class:`jreplicate.Strategy` (or a :class:`jreplicate.Replicator`)
+      strategy: the :class:`jreplicate.strategies.Strategy` (or a :class:`jreplicate.Replicator`)
         whose mesh the restored state is placed on, and whose processes agree on every
         decision.
       max_to_keep: the number of most recent checkpoints kept (``None``: all).

@@ -31,7 +31,21 @@ TF_CONFIG = "TF_CONFIG"
 
 
 class ClusterError(RuntimeError):
-    """A process could not join, or lost contact with, the other processes of the job."""
+    """A process could not join, or lost contact with, the other processes of the job.
+
+    Raised on every surviving process alike (a peer that died or stalled, a coordinator
+    that cannot be reached within ``initialization_timeout``, a malformed message); the
+    message names the process and the fix.
+
+    Example (a message that is not what every process of the job sends):
+      >>> from jreplicate.cluster import ClusterError
+      >>> from jreplicate.cluster.agreement import decode_message
+      >>> try:
+      ...     decode_message(b"not json", 1, "the input outcome", dict)
+      ... except ClusterError as e:
+      ...     print(str(e)[:66])
+      jreplicate: process 1 sent a malformed message while agreeing on t
+    """
 
 
 class MessageError(ClusterError):
@@ -56,6 +70,16 @@ class Timeouts:
         the slowest process; a process stuck for longer (alive, but not arriving) makes
         the others fail with an error. It must exceed the longest legitimate skew
         between processes, e.g. the chief writing a checkpoint or a slow first compile.
+
+    Example (explicit values win over ``JREPLICATE_*_TIMEOUT``, which win over the
+    defaults; ``MultiWorkerStrategy(heartbeat_timeout=...)`` passes them here):
+      >>> from jreplicate.cluster import Timeouts
+      >>> t = Timeouts.resolve(heartbeat_timeout=30)
+      >>> t.heartbeat_timeout, t.collective_timeout
+      (30.0, 600.0)
+      >>> Timeouts.resolve(collective_timeout=0)
+      Traceback (most recent call last):
+      ValueError: MultiWorkerStrategy(collective_timeout=...) is 0; it must be a positive ...
     """
 
     initialization_timeout: float = 300.0
@@ -106,6 +130,13 @@ class ClusterSpec:
       coordinator_bind_address: where process 0's coordination service listens, as
         passed to JAX (``None``: JAX's default, every interface, or
         ``JAX_COORDINATOR_BIND_ADDRESS``); filled in by :func:`connect`.
+
+    Example (TensorFlow's ``TF_CONFIG`` of worker 1 of two):
+      >>> from jreplicate.cluster.discovery import from_tf_config
+      >>> spec = from_tf_config({"cluster": {"worker": ["h0:1234", "h1:1234"]},
+      ...                        "task": {"type": "worker", "index": 1}})
+      >>> spec.coordinator_address, spec.num_processes, spec.process_id, spec.source
+      ('h0:1234', 2, 1, 'TF_CONFIG')
     """
 
     coordinator_address: str | None

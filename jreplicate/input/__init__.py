@@ -1,4 +1,16 @@
-"""Distributed input: replication modes, contexts, iterators."""
+"""Distributed input: ``input_fn`` becomes the per-replica batches each step consumes.
+
+Where things live: ``context.py`` holds :class:`InputReplicationMode` (how many
+pipelines: one, one per worker, one per replica) and :class:`InputContext` (what
+``input_fn`` is told); ``sources.py`` what ``input_fn`` may return and how it is read;
+``iterator.py`` :class:`InputIterator`, which reads elements, checks them, assembles
+global sharded batches and, across processes, agrees on end of input and errors;
+``staging.py`` the prefetch staging of single steps and device loops, ``prefetch.py``
+its background threads and ``auto.py`` the automatic choice of prefetch; ``padding.py``
+exact final batches (``partial_batch="pad"``, ``batch_mask``); ``shutdown.py`` the
+pipeline at interpreter exit. The input layer sits beside the executors: it imports
+the strategy protocol and the layout, never a concrete strategy.
+"""
 
 from jreplicate.input.context import InputContext, InputReplicationMode
 from jreplicate.input.iterator import InputIterator

@@ -4,16 +4,32 @@
 * :mod:`jreplicate.ps.shard`: one shard as a plain state machine (push, pull, tokens).
 * :mod:`jreplicate.ps.ledger`: each shard's record of what became of every push.
 * :mod:`jreplicate.ps.client`: a worker's pull and push over all shards.
-* :mod:`jreplicate.ps.capture`: :func:`jreplicate.pushable`, how a step's optimizer
+* :mod:`jreplicate.ps.capture`: :func:`jreplicate.ps.pushable`, how a step's optimizer
   update becomes a push.
 * :mod:`jreplicate.ps.worker`: a worker running scheduled steps on its devices.
 * :mod:`jreplicate.ps.coordinator`: TF2 ``ClusterCoordinator`` scheduling and faults,
   composed of :mod:`jreplicate.ps.closure_queue` (the queued and running steps, TF's
   ``_CoordinatedClosureQueue``) and :mod:`jreplicate.ps.admission` (the bounded-staleness
   gate, the token-starvation detector, the statistics).
-* :mod:`jreplicate.ps.remote`: :class:`jreplicate.RemoteValue` and the errors.
+* :mod:`jreplicate.ps.remote`: :class:`jreplicate.ps.RemoteValue` and the errors.
 * :mod:`jreplicate.ps.executor`: the strategy's executor (registration, scheduling).
 * :mod:`jreplicate.ps.embedded`: shards and workers as objects and threads of this
   process (the default carrier).
 * :mod:`jreplicate.ps.ray_carrier`: shards and workers as Ray actors.
 """
+
+from jreplicate.ps.capture import pushable
+from jreplicate.ps.remote import (
+    ParameterServerError,
+    RemoteValue,
+    StepCancelledError,
+    WorkerLostError,
+)
+
+__all__ = [
+    "ParameterServerError",
+    "RemoteValue",
+    "StepCancelledError",
+    "WorkerLostError",
+    "pushable",
+]

@@ -7,7 +7,7 @@ applies them itself: ``updates, opt_state = tx.update(grads, opt_state, params)`
 An optax transformation is a pair of closures that cannot be intercepted from outside,
 so the step's transformation is wrapped once, where it is created:
 
-    tx = jr.pushable(optax.adam(1e-3))
+    tx = jr.ps.pushable(optax.adam(1e-3))
 
 * Everywhere except a parameter-server worker, ``pushable(tx)`` **is** ``tx``: its
   ``init`` and ``update`` call ``tx``'s (bit for bit the same results).
@@ -20,7 +20,7 @@ so the step's transformation is wrapped once, where it is created:
   state unchanged; the worker pushes the recorded gradients once per step, and the
   shards apply them with ``tx``.
 
-Flax NNX: ``nnx.Optimizer(model, jr.pushable(tx), wrt=...)`` created in the scope
+Flax NNX: ``nnx.Optimizer(model, jr.ps.pushable(tx), wrt=...)`` created in the scope
 registers ``nnx.state(model, wrt)``; ``run(step, inputs, model, optimizer)`` recognises
 the model by the identity of those arrays, and each worker step runs on a fresh copy of
 both (built from their graph and state) with the pulled parameters written into the
@@ -80,7 +80,7 @@ def pushable(tx: optax.GradientTransformation) -> PushableTransformation:
 
     Example:
       >>> import jax.numpy as jnp, optax, jreplicate as jr
-      >>> tx = jr.pushable(optax.sgd(0.5))
+      >>> tx = jr.ps.pushable(optax.sgd(0.5))
       >>> u, _ = tx.update(jnp.ones(2), tx.init(jnp.zeros(2)))
       >>> u.tolist()
       [-0.5, -0.5]

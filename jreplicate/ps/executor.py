@@ -67,7 +67,7 @@ class ParameterServerExecutor(Executor):
             if tx is self._tx:
                 return
             raise ValueError(
-                "ParameterServerStrategy holds one optimizer: a second jr.pushable "
+                "ParameterServerStrategy holds one optimizer: a second jr.ps.pushable "
                 "transformation was initialised inside rep.scope(). Use one (e.g. "
                 "optax.multi_transform for parts of the parameters).")
         s = self.config
@@ -274,7 +274,7 @@ class ParameterServerExecutor(Executor):
             raise ValueError(
                 "ParameterServerStrategy: the parameters are not on the parameter servers "
                 "yet. Create them and the optimizer inside rep.scope(): tx = "
-                "jr.pushable(optax.adam(...)); opt_state = tx.init(params).")
+                "jr.ps.pushable(optax.adam(...)); opt_state = tx.init(params).")
         p_idx = o_idx = None
         nnx_pos = self._nnx_positions(args)
         for i, a in enumerate(args):

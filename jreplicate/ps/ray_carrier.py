@@ -13,7 +13,7 @@ The same shard state machine (:class:`jreplicate.ps.shard.PSShard`) and worker
 * the coordinator (this process) calls ``worker.run.remote(closure)``: a dead worker
   actor (``RayActorError``) has its step rescheduled elsewhere; a dead shard actor
   (seen by a worker as ``RayActorError`` inside its task) stops training with
-  :class:`jreplicate.ParameterServerError`.
+  :class:`jreplicate.ps.ParameterServerError`.
 
 Call ``ray.init(...)`` (e.g. ``ray.init(address="auto")`` on a cluster) before creating
 the strategy's parameters, or set ``RAY_ADDRESS``; otherwise :func:`ensure_ray` starts a

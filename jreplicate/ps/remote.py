@@ -22,13 +22,13 @@ class WorkerLostError(RuntimeError):
       >>> ps = jr.ParameterServerStrategy(num_ps=1, num_workers=2)
       >>> rep = jr.Replicator(ps)
       >>> with rep.scope():
-      ...     params, sgd = jnp.ones(2), jr.pushable(optax.sgd(0.5))
+      ...     params, sgd = jnp.ones(2), jr.ps.pushable(optax.sgd(0.5))
       ...     state = sgd.init(params)
       >>> tries = []
       >>> def step(ctx, params, state):
       ...     tries.append(1)
       ...     if len(tries) == 1:
-      ...         raise jr.WorkerLostError("simulated preemption")
+      ...         raise jr.ps.WorkerLostError("simulated preemption")
       ...     sgd.update(jnp.ones(2), state, params)
       >>> rep.run(step, None, params, state).fetch()
       >>> rep.join()
@@ -50,8 +50,8 @@ class ParameterServerError(RuntimeError):
     Example (catching it around a training loop):
       >>> import jreplicate as jr
       >>> try:
-      ...     raise jr.ParameterServerError("shard 1 lost: its update raised ...")
-      ... except jr.ParameterServerError as e:
+      ...     raise jr.ps.ParameterServerError("shard 1 lost: its update raised ...")
+      ... except jr.ps.ParameterServerError as e:
       ...     print("restore the last checkpoint:", e)
       restore the last checkpoint: shard 1 lost: its update raised ...
     """
@@ -69,7 +69,7 @@ class StepCancelledError(RuntimeError):
       >>> ps = jr.ParameterServerStrategy(num_ps=1, num_workers=1)
       >>> rep = jr.Replicator(ps)
       >>> with rep.scope():
-      ...     params, sgd = jnp.ones(2), jr.pushable(optax.sgd(0.5))
+      ...     params, sgd = jnp.ones(2), jr.ps.pushable(optax.sgd(0.5))
       ...     state = sgd.init(params)
       >>> def slow(ctx, params, state):
       ...     time.sleep(0.2)
@@ -78,7 +78,7 @@ class StepCancelledError(RuntimeError):
       >>> ps.shutdown()
       >>> try:
       ...     futures[-1].fetch()
-      ... except jr.StepCancelledError as e:
+      ... except jr.ps.StepCancelledError as e:
       ...     print(e)
       the strategy shut down before this step ran
     """
@@ -103,7 +103,7 @@ class RemoteValue:
       >>> ps = jr.ParameterServerStrategy(num_ps=1, num_workers=1)
       >>> rep = jr.Replicator(ps)
       >>> with rep.scope():
-      ...     params, sgd = jnp.ones(3), jr.pushable(optax.sgd(0.1))
+      ...     params, sgd = jnp.ones(3), jr.ps.pushable(optax.sgd(0.1))
       ...     state = sgd.init(params)
       >>> def loss_step(ctx, params, state):
       ...     sgd.update(2 * params, state, params)  # the gradient of sum(params**2)

@@ -1,7 +1,7 @@
 """Restarting one lost parameter-server shard from a saved state
 (:meth:`jreplicate.ParameterServerStrategy.restart_shard`).
 
-A lost shard stops training (:class:`jreplicate.ParameterServerError`): its parameters
+A lost shard stops training (:class:`jreplicate.ps.ParameterServerError`): its parameters
 are gone. Where the user asks, the shard comes back from a state saved earlier
 (``strategy.state()``, e.g. through :class:`jreplicate.CheckpointManager`) while the
 other shards keep theirs, and training goes on. Asynchronous training only: a

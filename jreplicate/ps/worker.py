@@ -11,7 +11,7 @@ Per step (:meth:`PSWorker.run`):
    ``local_step_init_op``), with a deadline;
 2. pull the parameters from every shard (numpy);
 3. run the step, compiled once per signature, with the pulled parameters; the
-   :func:`jreplicate.pushable` transformation records the gradients (see
+   :func:`jreplicate.ps.pushable` transformation records the gradients (see
    :mod:`jreplicate.ps.capture`);
 4. push the gradients to every shard with the step's id.
 """
@@ -293,10 +293,10 @@ class PSWorker:
                     out = _forward(out, args[first:], ctx._axis)
                 if len(sink) != 1:
                     raise ValueError(
-                        f"ParameterServerStrategy: the step called a jr.pushable "
+                        f"ParameterServerStrategy: the step called a jr.ps.pushable "
                         f"transformation's update {len(sink)} times; it must call it once "
                         "per step (its gradients are what the worker pushes). Create the "
-                        "optimizer as tx = jr.pushable(optax...) inside rep.scope() and call "
+                        "optimizer as tx = jr.ps.pushable(optax...) inside rep.scope() and call "
                         "tx.update(grads, opt_state, params) in the step.")
                 axis, n = ctx._axis, ctx.num_replicas
                 grads = jax.tree.map(

@@ -33,7 +33,7 @@ class Strategy(abc.ABC):
     Example (the facts every strategy answers, here on 8 devices):
       >>> import jreplicate as jr
       >>> s = jr.MirroredStrategy(logical_devices_per_replica=2)
-      >>> isinstance(s, jr.Strategy), s.num_replicas, s.logical_devices_per_replica
+      >>> isinstance(s, jr.strategies.Strategy), s.num_replicas, s.logical_devices_per_replica
       (True, 4, 2)
       >>> s.axis_name, dict(s.mesh.shape)
       ('replica', {'replica': 4, 'model': 2})

@@ -125,6 +125,13 @@ class MultiWorkerStrategy(Strategy):
         rep = jr.Replicator(strategy)
         print(strategy.num_replicas, strategy.num_workers, strategy.is_chief)
         # process 0 prints "8 2 True", process 1 "8 2 False"
+
+    Without a cluster (no launcher, ``TF_CONFIG`` or arguments) it is one process
+    whose local devices are the replicas, here 8:
+      >>> import jreplicate as jr
+      >>> s = jr.MultiWorkerStrategy()
+      >>> s.num_replicas, s.num_workers, s.worker_index, s.is_chief
+      (8, 1, 0, True)
     """
 
     def __init__(

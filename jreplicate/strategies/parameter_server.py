@@ -6,11 +6,11 @@ The parameters live on PS shards (:mod:`jreplicate.ps.shard`, placed by
 its devices and pushes the gradients, which the shards apply with the optax
 transformation as they arrive. Scheduling follows TF2's ``ClusterCoordinator``
 (:mod:`jreplicate.ps.coordinator`): ``rep.run(step, inputs, params, opt_state)``
-returns a :class:`jreplicate.RemoteValue` at once, ``rep.join()`` waits for every step
+returns a :class:`jreplicate.ps.RemoteValue` at once, ``rep.join()`` waits for every step
 and re-raises the first error.
 
 **The same step as under MirroredStrategy.** The step computes gradients and calls
-``tx.update(grads, opt_state, params)``; create ``tx = jr.pushable(optax...)`` and its
+``tx.update(grads, opt_state, params)``; create ``tx = jr.ps.pushable(optax...)`` and its
 state inside ``rep.scope()``. Under SPMD strategies ``pushable`` changes nothing; here
 ``tx.init`` in the scope registers the parameters and the transformation (the shards
 are built from them), and on a worker ``tx.update`` records the gradients, which the
@@ -116,7 +116,7 @@ class ParameterServerStrategy(Strategy):
       >>> rep = jr.Replicator(strategy)
       >>> with rep.scope():
       ...     w = jnp.zeros(2)
-      ...     tx = jr.pushable(optax.sgd(0.5))
+      ...     tx = jr.ps.pushable(optax.sgd(0.5))
       ...     opt = tx.init(w)
       >>> def step(ctx, w, opt):
       ...     g = jax.grad(lambda w: jnp.sum(w - 1.0))(w)
@@ -250,7 +250,7 @@ class ParameterServerStrategy(Strategy):
         if self._executor is None or self._executor.client is None:
             raise ValueError(
                 "ParameterServerStrategy: no parameters yet. Create the optimizer state "
-                "with tx = jr.pushable(optax...); tx.init(params) inside rep.scope().")
+                "with tx = jr.ps.pushable(optax...); tx.init(params) inside rep.scope().")
         return self._executor
 
     @property
@@ -307,7 +307,7 @@ class ParameterServerStrategy(Strategy):
         """Brings a lost shard back from a saved state; training may go on.
 
         A lost shard stops training: ``rep.join()`` raises
-        :class:`jreplicate.ParameterServerError`. Then ``restart_shard(i, state)``, with
+        :class:`jreplicate.ps.ParameterServerError`. Then ``restart_shard(i, state)``, with
         ``state`` a :meth:`state` saved earlier (e.g. restored from a
         :class:`jreplicate.CheckpointManager`), recreates shard ``i`` (a new Ray actor,
         with its ``ray_shard_options``) holding that state's parameters, optimizer

@@ -120,6 +120,17 @@ def replica_grad(
 
     See :func:`replica_value_and_grad`; this returns only the gradient (and the aux
     value when ``has_aux=True``).
+
+    Example (each replica's own gradient, not their sum):
+      >>> import jax, jax.numpy as jnp
+      >>> from jax.sharding import PartitionSpec as P
+      >>> from jreplicate.sync import replica_grad
+      >>> mesh = jax.make_mesh((2,), ("replica",), devices=jax.devices()[:2])
+      >>> step = lambda w, x: replica_grad(lambda w, x: jnp.sum(w * x))(w, x)[None]
+      >>> x = jax.device_put(jnp.array([3.0, 4.0]), jax.NamedSharding(mesh, P("replica")))
+      >>> jax.jit(jax.shard_map(step, mesh=mesh, in_specs=(P(), P("replica")),
+      ...                       out_specs=P("replica")))(1.0, x).tolist()
+      [3.0, 4.0]
     """
     vg = replica_value_and_grad(fun, argnums, has_aux, axis_name=axis_name)
 
