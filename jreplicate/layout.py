@@ -38,8 +38,9 @@ class Layout:
         order (logical device ``i`` of replica ``r`` is ``replica_devices[r][i]``).
       num_replicas_in_sync: replicas whose gradients are aggregated synchronously.
       local_replica_ids: the replicas whose devices this process addresses.
-      num_workers: processes (workers) taking part.
-      worker_index: this process's index among them, in process-index order.
+      num_processes: processes taking part (the SPMD strategies' workers; a
+        parameter server's driver is one process, its workers are not counted here).
+      process_index: this process's index among them, in process-index order.
 
     Example (two replicas of two logical devices each, on 4 of the 8 devices):
       >>> import jax, jreplicate as jr
@@ -59,8 +60,8 @@ class Layout:
     replica_devices: tuple[tuple[jax.Device, ...], ...]
     num_replicas_in_sync: int
     local_replica_ids: tuple[int, ...]
-    num_workers: int
-    worker_index: int
+    num_processes: int
+    process_index: int
 
     @property
     def num_replicas(self) -> int:
@@ -71,8 +72,9 @@ class Layout:
         return len(self.replica_devices[0])
 
     @property
-    def devices(self) -> tuple[jax.Device, ...]:
-        """Logical device 0 of each replica, by replica id."""
+    def first_devices(self) -> tuple[jax.Device, ...]:
+        """The first device (logical device 0) of each replica, by replica id: one device
+        per replica, all of them when a replica spans one device."""
         return tuple(d[0] for d in self.replica_devices)
 
     @functools.cached_property
@@ -105,8 +107,8 @@ def mesh_layout(mesh: Mesh, *, num_replicas_in_sync: int | None = None) -> Layou
         mesh=mesh, replica_axis=mesh.axis_names[0], model_axes=tuple(mesh.axis_names[1:]),
         replica_devices=replica_devices,
         num_replicas_in_sync=num_replicas_in_sync or len(replica_devices),
-        local_replica_ids=local, num_workers=len(procs),
-        worker_index=procs.index(me) if me in procs else 0)
+        local_replica_ids=local, num_processes=len(procs),
+        process_index=procs.index(me) if me in procs else 0)
 
 
 def check_logical_devices_per_replica(value: object, where: str) -> int:

@@ -41,7 +41,7 @@ def kill_worker(strategy: ParameterServerStrategy, worker: int, *,
 
     Args:
       strategy: the :class:`jreplicate.ParameterServerStrategy` (its parameters created).
-      worker: the worker index, in ``[0, strategy.num_ps_workers)``.
+      worker: the worker index, in ``[0, strategy.num_workers)``.
       when: ``"compute"`` (after computing its gradients), ``"push"`` (between its pushes
         to shard 0 and shard 1), or with ``carrier="ray"``: ``"process"`` (its actor is
         killed now with ``ray.kill``, for good) or ``"crash"`` (its process is killed

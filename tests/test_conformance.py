@@ -121,7 +121,7 @@ def test_training_matches_single_device(strategy):
     rng = np.random.default_rng(0)
     xs = rng.normal(size=(5, gb, 16)).astype(np.float32)
     ys = rng.integers(0, 10, size=(5, gb)).astype(np.int32)
-    if isinstance(strategy, jr.ParameterServerStrategy) and strategy.num_ps_workers > 1:
+    if isinstance(strategy, jr.ParameterServerStrategy) and strategy.num_workers > 1:
         pytest.skip("ParameterServerStrategy: several asynchronous workers apply their "
                     "gradients in arrival order, not as one step; one worker (ps-1) is "
                     "sequential and checked here")
@@ -236,7 +236,7 @@ def test_parameter_server_run_overloads_and_group_collectives(strategy):
         pytest.skip("ParameterServerStrategy only (the SPMD strategies are checked above)")
     rep = jr.Replicator(strategy)
     g = rep.num_replicas_in_sync
-    assert rep.num_replicas == g * strategy.num_ps_workers
+    assert rep.num_replicas == g * strategy.num_workers
     with rep.scope():
         w = jnp.zeros(3)
         tx = jr.ps.pushable(optax.sgd(1.0))

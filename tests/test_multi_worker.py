@@ -157,8 +157,8 @@ def excepthook(monkeypatch):
 
 
 def test_strategy_installs_no_excepthook_unless_asked(monkeypatch, excepthook):
-    # As a worker of two processes (the hook was installed for num_workers > 1).
-    monkeypatch.setattr(MultiWorkerStrategy, "num_workers", property(lambda self: 2))
+    # As a worker of two processes (the hook was installed for num_processes > 1).
+    monkeypatch.setattr(MultiWorkerStrategy, "num_processes", property(lambda self: 2))
     MultiWorkerStrategy()
     assert sys.excepthook is excepthook  # a library leaves process-wide state alone
     monkeypatch.setenv(watchdog.ENV_FAIL_FAST, "1")  # as the launcher's processes

@@ -35,7 +35,7 @@ def _linear(num_ps=2, **kw):
 
 def test_run_schedules_and_returns_remote_values_at_once():
     s, rep, w, opt, step = _linear(num_workers=2)
-    assert (rep.num_replicas, rep.num_replicas_in_sync, s.num_ps_workers) == (2, 1, 2)
+    assert (rep.num_replicas, rep.num_replicas_in_sync, s.num_workers) == (2, 1, 2)
     assert {d for g in s.worker_devices for d in g}.isdisjoint(s.shard_devices)
     jrt.set_worker_delay(s, 0, 0.2)
     jrt.set_worker_delay(s, 1, 0.2)
@@ -193,7 +193,7 @@ def test_sync_group_pushes_once_per_step_with_the_group_gradient():
 def test_three_sync_groups_of_two_train_asynchronously():
     s = jr.ParameterServerStrategy(num_ps=2, num_replicas_in_sync=2)
     rep = jr.Replicator(s)
-    assert s.num_ps_workers == 3 and rep.num_replicas == 6
+    assert s.num_workers == 3 and rep.num_replicas == 6
     with rep.scope():
         w = jnp.zeros(4)
         tx = jr.ps.pushable(optax.sgd(0.1))

@@ -23,7 +23,7 @@ def test_a_one_device_driver_lays_out_ray_workers_of_several_replicas():
     one = jax.local_devices()[:1]
     s = jr.ParameterServerStrategy(num_ps=2, num_workers=2, num_replicas_in_sync=2,
                                    devices=one, carrier="ray")
-    assert (s.num_ps_workers, s.num_replicas, s.num_replicas_in_sync) == (2, 4, 2)
+    assert (s.num_workers, s.num_replicas, s.num_replicas_in_sync) == (2, 4, 2)
     assert s.worker_devices == ((), ()) and s.shard_devices == ()
     assert s.mesh.devices.size == 1  # where the driver places what it restores
     with pytest.raises(ValueError, match="needs 2 devices per worker"):

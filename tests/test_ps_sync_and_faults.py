@@ -29,7 +29,7 @@ def _job(tx_fn, *, delay=0.0, **kw):
         u, opt = tx.update(g, opt, w)
         return optax.apply_updates(w, u), opt
 
-    for k in range(s.num_ps_workers):
+    for k in range(s.num_workers):
         jrt.set_worker_delay(s, k, delay)
     return s, rep, w, opt, step
 

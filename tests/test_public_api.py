@@ -101,3 +101,15 @@ def test_sync_replicas_is_a_function_not_a_module():
 def test_fault_injection_is_not_on_the_strategy():
     for name in jreplicate.testing.__all__:
         assert not hasattr(jreplicate.ParameterServerStrategy, name), name
+
+
+def test_names_say_what_they_hold():
+    # issue 16 item 5: a parameter server's num_workers is the workers asked for (it was
+    # 1, the driver process); Layout.first_devices says it holds one device per replica.
+    ps = jreplicate.ParameterServerStrategy(num_workers=3)
+    assert (ps.num_workers, ps.num_processes, ps.num_replicas) == (3, 1, 3)
+    m = jreplicate.MirroredStrategy(logical_devices_per_replica=2)
+    assert (m.num_workers, m.num_processes, m.process_index) == (1, 1, 0)
+    assert m.layout.first_devices == tuple(r[0] for r in m.layout.replica_devices)
+    assert len(m.layout.first_devices) == m.num_replicas == 4
+    assert not hasattr(m.layout, "devices") and not hasattr(ps, "num_ps_workers")

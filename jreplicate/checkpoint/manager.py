@@ -189,7 +189,7 @@ class CheckpointManager:
     @property
     def is_chief(self) -> bool:
         """True on the process that writes checkpoints (worker 0)."""
-        return self._strategy.worker_index == 0
+        return self._strategy.process_index == 0
 
     def complete_steps(self) -> list[int]:
         """The steps with a complete checkpoint, as this process sees the directory."""
@@ -526,7 +526,7 @@ class CheckpointManager:
                 "process must build the same state (the same model and optimizer).")
 
     def _broadcast(self, host: Any) -> Any:
-        if self._strategy.num_workers == 1:
+        if self._strategy.num_processes == 1:
             return host
         from jax.experimental import multihost_utils
         leaves, treedef = jax.tree.flatten(host)

@@ -21,6 +21,19 @@ class Executor(abc.ABC):
     SPMD strategies (Mirrored, MultiWorker, TPU) share
     :class:`jreplicate.execution.spmd.SPMDExecutor`; a strategy that is not SPMD (e.g.
     a parameter server scheduling steps on workers) implements the same methods.
+
+    Example (the executor a strategy makes, driven directly, as Replicator does):
+      >>> import jax.numpy as jnp, jreplicate as jr
+      >>> from jreplicate.execution import Executor
+      >>> ex = jr.MirroredStrategy().make_executor()
+      >>> isinstance(ex, Executor), ex.layout.num_replicas
+      (True, 8)
+      >>> w = ex.place(jnp.ones(2))  # replicated for the replicas
+      >>> w.sharding.is_fully_replicated
+      True
+      >>> ex.run(lambda ctx, w: ctx.all_sum(w), False, None, (w,), steps=None,
+      ...        donate_argnums=()).tolist()
+      [8.0, 8.0]
     """
 
     def __init__(self, layout: Layout):

@@ -64,7 +64,7 @@ class Program:
         call = _jax_compat.shard_map_per_leaf_out_specs(
             body, mesh=layout.mesh, in_specs=in_specs, axis=axis, manual_axes=manual,
             specs=self.specs)
-        options = _jax_compat.compiler_options(layout.devices[0].platform, partial)
+        options = _jax_compat.compiler_options(layout.first_devices[0].platform, partial)
         self.jitted = jax.jit(call, donate_argnums=sig.donate, compiler_options=options)
         self.jitted_donate = sig.donate  # flat input indices donated
         self.donate_args = sig.donate_args

@@ -92,7 +92,7 @@ class InputIterator(PrefetchStaging):
         self._buffer = prefetch_buffer_size
         self._pool: ReaderPool | None = None
         # Across processes, every step's outcome is agreed first (see _produce_shared).
-        self._agreement = strategy.agreement("input") if strategy.num_workers > 1 else None
+        self._agreement = strategy.agreement("input") if strategy.num_processes > 1 else None
         if self._agreement is not None and replication_mode is InputReplicationMode.SINGLE:
             self._buffer = 0  # its broadcast is a collective: keep it on the main thread
         # prefetch_on_device=None: read on the calling thread; prefetch (with this
@@ -344,7 +344,7 @@ class InputIterator(PrefetchStaging):
              "error_type": "" if error is None else type(error).__name__,
              "spec": None if flat is None else _wire.element_spec(treedef, flat[0][0])},
             "this step's input", _wire.input_report)
-        me = strategy.worker_index
+        me = strategy.process_index
         for p, r in enumerate(reports):
             if r["status"] == "error":
                 self._exhausted = True
@@ -510,18 +510,18 @@ def _make_pipelines(strategy: Strategy, input_fn: Callable, mode: InputReplicati
                                                  **common)) for r in local]
         return pipes, list(range(len(local)))
     if mode is InputReplicationMode.PER_WORKER:
-        ctx = InputContext(input_pipeline_id=strategy.worker_index,
-                           num_input_pipelines=strategy.num_workers, **common)
+        ctx = InputContext(input_pipeline_id=strategy.process_index,
+                           num_input_pipelines=strategy.num_processes, **common)
     elif mode is InputReplicationMode.SINGLE:
         ctx = InputContext(input_pipeline_id=0, num_input_pipelines=1, **common)
-        if strategy.num_workers > 1:
+        if strategy.num_processes > 1:
             if strategy.agreement("input-single") is None:
                 raise ValueError(
                     "InputReplicationMode.SINGLE across several processes needs a strategy "
                     "that distributes worker 0's batches (MultiWorkerStrategy)."
                 )
             # Worker 0 reads every replica's element; the others receive them.
-            if strategy.worker_index != 0:
+            if strategy.process_index != 0:
                 return [], []
             return [Pipeline(input_fn, ctx)], [0] * strategy.num_replicas
     else:

@@ -191,7 +191,7 @@ if ray is not None:
             self.worker.delay = seconds
 
         def ready(self):
-            return len(self.worker.layout.devices)
+            return len(self.worker.layout.first_devices)
 
         def set_input_positions(self, positions):
             """Pipelines built here start where the lost process's steps ended."""
@@ -199,7 +199,7 @@ if ray is not None:
 
         def device_platform(self):
             """The platform of this worker's devices (``"cpu"``, ``"gpu"``, ...)."""
-            return self.worker.layout.devices[0].platform
+            return self.worker.layout.first_devices[0].platform
 
         def set_shards(self, shards):
             """The shard actors to call (after one was restarted, or this worker)."""

@@ -55,7 +55,7 @@ class PSConfig:
     ray_shard_options: tuple = ()
 
     @property
-    def num_ps_workers(self) -> int:
+    def num_workers(self) -> int:
         """Workers (sync groups)."""
         return len(self.worker_devices)
 

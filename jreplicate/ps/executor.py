@@ -120,8 +120,8 @@ class ParameterServerExecutor(Executor):
 
     # -- fault injection (reached through jreplicate.testing) ---------------------------
     def _worker_index(self, w: int) -> int:
-        if not 0 <= w < self.config.num_ps_workers:
-            raise ValueError(f"worker={w} is not in [0, {self.config.num_ps_workers}).")
+        if not 0 <= w < self.config.num_workers:
+            raise ValueError(f"worker={w} is not in [0, {self.config.num_workers}).")
         return w
 
     def kill_worker(self, w: int, when: str) -> None:

@@ -184,7 +184,7 @@ class WorkerInputIterator(InputIterator):
     @property
     def num_input_pipelines(self) -> int:
         """One pipeline per worker (each built on its worker)."""
-        return self._config.num_ps_workers
+        return self._config.num_workers
 
     @property
     def prefetching(self) -> bool:
@@ -202,7 +202,7 @@ class WorkerInputIterator(InputIterator):
         if self._executor.input_exhausted(self._key):
             raise StopIteration
         return WorkerInput(self._key, self._generation, self._fn,
-                           self._config.num_ps_workers, self._config.num_replicas)
+                           self._config.num_workers, self._config.num_replicas)
 
     def reinitialize(self) -> list:
         """Restarts every worker's pipeline before that worker's next step of this

@@ -90,18 +90,30 @@ class Strategy(abc.ABC):
 
     @property
     def devices(self) -> tuple[jax.Device, ...]:
-        """Logical device 0 of each replica, indexed by replica id."""
-        return self.layout.devices
+        """The first device (logical device 0) of each replica, indexed by replica id."""
+        return self.layout.first_devices
+
+    @property
+    def num_processes(self) -> int:
+        """The number of processes taking part (1 unless the job spans several)."""
+        return self.layout.num_processes
+
+    @property
+    def process_index(self) -> int:
+        """This process's index among them, in process-index order."""
+        return self.layout.process_index
 
     @property
     def num_workers(self) -> int:
-        """The number of processes (workers) taking part."""
-        return self.layout.num_workers
+        """The number of workers. For the SPMD strategies a worker is a process, as in
+        TensorFlow's ``MultiWorkerMirroredStrategy``; for
+        :class:`jreplicate.ParameterServerStrategy` it is a worker task (sync group)."""
+        return self.layout.num_processes
 
     @property
     def worker_index(self) -> int:
-        """This process's index among the workers, in process-index order."""
-        return self.layout.worker_index
+        """This process's index among the workers (SPMD strategies: its process index)."""
+        return self.layout.process_index
 
     @property
     def local_replica_ids(self) -> tuple[int, ...]:

@@ -164,7 +164,7 @@ class MultiWorkerStrategy(Strategy):
         self._uid = next(_instances)
         self._agreements = itertools.count()
         if fail_fast:
-            watchdog.install_fail_fast(self.worker_index, self.num_workers, self._timeouts)
+            watchdog.install_fail_fast(self.process_index, self.num_processes, self._timeouts)
 
     # -- facts ---------------------------------------------------------------------
     @property
@@ -202,10 +202,10 @@ class MultiWorkerStrategy(Strategy):
     def agreement(self, name: str) -> Agreement | None:
         """A new all-gather channel (``None`` for one process); every process must create
         its channels in one order."""
-        if self.num_workers == 1:
+        if self.num_processes == 1:
             return None
         prefix = f"jreplicate/{self._uid}/{name}/{next(self._agreements)}"
-        return Agreement(prefix, self.num_workers, self.worker_index,
+        return Agreement(prefix, self.num_processes, self.process_index,
                          self._timeouts.collective_timeout)
 
 

@@ -139,7 +139,7 @@ class ParameterServerStrategy(Strategy):
       ...     num_ps=2, num_workers=2, num_replicas_in_sync=2, carrier="ray",
       ...     ray_worker_options={"num_gpus": 2, "num_cpus": 1},
       ...     ray_shard_options={"resources": {"ps_node": 1}})
-      >>> ray_strategy.num_replicas, ray_strategy.num_ps_workers
+      >>> ray_strategy.num_replicas, ray_strategy.num_workers
       (4, 2)
       >>> jr.ParameterServerStrategy(carrier="ray", ray_worker_options={"num_gpu": 1})
       Traceback (most recent call last):
@@ -203,8 +203,8 @@ class ParameterServerStrategy(Strategy):
         self._layout = Layout(
             mesh=mesh, replica_axis=REPLICA_AXIS, model_axes=(MODEL_AXIS,),
             replica_devices=replicas,
-            num_replicas_in_sync=g, local_replica_ids=tuple(range(g)), num_workers=1,
-            worker_index=0)
+            num_replicas_in_sync=g, local_replica_ids=tuple(range(g)), num_processes=1,
+            process_index=0)
         self._executor: ParameterServerExecutor | None = None
 
     def _check_ray_options(self, worker_opts: Any, shard_opts: Any, carrier: str,
@@ -226,8 +226,9 @@ class ParameterServerStrategy(Strategy):
         return self._layout
 
     @property
-    def num_ps_workers(self) -> int:
-        """The number of workers (sync groups)."""
+    def num_workers(self) -> int:
+        """The number of workers (sync groups), as given by ``num_workers=`` or the
+        default that fits the devices; each has ``num_replicas_in_sync`` replicas."""
         return len(self.worker_devices)
 
     def make_executor(self) -> ParameterServerExecutor:
@@ -346,5 +347,5 @@ class ParameterServerStrategy(Strategy):
 
     def __repr__(self) -> str:
         return (f"ParameterServerStrategy(num_ps={self.num_ps}, num_workers="
-                f"{self.num_ps_workers}, num_replicas_in_sync={self.num_replicas_in_sync}, "
+                f"{self.num_workers}, num_replicas_in_sync={self.num_replicas_in_sync}, "
                 f"carrier={self.carrier!r})")

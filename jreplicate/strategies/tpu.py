@@ -95,10 +95,10 @@ class TPUStrategy(Strategy):
         return SPMDExecutor(self._layout)
 
     def agreement(self, name: str) -> Agreement | None:
-        if self.num_workers == 1:
+        if self.num_processes == 1:
             return None
         prefix = f"jreplicate/tpu{self._uid}/{name}/{next(self._agreements)}"
-        return Agreement(prefix, self.num_workers, self.worker_index,
+        return Agreement(prefix, self.num_processes, self.process_index,
                                   Timeouts().collective_timeout)
 
 
