@@ -14,6 +14,7 @@ import jax
 import numpy as np
 
 from jreplicate.context import PerReplica
+from jreplicate.ps import wire
 from jreplicate.ps._ray_proxy import _Forgotten, _ShardProxy
 from jreplicate.ps.client import ShardClient
 from jreplicate.ps.ledger import Ledger
@@ -53,8 +54,15 @@ if ray is not None:
             return self.shard.push(push_id, worker, fetched_step, grads, decision, attempt)
 
         @ray.method(concurrency_group="io")
-        def push_pull(self, push_id, worker, fetched_step, grads):
-            return self.shard.push_pull(push_id, worker, fetched_step, grads)
+        def push_pull_packed(self, push_id, worker, fetched_step, meta, *chunks):
+            """The shard's ``push_pull`` with the pieces and the parameters as
+            :mod:`jreplicate.ps.wire` chunks (the caller asks for ``1 + len(chunks)``
+            returns: ``(decision, step, meta)``, then the chunks)."""
+            grads = wire.unpack(meta, chunks)
+            decision, step, params = self.shard.push_pull(push_id, worker, fetched_step,
+                                                          grads)
+            meta, out = wire.pack(params, chunks=len(chunks))
+            return ((decision, step, meta), *out)
 
         @ray.method(concurrency_group="io")
         def stage(self, push_id, attempt, grads):

@@ -9,6 +9,9 @@ two Ray modules do not import each other.
 from __future__ import annotations
 
 import time
+from typing import NamedTuple
+
+from jreplicate.ps import wire
 
 
 def _ray():
@@ -32,11 +35,18 @@ class _Forgotten(RuntimeError):
     settings, the functions it was sent once). The step did not run there."""
 
 
+class _PackedReply(NamedTuple):
+    """The refs of a ``push_pull_packed`` call: its head, then the parameter chunks."""
+
+    refs: list
+
+
 class _ShardCalls:
     """A shard actor's :class:`ShardHandle` operations returning Ray object refs."""
 
     def __init__(self, actor):
         self.actor = actor
+        self._packed = {}  # chunks -> push_pull_packed with that many returns
 
     def pull(self):
         return self.actor.pull.remote()
@@ -46,7 +56,14 @@ class _ShardCalls:
                                       attempt)
 
     def push_pull(self, push_id, worker, fetched_step, grads):
-        return self.actor.push_pull.remote(push_id, worker, fetched_step, grads)
+        # The pieces as raw bytes in chunks Ray sends inline (jreplicate.ps.wire); the
+        # reply is its head (decision, step, meta) and the parameters in as many chunks.
+        meta, chunks = wire.pack(grads)
+        call = self._packed.get(len(chunks))
+        if call is None:
+            call = self._packed[len(chunks)] = self.actor.push_pull_packed.options(
+                num_returns=1 + len(chunks))
+        return _PackedReply(call.remote(push_id, worker, fetched_step, meta, *chunks))
 
     def stage(self, push_id, attempt, grads):
         return self.actor.stage.remote(push_id, attempt, grads)
@@ -83,7 +100,17 @@ class _ShardProxy:
             raise _ShardLost(f"a parameter-server shard actor died: {e}") from None
 
     def gather(self, futures: list) -> list:
-        return self._get(futures)
+        refs = [r for f in futures for r in (f.refs if isinstance(f, _PackedReply) else [f])]
+        got, out = self._get(refs), []
+        for f in futures:
+            if isinstance(f, _PackedReply):
+                (decision, step, meta), *chunks = got[:len(f.refs)]
+                out.append((decision, step, wire.unpack(meta, chunks)))
+                got = got[len(f.refs):]
+            else:
+                out.append(got[0])
+                got = got[1:]
+        return out
 
     def pull(self):
         return self._get(self.nowait.pull())
@@ -93,7 +120,7 @@ class _ShardProxy:
                                           attempt))
 
     def push_pull(self, push_id, worker, fetched_step, grads):
-        return self._get(self.nowait.push_pull(push_id, worker, fetched_step, grads))
+        return self.gather([self.nowait.push_pull(push_id, worker, fetched_step, grads)])[0]
 
     def stage(self, push_id, attempt, grads):
         return self._get(self.nowait.stage(push_id, attempt, grads))
