@@ -3,8 +3,8 @@
 A property over dicts of arrays of every dtype a model holds (floats including
 bfloat16, integers, bool), every shape (0-d, empty, non-contiguous views) and every
 chunk count: what ``unpack`` returns is what ``pack`` was given, same dtype, same
-shape, same bytes. Plus the chunking rule (inline-sized chunks for small models, one
-buffer for large ones) and the error for a short buffer.
+shape, same bytes. Plus the size rule (inline-sized chunks for small models; large
+ones are not packed) and the error for a short buffer.
 """
 
 from __future__ import annotations
@@ -50,14 +50,14 @@ def test_round_trip_is_bit_exact(tree, chunks):
         assert np.ascontiguousarray(a).tobytes() == b.tobytes(), k  # bits, NaNs too
 
 
-def test_chunk_rule_small_models_inline_large_in_one_buffer():
+def test_chunk_rule_small_models_inline_large_ones_not_packed():
     small = {"w": np.zeros(85_000, np.float32)}  # 340 KB: the benchmark's MLP
+    assert wire.fits_inline(small)
     _, parts = wire.pack(small)
     assert len(parts) == 4 and max(p.nbytes for p in parts) < wire.INLINE_LIMIT
-    large = {"w": np.zeros(1_200_000, np.float32)}  # 4.8 MB
-    _, parts = wire.pack(large)
-    assert len(parts) == 1
+    assert not wire.fits_inline({"w": np.zeros(1_200_000, np.float32)})  # 4.8 MB
     assert wire.chunk_count(0) == 1
+    assert wire.nbytes({"a": np.ones(3, np.bool_), "b": np.ones(2)}) == 32
 
 
 def test_arrays_start_aligned():

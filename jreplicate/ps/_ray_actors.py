@@ -54,6 +54,10 @@ if ray is not None:
             return self.shard.push(push_id, worker, fetched_step, grads, decision, attempt)
 
         @ray.method(concurrency_group="io")
+        def push_pull(self, push_id, worker, fetched_step, grads):
+            return self.shard.push_pull(push_id, worker, fetched_step, grads)
+
+        @ray.method(concurrency_group="io")
         def push_pull_packed(self, push_id, worker, fetched_step, meta, *chunks):
             """The shard's ``push_pull`` with the pieces and the parameters as
             :mod:`jreplicate.ps.wire` chunks (the caller asks for ``1 + len(chunks)``

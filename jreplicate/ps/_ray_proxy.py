@@ -56,8 +56,11 @@ class _ShardCalls:
                                       attempt)
 
     def push_pull(self, push_id, worker, fetched_step, grads):
-        # The pieces as raw bytes in chunks Ray sends inline (jreplicate.ps.wire); the
-        # reply is its head (decision, step, meta) and the parameters in as many chunks.
+        # Pieces small enough go as raw bytes in chunks Ray sends inline (ps/wire.py);
+        # the reply is its head (decision, step, meta) and the parameters in as many
+        # chunks. Larger ones go as dicts through the object store.
+        if not wire.fits_inline(grads):
+            return self.actor.push_pull.remote(push_id, worker, fetched_step, grads)
         meta, chunks = wire.pack(grads)
         call = self._packed.get(len(chunks))
         if call is None:
