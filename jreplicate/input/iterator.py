@@ -16,6 +16,7 @@ from jreplicate.input import padding
 from jreplicate.input.auto import AutoPrefetch
 from jreplicate.input.context import InputContext, InputReplicationMode
 from jreplicate.input.prefetch import ReaderPool
+from jreplicate.input.protocol import Action, ReadOutcome, decide
 from jreplicate.input.sources import Pipeline
 from jreplicate.input.staging import PrefetchStaging
 from jreplicate.strategies.base import Strategy
@@ -319,77 +320,47 @@ class InputIterator(PrefetchStaging):
     def _produce_shared(self) -> Any:
         """One step across processes: read locally, agree, then all decide alike.
 
-        Each process publishes the outcome of its read (data with its element spec, end
-        of input, partial batch, or error) through the coordination service, as a
-        checked JSON message (:func:`jreplicate._wire.input_report`); from the same list
-        of outcomes every process takes the same decision, so no process raises while
-        another waits in a collective. In SINGLE mode worker 0 reads every replica's
-        element and the stacked batch is broadcast to the other processes.
+        Each process publishes the :class:`~jreplicate.input.protocol.ReadOutcome` of
+        its read through the coordination service, as a checked JSON message; from the
+        same outcomes every process takes the same :func:`~jreplicate.input.protocol.decide`
+        decision, so no process raises while another waits in a collective. In SINGLE
+        mode worker 0 reads every replica's element and the stacked batch is broadcast
+        to the other processes.
         """
         strategy = self._strategy
         single = self._mode is InputReplicationMode.SINGLE
         ids = tuple(range(strategy.num_replicas)) if single else strategy.local_replica_ids
-        status, detail, flat, treedef, error = "ok", "", None, None, None
+        flat, treedef, error = None, None, None
+        seen = self._first is not None
         try:
             if self._feeds:
                 flat, treedef = self._check(self._read(ids), ids)
+            mine = ReadOutcome.data(
+                None if flat is None else _wire.element_spec(treedef, flat[0][0]), seen=seen)
         except StopIteration:
-            status = "end"
+            mine = ReadOutcome.end(seen=seen)
         except _PartialBatch as e:
-            status, detail = "partial", str(e)
+            mine = ReadOutcome.partial(str(e), seen=seen)
         except Exception as e:  # shared below, so that every process raises it
-            status, detail, error = "error", f"{type(e).__name__}: {e}", e
-        reports = self._agreement.exchange(
-            {"status": status, "detail": detail, "seen": self._first is not None,
-             "error_type": "" if error is None else type(error).__name__,
-             "spec": None if flat is None else _wire.element_spec(treedef, flat[0][0])},
-            "this step's input", _wire.input_report)
-        me = strategy.process_index
-        for p, r in enumerate(reports):
-            if r["status"] == "error":
-                self._exhausted = True
-                if p == me and error is not None:
-                    raise error
-                kind = {"ValueError": ValueError, "TypeError": TypeError}.get(
-                    r["error_type"], RuntimeError)
-                raise kind(f"reading the input on process {p} failed, so every process "
-                           f"stops: {r['detail']}")
-        ended = [p for p, r in enumerate(reports) if r["status"] in ("end", "partial")]
-        specs = [(p, r["spec"]) for p, r in enumerate(reports) if r["spec"] is not None]
-        pad_here = False
-        if self._pad and ended:
-            if not specs:  # every pipeline everywhere has run out
-                self._exhausted = True
-                raise StopIteration
-            pad_here, ended = status == "end" and bool(self._feeds), []
-        if ended:
+            mine, error = ReadOutcome.error(e, seen=seen), e
+        got = self._agreement.exchange(mine.to_wire(), "this step's input",
+                                       ReadOutcome.from_wire)
+        decision = decide([o.at(p) for p, o in enumerate(got)], pad=self._pad,
+                          single=single, num_replicas=strategy.num_replicas)
+        if decision.action is not Action.DATA:
             self._exhausted = True
-            if any(r["status"] == "partial" or r["spec"] is not None for r in reports):
-                self._warn("the last step's input: " + "; ".join(
-                    f"process {p} " + (f"had a partial batch ({reports[p]['detail']})"
-                                       if reports[p]["status"] == "partial"
-                                       else "ran out of input")
-                    for p in ended))
+        if decision.action is Action.RAISE:
+            if decision.process == strategy.process_index and error is not None:
+                raise error
+            raise decision.error()
+        if decision.action is Action.STOP:
+            self._warn(decision.warning)
             raise StopIteration
-        if any(sp != specs[0][1] for _, sp in specs):
-            self._exhausted = True
-            listing = "; ".join(f"process {p}: {_wire.spec_str(sp)}" for p, sp in specs)
-            raise ValueError(
-                "the input elements differ across processes (" + listing + "). Every "
-                "replica must get an element of one structure, shape and dtype: batch each "
-                "pipeline with ctx.get_per_replica_batch_size(global_batch_size), with a "
-                "global batch size divisible by the number of replicas "
-                f"({strategy.num_replicas}), and split the data evenly across processes."
-            )
-        problem = _unbuildable(reports, specs[0][1], single)
-        if problem:
-            self._exhausted = True
-            raise ValueError(problem)
-        if pad_here:  # others still have data: pad this one
-            flat, treedef = self._padding_for(specs[0][1], len(ids))
+        if strategy.process_index in decision.pad:  # others still have data: pad here
+            flat, treedef = self._padding_for(decision.spec, len(ids))
         if single:
-            treedef = _wire.rebuild(specs[0][1]["tree"], (treedef,))
-            flat = self._broadcast_single(flat, (treedef, _wire.leaf_specs(specs[0][1])), ids)
+            treedef = _wire.rebuild(decision.spec["tree"], (treedef,))
+            flat = self._broadcast_single(flat, (treedef, _wire.leaf_specs(decision.spec)), ids)
         return flat, treedef
 
     def _broadcast_single(self, flat: list | None, spec: tuple, ids: tuple) -> list:
@@ -439,25 +410,6 @@ def _structure_changed(first: tuple, treedef: Any, paths: list, rid: int) -> Val
         f"input element of replica {rid} changed structure since the first step: {what}. "
         "Every element must keep the first step's structure (same keys, same containers); "
         "fix input_fn, or start a new iterator with prepare_input for the new structure."
-    )
-
-
-def _unbuildable(reports: list[dict], spec: dict, single: bool) -> str | None:
-    """What is wrong (the same on every process) when a process must build input
-    elements of ``spec`` from its description (SINGLE mode's receivers; a padded process
-    that has never seen an element) and the structure has a custom pytree node, which
-    only the process that flattened it knows; None when nothing is."""
-    needs = [p for p, r in enumerate(reports)
-             if (single and p) or (r["status"] == "end" and not r["seen"])]
-    if not needs or _wire.rebuildable(spec["tree"]):
-        return None
-    return (
-        f"process(es) {needs} must build input elements of structure {spec['structure']} "
-        "from another process's description, which covers dicts, lists, tuples, None and "
-        "module-level namedtuples only, not custom pytree nodes. Make input_fn yield "
-        "elements made of those containers (e.g. a dict of arrays), "
-        + ("or use InputReplicationMode.PER_WORKER." if single else
-           "or give every process's input at least one element.")
     )
 
 
