@@ -134,6 +134,29 @@ class InputIterator(PrefetchStaging):
         """
         return self._next_item(None)
 
+    # -- for Replicator.run (internal: not for user code) ------------------------------
+    def belongs_to(self, owner: object) -> bool:
+        """Whether ``owner`` (a :class:`jreplicate.Replicator`) prepared this iterator."""
+        return self._owner is owner
+
+    def next_steps(self, k: int) -> tuple[Any, int]:
+        """The next ``k`` steps' inputs for a device loop, as one batch whose per-replica
+        leaves have a leading step axis, and the number of steps it holds (fewer than
+        ``k`` at the end of the input, or before an input error, which the next read
+        raises).
+
+        Raises:
+          StopIteration: no step is left.
+        """
+        return self._next_item(k)
+
+    def put_back(self, item: Any, steps: int | None) -> None:
+        """Puts a taken item back at the front of the input, for a ``run`` that raised
+        (it consumed no input): one step's batch (``steps`` None) or a device loop's
+        ``(batch, steps)``. The next read takes these steps first, as single steps or
+        loops of any length."""
+        self._put_back(item, steps)
+
     def _warn(self, what: str | None) -> None:
         """Warns that ``what`` was dropped: at once on the calling thread, or, on the
         prefetch thread, with the item it belongs to (when the caller takes it)."""

@@ -239,13 +239,6 @@ class PrefetchStaging:
         return item
 
     # -- device loops ----------------------------------------------------------------
-    def _get_steps(self, k: int) -> tuple[Any, int]:
-        """The next ``k`` steps' inputs as one batch whose per-replica leaves have a
-        leading step axis, and the number of steps it holds (fewer than ``k`` at the
-        end of the input, or before an input error, which the next read raises).
-        Raises StopIteration when no step is left."""
-        return self._next_item(k)
-
     def _produce_chunk(self) -> tuple[Any, int]:
         """Up to ``self._chunk`` steps read on the host and placed with one transfer.
         Fewer at the end of the input, or where a read raises after the first step (K
