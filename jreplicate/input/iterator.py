@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import functools
-import warnings
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -13,19 +12,18 @@ import numpy as np
 from jreplicate import _wire
 from jreplicate._tree import check_fits, is_array_like, path_str
 from jreplicate.input import padding
-from jreplicate.input.auto import AutoPrefetch
 from jreplicate.input.context import InputContext, InputReplicationMode
 from jreplicate.input.prefetch import ReaderPool
 from jreplicate.input.protocol import Action, ReadOutcome, decide
 from jreplicate.input.sources import Pipeline
-from jreplicate.input.staging import PrefetchStaging
+from jreplicate.input.staging import Staging
 from jreplicate.strategies.base import Strategy
 
 if TYPE_CHECKING:
     from jreplicate.execution.base import Executor
 
 
-class InputIterator(PrefetchStaging):
+class InputIterator:
     """Per-step input for :meth:`jreplicate.Replicator.run`, from
     :meth:`jreplicate.Replicator.prepare_input`.
 
@@ -90,21 +88,18 @@ class InputIterator(PrefetchStaging):
         self._first: tuple | None = None  # the first step's structure and leaf paths
         self._sweep = 1  # counts reinitialize(); dropped batches warn on every sweep
         self._exhausted = False
-        self._buffer = prefetch_buffer_size
         self._pool: ReaderPool | None = None
         # Across processes, every step's outcome is agreed first (see _produce_shared).
         self._agreement = strategy.agreement("input") if strategy.num_processes > 1 else None
         if self._agreement is not None and replication_mode is InputReplicationMode.SINGLE:
-            self._buffer = 0  # its broadcast is a collective: keep it on the main thread
+            prefetch_buffer_size = 0  # its broadcast is a collective: keep it on this thread
         # prefetch_on_device=None: read on the calling thread; prefetch (with this
         # buffer) where a trial shows it helps (see jreplicate.input.auto). Across
         # processes every process must read ahead alike (each read is an agreement
         # round with the others), and the agreement's round trip is worth hiding: on.
-        self._auto: AutoPrefetch | None = None
-        if auto_prefetch and self._buffer and self._agreement is None:
-            self._auto = AutoPrefetch(self._buffer)
-            self._auto_buffer, self._buffer = self._buffer, 0
-        self._init_staging()
+        self._staging = Staging(self._produce_host, self._assemble,
+                                buffer=prefetch_buffer_size,
+                                auto_prefetch=auto_prefetch and self._agreement is None)
 
     @property
     def replication_mode(self) -> InputReplicationMode:
@@ -118,7 +113,12 @@ class InputIterator(PrefetchStaging):
         of a few steps shows prefetching makes steps faster (see
         :mod:`jreplicate.input.auto`), and always across processes (except in
         ``SINGLE`` mode, whose broadcast stays on the calling thread)."""
-        return bool(self._buffer)
+        return self._staging.prefetching
+
+    @property
+    def _auto(self) -> object | None:
+        """The automatic choice of prefetch while it is undecided (else None)."""
+        return self._staging.auto
 
     @property
     def num_input_pipelines(self) -> int:
@@ -132,7 +132,7 @@ class InputIterator(PrefetchStaging):
           StopIteration: when a pipeline is exhausted (see the partial batch policy).
           Exception: what reading an element raised (the next call reads on).
         """
-        return self._next_item(None)
+        return self._staging.next(None)
 
     # -- for Replicator.run (internal: not for user code) ------------------------------
     def belongs_to(self, owner: object) -> bool:
@@ -148,14 +148,14 @@ class InputIterator(PrefetchStaging):
         Raises:
           StopIteration: no step is left.
         """
-        return self._next_item(k)
+        return self._staging.next(k)
 
     def put_back(self, item: Any, steps: int | None) -> None:
         """Puts a taken item back at the front of the input, for a ``run`` that raised
         (it consumed no input): one step's batch (``steps`` None) or a device loop's
         ``(batch, steps)``. The next read takes these steps first, as single steps or
         loops of any length."""
-        self._put_back(item, steps)
+        self._staging.put_back(item, steps)
 
     def _warn(self, what: str | None) -> None:
         """Warns that ``what`` was dropped: at once on the calling thread, or, on the
@@ -164,13 +164,8 @@ class InputIterator(PrefetchStaging):
             return
         # The sweep number makes each sweep's warning a new one: Python shows a warning
         # once per message and location.
-        message = (f"jreplicate: dropped {what} on sweep {self._sweep} of the input; the "
-                   "input iterator is exhausted.")
-        notes = getattr(self._producing, "notes", None)
-        if notes is not None:
-            notes.append(message)
-        else:
-            warnings.warn(message, stacklevel=4)
+        self._staging.warn(f"jreplicate: dropped {what} on sweep {self._sweep} of the "
+                           "input; the input iterator is exhausted.")
 
     def __iter__(self) -> InputIterator:
         return self
@@ -184,29 +179,20 @@ class InputIterator(PrefetchStaging):
         Pipelines built from parameter-less callables are unaffected, and what was
         already read from them (prefetched) stays to be taken.
         """
-        if not self._closed and self._pipelines and all(
+        if not self._staging.closed and self._pipelines and all(
                 p.kind == "callable" for p in self._pipelines):
             self._sweep += 1
             return []
-        if self._prefetcher is not None:
-            self._prefetcher.close(wait=True)  # no read may race the restarted sources
-            self._prefetcher = None  # restarted by the next read
+        self._staging.restart()  # first: no read may race the restarted sources
         for p in self._pipelines:
             p.reinitialize()
         self._exhausted = False
-        self._deferred, self._reform = None, False
-        self._leftover.clear()
-        if self._auto is not None:
-            self._auto.restart()
-        self._closed = False
         self._sweep += 1
         return []
 
     def close(self) -> None:
         """Stops the prefetch thread and the reader threads, if any."""
-        self._closed = True
-        if self._prefetcher is not None:
-            self._prefetcher.close()
+        self._staging.close()
         if self._pool is not None:
             self._pool.close()
             self._pool = None
@@ -257,16 +243,12 @@ class InputIterator(PrefetchStaging):
             raise StopIteration
         return [value for value, _ in results]
 
-    def _produce(self) -> Any:
-        leaves, treedef = self._produce_host()
+    def _assemble(self, leaves: list, treedef: Any) -> Any:
         return self._executor.assemble(leaves, treedef)
 
     def _produce_host(self) -> tuple[list[list[np.ndarray]], Any]:
         """One step's checked host elements: the flat leaves of each local replica's
         element, and their tree structure."""
-        if self._deferred is not None:  # met by the last device loop's reads
-            error, self._deferred = self._deferred, None
-            raise error
         if self._exhausted:
             raise StopIteration
         if self._agreement is not None:

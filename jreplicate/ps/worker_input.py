@@ -178,7 +178,6 @@ class WorkerInputIterator(InputIterator):
         self._key = next(_KEYS)
         self._generation = 0
         self._mode = InputReplicationMode.PER_WORKER
-        self._buffer = 0
         self._closed = False
 
     @property
