@@ -10,7 +10,7 @@ import jax
 import numpy as np
 
 from jreplicate import _wire
-from jreplicate._tree import check_fits, is_array_like, path_str
+from jreplicate._tree import check_fits, is_array_like, path_str, report
 from jreplicate.input import padding
 from jreplicate.input.context import InputContext, InputReplicationMode
 from jreplicate.input.prefetch import ReaderPool
@@ -381,6 +381,10 @@ class InputIterator:
                 for r in self._strategy.local_replica_ids]
 
     def _check_shapes(self, flat: list, ids: tuple[int, ...]) -> None:
+        """Raises for every leaf, of every replica's element, whose shape or dtype is not
+        the first step's (all at once), or :class:`_PartialBatch` where the first such
+        leaf is only shorter along its leading axis (a final partial batch)."""
+        problems = []
         for k, (leaves, _, paths) in enumerate(flat):
             rid = ids[k]
             for x, (shape, dtype), path in zip(leaves, self._spec, paths):
@@ -388,15 +392,22 @@ class InputIterator:
                     continue
                 if (x.ndim == len(shape) and x.ndim and x.shape[1:] == shape[1:]
                         and x.shape[0] < shape[0]):
+                    if problems:
+                        continue  # the step is wrong anyway: the leaves that are say so
                     raise _PartialBatch(
                         f"replica {rid} got {x.shape[0]} examples at {path_str(path) or 'root'}"
                         f", the others {shape[0]}")
-                raise ValueError(
+                problems.append(ValueError(
                     f"input element of replica {rid} at {path_str(path) or 'the root'} has "
                     f"shape {x.shape} and dtype {x.dtype}, but the first step's elements "
                     f"had {shape} and {dtype}. Elements must keep one shape and dtype (only "
                     "a smaller final batch is allowed, and it is dropped)."
-                )
+                ))
+        report(problems, STEP)
+
+#: What several bad leaves of one step's elements are reported under.
+STEP = "this step's input"
+
 
 class _PartialBatch(Exception):
     pass
@@ -431,20 +442,25 @@ def _flatten(element: Any, replica_id: int) -> tuple[list[np.ndarray], Any, tupl
     device array made from the copy may alias it (see ``Executor.assemble``)."""
     leaves, treedef = jax.tree.flatten(element)
     paths = _paths_of(treedef)
-    out = []
+    out, problems = [], []
     for x, path in zip(leaves, paths):
         if type(x) is np.ndarray and x.dtype.itemsize < 8:  # the common case, at once
             out.append(x.copy())
             continue
         if not is_array_like(x):
-            raise TypeError(
+            problems.append(TypeError(
                 f"input element of replica {replica_id} has a {type(x).__name__} at "
                 f"{path_str(path) or 'the root'}; elements must be pytrees of arrays "
-                "(numpy arrays or Python numbers). Convert it, or drop it in input_fn.")
+                "(numpy arrays or Python numbers). Convert it, or drop it in input_fn."))
+            continue
         x = np.array(x)
-        check_fits(x, lambda path=path: f"input element of replica {replica_id} at "
-                   f"{path_str(path) or 'the root'}")
+        try:
+            check_fits(x, lambda path=path: f"input element of replica {replica_id} at "
+                       f"{path_str(path) or 'the root'}")
+        except ValueError as e:
+            problems.append(e)
         out.append(x)
+    report(problems, f"input element of replica {replica_id}")
     return out, treedef, paths
 
 

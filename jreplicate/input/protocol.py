@@ -24,6 +24,7 @@ from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 from jreplicate import _wire
+from jreplicate._tree import LeafErrors
 
 
 class OutcomeKind(enum.Enum):
@@ -131,7 +132,8 @@ class Decision(NamedTuple):
 
 
 #: The error classes rebuilt by name on the processes whose read did not raise.
-_KINDS: dict[str, type[Exception]] = {"ValueError": ValueError, "TypeError": TypeError}
+_KINDS: dict[str, type[Exception]] = {"ValueError": ValueError, "TypeError": TypeError,
+                                      "LeafErrors": LeafErrors}
 
 
 def decide(outcomes: Sequence[ReadOutcome], *, pad: bool, single: bool,
