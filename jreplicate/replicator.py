@@ -272,14 +272,14 @@ class Replicator:
         if isinstance(inputs, InputIterator):
             if steps is None:
                 steps = self._steps_per_run
-            if inputs._owner is not self:
+            if not inputs.belongs_to(self):
                 raise ValueError(
                     "Replicator.run(fn, inputs): `inputs` was prepared by another "
                     "Replicator. Call prepare_input on the Replicator that runs the step."
                 )
             iterator = inputs
             inputs, steps = (inputs.get_next(), None) if steps is None \
-                else inputs._get_steps(steps)
+                else inputs.next_steps(steps)
             try:
                 result = self._executor.run_again(fn, has_batch, inputs, args, steps, donate)
                 if result is NOT_RUN:
@@ -288,7 +288,7 @@ class Replicator:
                 return result
             except BaseException:
                 # The step raised (or was interrupted): its batch stays for a retry.
-                iterator._put_back(inputs if steps is None else (inputs, steps), steps)
+                iterator.put_back(inputs if steps is None else (inputs, steps), steps)
                 raise
         elif steps is not None and inputs is not None:
             raise TypeError(

@@ -4,7 +4,8 @@ Where things live: ``context.py`` holds :class:`InputReplicationMode` (how many
 pipelines: one, one per worker, one per replica) and :class:`InputContext` (what
 ``input_fn`` is told); ``sources.py`` what ``input_fn`` may return and how it is read;
 ``iterator.py`` :class:`InputIterator`, which reads elements, checks them, assembles
-global sharded batches and, across processes, agrees on end of input and errors;
+global sharded batches and, across processes, agrees on end of input and errors through
+``protocol.py`` (each process's typed read outcome and the pure decision from them);
 ``staging.py`` the prefetch staging of single steps and device loops, ``prefetch.py``
 its background threads and ``auto.py`` the automatic choice of prefetch; ``padding.py``
 exact final batches (``partial_batch="pad"``, ``batch_mask``); ``shutdown.py`` the

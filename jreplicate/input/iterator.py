@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import functools
-import warnings
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -11,20 +10,20 @@ import jax
 import numpy as np
 
 from jreplicate import _wire
-from jreplicate._tree import check_fits, is_array_like, path_str
+from jreplicate._tree import check_fits, is_array_like, path_str, report
 from jreplicate.input import padding
-from jreplicate.input.auto import AutoPrefetch
 from jreplicate.input.context import InputContext, InputReplicationMode
 from jreplicate.input.prefetch import ReaderPool
+from jreplicate.input.protocol import Action, ReadOutcome, decide
 from jreplicate.input.sources import Pipeline
-from jreplicate.input.staging import PrefetchStaging
+from jreplicate.input.staging import Staging
 from jreplicate.strategies.base import Strategy
 
 if TYPE_CHECKING:
     from jreplicate.execution.base import Executor
 
 
-class InputIterator(PrefetchStaging):
+class InputIterator:
     """Per-step input for :meth:`jreplicate.Replicator.run`, from
     :meth:`jreplicate.Replicator.prepare_input`.
 
@@ -89,21 +88,18 @@ class InputIterator(PrefetchStaging):
         self._first: tuple | None = None  # the first step's structure and leaf paths
         self._sweep = 1  # counts reinitialize(); dropped batches warn on every sweep
         self._exhausted = False
-        self._buffer = prefetch_buffer_size
         self._pool: ReaderPool | None = None
         # Across processes, every step's outcome is agreed first (see _produce_shared).
         self._agreement = strategy.agreement("input") if strategy.num_processes > 1 else None
         if self._agreement is not None and replication_mode is InputReplicationMode.SINGLE:
-            self._buffer = 0  # its broadcast is a collective: keep it on the main thread
+            prefetch_buffer_size = 0  # its broadcast is a collective: keep it on this thread
         # prefetch_on_device=None: read on the calling thread; prefetch (with this
         # buffer) where a trial shows it helps (see jreplicate.input.auto). Across
         # processes every process must read ahead alike (each read is an agreement
         # round with the others), and the agreement's round trip is worth hiding: on.
-        self._auto: AutoPrefetch | None = None
-        if auto_prefetch and self._buffer and self._agreement is None:
-            self._auto = AutoPrefetch(self._buffer)
-            self._auto_buffer, self._buffer = self._buffer, 0
-        self._init_staging()
+        self._staging = Staging(self._produce_host, self._assemble,
+                                buffer=prefetch_buffer_size,
+                                auto_prefetch=auto_prefetch and self._agreement is None)
 
     @property
     def replication_mode(self) -> InputReplicationMode:
@@ -117,7 +113,12 @@ class InputIterator(PrefetchStaging):
         of a few steps shows prefetching makes steps faster (see
         :mod:`jreplicate.input.auto`), and always across processes (except in
         ``SINGLE`` mode, whose broadcast stays on the calling thread)."""
-        return bool(self._buffer)
+        return self._staging.prefetching
+
+    @property
+    def _auto(self) -> object | None:
+        """The automatic choice of prefetch while it is undecided (else None)."""
+        return self._staging.auto
 
     @property
     def num_input_pipelines(self) -> int:
@@ -131,7 +132,30 @@ class InputIterator(PrefetchStaging):
           StopIteration: when a pipeline is exhausted (see the partial batch policy).
           Exception: what reading an element raised (the next call reads on).
         """
-        return self._next_item(None)
+        return self._staging.next(None)
+
+    # -- for Replicator.run (internal: not for user code) ------------------------------
+    def belongs_to(self, owner: object) -> bool:
+        """Whether ``owner`` (a :class:`jreplicate.Replicator`) prepared this iterator."""
+        return self._owner is owner
+
+    def next_steps(self, k: int) -> tuple[Any, int]:
+        """The next ``k`` steps' inputs for a device loop, as one batch whose per-replica
+        leaves have a leading step axis, and the number of steps it holds (fewer than
+        ``k`` at the end of the input, or before an input error, which the next read
+        raises).
+
+        Raises:
+          StopIteration: no step is left.
+        """
+        return self._staging.next(k)
+
+    def put_back(self, item: Any, steps: int | None) -> None:
+        """Puts a taken item back at the front of the input, for a ``run`` that raised
+        (it consumed no input): one step's batch (``steps`` None) or a device loop's
+        ``(batch, steps)``. The next read takes these steps first, as single steps or
+        loops of any length."""
+        self._staging.put_back(item, steps)
 
     def _warn(self, what: str | None) -> None:
         """Warns that ``what`` was dropped: at once on the calling thread, or, on the
@@ -140,13 +164,8 @@ class InputIterator(PrefetchStaging):
             return
         # The sweep number makes each sweep's warning a new one: Python shows a warning
         # once per message and location.
-        message = (f"jreplicate: dropped {what} on sweep {self._sweep} of the input; the "
-                   "input iterator is exhausted.")
-        notes = getattr(self._producing, "notes", None)
-        if notes is not None:
-            notes.append(message)
-        else:
-            warnings.warn(message, stacklevel=4)
+        self._staging.warn(f"jreplicate: dropped {what} on sweep {self._sweep} of the "
+                           "input; the input iterator is exhausted.")
 
     def __iter__(self) -> InputIterator:
         return self
@@ -160,29 +179,20 @@ class InputIterator(PrefetchStaging):
         Pipelines built from parameter-less callables are unaffected, and what was
         already read from them (prefetched) stays to be taken.
         """
-        if not self._closed and self._pipelines and all(
+        if not self._staging.closed and self._pipelines and all(
                 p.kind == "callable" for p in self._pipelines):
             self._sweep += 1
             return []
-        if self._prefetcher is not None:
-            self._prefetcher.close(wait=True)  # no read may race the restarted sources
-            self._prefetcher = None  # restarted by the next read
+        self._staging.restart()  # first: no read may race the restarted sources
         for p in self._pipelines:
             p.reinitialize()
         self._exhausted = False
-        self._deferred, self._reform = None, False
-        self._leftover.clear()
-        if self._auto is not None:
-            self._auto.restart()
-        self._closed = False
         self._sweep += 1
         return []
 
     def close(self) -> None:
         """Stops the prefetch thread and the reader threads, if any."""
-        self._closed = True
-        if self._prefetcher is not None:
-            self._prefetcher.close()
+        self._staging.close()
         if self._pool is not None:
             self._pool.close()
             self._pool = None
@@ -233,16 +243,12 @@ class InputIterator(PrefetchStaging):
             raise StopIteration
         return [value for value, _ in results]
 
-    def _produce(self) -> Any:
-        leaves, treedef = self._produce_host()
+    def _assemble(self, leaves: list, treedef: Any) -> Any:
         return self._executor.assemble(leaves, treedef)
 
     def _produce_host(self) -> tuple[list[list[np.ndarray]], Any]:
         """One step's checked host elements: the flat leaves of each local replica's
         element, and their tree structure."""
-        if self._deferred is not None:  # met by the last device loop's reads
-            error, self._deferred = self._deferred, None
-            raise error
         if self._exhausted:
             raise StopIteration
         if self._agreement is not None:
@@ -319,77 +325,47 @@ class InputIterator(PrefetchStaging):
     def _produce_shared(self) -> Any:
         """One step across processes: read locally, agree, then all decide alike.
 
-        Each process publishes the outcome of its read (data with its element spec, end
-        of input, partial batch, or error) through the coordination service, as a
-        checked JSON message (:func:`jreplicate._wire.input_report`); from the same list
-        of outcomes every process takes the same decision, so no process raises while
-        another waits in a collective. In SINGLE mode worker 0 reads every replica's
-        element and the stacked batch is broadcast to the other processes.
+        Each process publishes the :class:`~jreplicate.input.protocol.ReadOutcome` of
+        its read through the coordination service, as a checked JSON message; from the
+        same outcomes every process takes the same :func:`~jreplicate.input.protocol.decide`
+        decision, so no process raises while another waits in a collective. In SINGLE
+        mode worker 0 reads every replica's element and the stacked batch is broadcast
+        to the other processes.
         """
         strategy = self._strategy
         single = self._mode is InputReplicationMode.SINGLE
         ids = tuple(range(strategy.num_replicas)) if single else strategy.local_replica_ids
-        status, detail, flat, treedef, error = "ok", "", None, None, None
+        flat, treedef, error = None, None, None
+        seen = self._first is not None
         try:
             if self._feeds:
                 flat, treedef = self._check(self._read(ids), ids)
+            mine = ReadOutcome.data(
+                None if flat is None else _wire.element_spec(treedef, flat[0][0]), seen=seen)
         except StopIteration:
-            status = "end"
+            mine = ReadOutcome.end(seen=seen)
         except _PartialBatch as e:
-            status, detail = "partial", str(e)
+            mine = ReadOutcome.partial(str(e), seen=seen)
         except Exception as e:  # shared below, so that every process raises it
-            status, detail, error = "error", f"{type(e).__name__}: {e}", e
-        reports = self._agreement.exchange(
-            {"status": status, "detail": detail, "seen": self._first is not None,
-             "error_type": "" if error is None else type(error).__name__,
-             "spec": None if flat is None else _wire.element_spec(treedef, flat[0][0])},
-            "this step's input", _wire.input_report)
-        me = strategy.process_index
-        for p, r in enumerate(reports):
-            if r["status"] == "error":
-                self._exhausted = True
-                if p == me and error is not None:
-                    raise error
-                kind = {"ValueError": ValueError, "TypeError": TypeError}.get(
-                    r["error_type"], RuntimeError)
-                raise kind(f"reading the input on process {p} failed, so every process "
-                           f"stops: {r['detail']}")
-        ended = [p for p, r in enumerate(reports) if r["status"] in ("end", "partial")]
-        specs = [(p, r["spec"]) for p, r in enumerate(reports) if r["spec"] is not None]
-        pad_here = False
-        if self._pad and ended:
-            if not specs:  # every pipeline everywhere has run out
-                self._exhausted = True
-                raise StopIteration
-            pad_here, ended = status == "end" and bool(self._feeds), []
-        if ended:
+            mine, error = ReadOutcome.error(e, seen=seen), e
+        got = self._agreement.exchange(mine.to_wire(), "this step's input",
+                                       ReadOutcome.from_wire)
+        decision = decide([o.at(p) for p, o in enumerate(got)], pad=self._pad,
+                          single=single, num_replicas=strategy.num_replicas)
+        if decision.action is not Action.DATA:
             self._exhausted = True
-            if any(r["status"] == "partial" or r["spec"] is not None for r in reports):
-                self._warn("the last step's input: " + "; ".join(
-                    f"process {p} " + (f"had a partial batch ({reports[p]['detail']})"
-                                       if reports[p]["status"] == "partial"
-                                       else "ran out of input")
-                    for p in ended))
+        if decision.action is Action.RAISE:
+            if decision.process == strategy.process_index and error is not None:
+                raise error
+            raise decision.error()
+        if decision.action is Action.STOP:
+            self._warn(decision.warning)
             raise StopIteration
-        if any(sp != specs[0][1] for _, sp in specs):
-            self._exhausted = True
-            listing = "; ".join(f"process {p}: {_wire.spec_str(sp)}" for p, sp in specs)
-            raise ValueError(
-                "the input elements differ across processes (" + listing + "). Every "
-                "replica must get an element of one structure, shape and dtype: batch each "
-                "pipeline with ctx.get_per_replica_batch_size(global_batch_size), with a "
-                "global batch size divisible by the number of replicas "
-                f"({strategy.num_replicas}), and split the data evenly across processes."
-            )
-        problem = _unbuildable(reports, specs[0][1], single)
-        if problem:
-            self._exhausted = True
-            raise ValueError(problem)
-        if pad_here:  # others still have data: pad this one
-            flat, treedef = self._padding_for(specs[0][1], len(ids))
+        if strategy.process_index in decision.pad:  # others still have data: pad here
+            flat, treedef = self._padding_for(decision.spec, len(ids))
         if single:
-            treedef = _wire.rebuild(specs[0][1]["tree"], (treedef,))
-            flat = self._broadcast_single(flat, (treedef, _wire.leaf_specs(specs[0][1])), ids)
+            treedef = _wire.rebuild(decision.spec["tree"], (treedef,))
+            flat = self._broadcast_single(flat, (treedef, _wire.leaf_specs(decision.spec)), ids)
         return flat, treedef
 
     def _broadcast_single(self, flat: list | None, spec: tuple, ids: tuple) -> list:
@@ -405,6 +381,10 @@ class InputIterator(PrefetchStaging):
                 for r in self._strategy.local_replica_ids]
 
     def _check_shapes(self, flat: list, ids: tuple[int, ...]) -> None:
+        """Raises for every leaf, of every replica's element, whose shape or dtype is not
+        the first step's (all at once), or :class:`_PartialBatch` where the first such
+        leaf is only shorter along its leading axis (a final partial batch)."""
+        problems = []
         for k, (leaves, _, paths) in enumerate(flat):
             rid = ids[k]
             for x, (shape, dtype), path in zip(leaves, self._spec, paths):
@@ -412,15 +392,22 @@ class InputIterator(PrefetchStaging):
                     continue
                 if (x.ndim == len(shape) and x.ndim and x.shape[1:] == shape[1:]
                         and x.shape[0] < shape[0]):
+                    if problems:
+                        continue  # the step is wrong anyway: the leaves that are say so
                     raise _PartialBatch(
                         f"replica {rid} got {x.shape[0]} examples at {path_str(path) or 'root'}"
                         f", the others {shape[0]}")
-                raise ValueError(
+                problems.append(ValueError(
                     f"input element of replica {rid} at {path_str(path) or 'the root'} has "
                     f"shape {x.shape} and dtype {x.dtype}, but the first step's elements "
                     f"had {shape} and {dtype}. Elements must keep one shape and dtype (only "
                     "a smaller final batch is allowed, and it is dropped)."
-                )
+                ))
+        report(problems, STEP)
+
+#: What several bad leaves of one step's elements are reported under.
+STEP = "this step's input"
+
 
 class _PartialBatch(Exception):
     pass
@@ -442,25 +429,6 @@ def _structure_changed(first: tuple, treedef: Any, paths: list, rid: int) -> Val
     )
 
 
-def _unbuildable(reports: list[dict], spec: dict, single: bool) -> str | None:
-    """What is wrong (the same on every process) when a process must build input
-    elements of ``spec`` from its description (SINGLE mode's receivers; a padded process
-    that has never seen an element) and the structure has a custom pytree node, which
-    only the process that flattened it knows; None when nothing is."""
-    needs = [p for p, r in enumerate(reports)
-             if (single and p) or (r["status"] == "end" and not r["seen"])]
-    if not needs or _wire.rebuildable(spec["tree"]):
-        return None
-    return (
-        f"process(es) {needs} must build input elements of structure {spec['structure']} "
-        "from another process's description, which covers dicts, lists, tuples, None and "
-        "module-level namedtuples only, not custom pytree nodes. Make input_fn yield "
-        "elements made of those containers (e.g. a dict of arrays), "
-        + ("or use InputReplicationMode.PER_WORKER." if single else
-           "or give every process's input at least one element.")
-    )
-
-
 def _dropped_message(read: int, n: int) -> str | None:
     if not read:
         return None
@@ -474,20 +442,25 @@ def _flatten(element: Any, replica_id: int) -> tuple[list[np.ndarray], Any, tupl
     device array made from the copy may alias it (see ``Executor.assemble``)."""
     leaves, treedef = jax.tree.flatten(element)
     paths = _paths_of(treedef)
-    out = []
+    out, problems = [], []
     for x, path in zip(leaves, paths):
         if type(x) is np.ndarray and x.dtype.itemsize < 8:  # the common case, at once
             out.append(x.copy())
             continue
         if not is_array_like(x):
-            raise TypeError(
+            problems.append(TypeError(
                 f"input element of replica {replica_id} has a {type(x).__name__} at "
                 f"{path_str(path) or 'the root'}; elements must be pytrees of arrays "
-                "(numpy arrays or Python numbers). Convert it, or drop it in input_fn.")
+                "(numpy arrays or Python numbers). Convert it, or drop it in input_fn."))
+            continue
         x = np.array(x)
-        check_fits(x, lambda path=path: f"input element of replica {replica_id} at "
-                   f"{path_str(path) or 'the root'}")
+        try:
+            check_fits(x, lambda path=path: f"input element of replica {replica_id} at "
+                       f"{path_str(path) or 'the root'}")
+        except ValueError as e:
+            problems.append(e)
         out.append(x)
+    report(problems, f"input element of replica {replica_id}")
     return out, treedef, paths
 
 

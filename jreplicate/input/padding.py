@@ -14,7 +14,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from jreplicate._tree import path_str
+from jreplicate._tree import path_str, report
 from jreplicate.context import MaskedBatch
 
 #: Stands for the element of a replica whose pipeline has run out.
@@ -57,7 +57,7 @@ def pad_element(leaves: list, paths: list, spec: list, b: int, replica_id: int
                 ) -> list:
     """``leaves`` padded with zero rows to ``spec``, plus the mask as a last leaf."""
     n = leaves[0].shape[0] if leaves and leaves[0].ndim else b
-    out = []
+    out, problems = [], []
     for x, (shape, dtype), path in zip(leaves, spec, paths):
         if x.shape == shape and x.dtype == dtype:
             out.append(x)
@@ -66,13 +66,14 @@ def pad_element(leaves: list, paths: list, spec: list, b: int, replica_id: int
                 and x.shape[0] < shape[0] and x.shape[1:] == shape[1:]):
             out.append(np.concatenate([x, np.zeros((shape[0] - n,) + shape[1:], dtype)]))
             continue
-        raise ValueError(
+        problems.append(ValueError(
             f"input element of replica {replica_id} at {path_str(path) or 'the root'} has "
             f"shape {x.shape} and dtype {x.dtype}, but the first step's elements had "
             f"{shape} and {dtype} (and this element's batch is {n}). With "
             "partial_batch='pad' an element may only be shorter along its leading axis, "
             "by the same number of rows in every leaf."
-        )
+        ))
+    report(problems, f"input element of replica {replica_id}")
     out.append((np.arange(b) < n).astype(np.float32))
     return out
 

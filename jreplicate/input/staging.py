@@ -1,25 +1,27 @@
 """Prefetch staging of the input: single steps or device loops of K steps (private).
 
-:class:`PrefetchStaging` is the part of :class:`jreplicate.InputIterator` that hands out
-prefetched items. The prefetch thread reads one step (or a device loop's K steps, placed
-with one transfer) ahead; a switch between single steps and loops (or loops of another
-K) drains what was prefetched and converts it, so nothing read is lost or reordered; the
-warnings of a read (a dropped partial batch) travel with its item and are given when
-the caller takes it.
+:class:`Staging` hands out the items of one :class:`jreplicate.InputIterator`, which
+owns it and gives it its reads (a callable) and the placement of a batch (another). The
+prefetch thread reads one step (or a device loop's K steps, placed with one transfer)
+ahead; a switch between single steps and loops (or loops of another K) drains what was
+prefetched and converts it, so nothing read is lost or reordered; the warnings of a read
+(a dropped partial batch) travel with its item and are given when the caller takes it.
 
 A device loop of K steps equals K separate runs: a run that raises puts its batches back
-at the front of the input (:meth:`PrefetchStaging._put_back`), for a retry of any form;
-a loop is shorter than K only where K separate runs would stop, at the end of the input
-or at an input error (the loop runs the complete steps before it, and the next read
-raises the error); the thread reads on after an input error, as a caller reading in line
-would.
+at the front of the input (:meth:`Staging.put_back`), for a retry of any form; a loop
+is shorter than K only where K separate runs would stop, at the end of the input or at
+an input error (the loop runs the complete steps before it, and the next read raises
+the error); the thread reads on after an input error, as a caller reading in line would.
 """
 
 from __future__ import annotations
 
 import collections
+import inspect
 import threading
 import warnings
+import weakref
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -31,15 +33,37 @@ from jreplicate.input import prefetch as prefetch_mod
 from jreplicate.input.prefetch import Prefetcher
 
 
-class PrefetchStaging:
-    """Mixin of :class:`InputIterator`: the prefetched items, single steps or loops.
+class Staging:
+    """The prefetched items of one :class:`InputIterator`, single steps or loops.
 
-    Uses the iterator's ``_buffer``, ``_executor``, ``_auto`` (with ``_auto_buffer``),
-    ``_produce()`` and ``_produce_host()``; keeps its own state (set up by
-    :meth:`_init_staging`).
+    The iterator owns it and hands it what it needs: ``produce_host()`` reads one
+    step's checked host elements (``(leaves per replica, treedef)``; raises
+    StopIteration at the end of the input), ``assemble(leaves, treedef)`` places them
+    as a global batch.
+
+    Bound methods are held weakly (as :class:`~jreplicate.input.prefetch.Prefetcher`
+    holds its own): the owner and its staging form no cycle, so an iterator dropped
+    while it prefetches is freed at once and its prefetch thread ends.
+
+    Args:
+      produce_host: reads one step on the host.
+      assemble: places host leaves on the devices.
+      buffer: items to keep ready when prefetching (0: read on the calling thread).
+      auto_prefetch: start reading in line and prefetch (with ``buffer``) where a trial
+        shows it helps (see :mod:`jreplicate.input.auto`).
     """
 
-    def _init_staging(self) -> None:
+    def __init__(self, produce_host: Callable[[], tuple[list, Any]],
+                 assemble: Callable[[list, Any], Any], *, buffer: int,
+                 auto_prefetch: bool = False):
+        self._produce_host_now = _weakly(produce_host)
+        self._assemble = _weakly(assemble)
+        self._buffer = buffer
+        #: The automatic choice of prefetch while it is undecided (else None).
+        self.auto: auto_mod.AutoPrefetch | None = None
+        self._auto_buffer = buffer
+        if auto_prefetch and buffer:
+            self.auto, self._buffer = auto_mod.AutoPrefetch(buffer), 0
         # Started by the first read, which says what to prefetch: single steps, or
         # device loops of self._chunk steps (see _prefetched).
         self._prefetcher: Prefetcher | None = None
@@ -52,15 +76,67 @@ class PrefetchStaging:
         # An input error met inside a device loop's reads, after its first step: raised
         # by the next read (see _produce_chunk).
         self._deferred: Exception | None = None
-        self._closed = False
+        self.closed = False
         self._producing = threading.local()  # the prefetch thread's warnings, per read
 
-    def _put_back(self, item: Any, steps: int | None) -> None:
+    # -- for the iterator ------------------------------------------------------------
+    @property
+    def prefetching(self) -> bool:
+        """Whether items are read ahead on a background thread now."""
+        return bool(self._buffer)
+
+    def next(self, k: int | None) -> Any:
+        """The next step's batch (``k`` None) or ``(batch, n)`` for a device loop of up
+        to ``k`` steps: under automatic prefetch as :meth:`_auto_next` decides, else as
+        :meth:`_read_next`."""
+        if self.auto is not None:
+            return self._auto_next(k)
+        return self._read_next(k)
+
+    def warn(self, message: str) -> None:
+        """Gives a warning of the read under way: at once on the calling thread, or, on
+        the prefetch thread, with the item it belongs to (when the caller takes it)."""
+        notes = getattr(self._producing, "notes", None)
+        if notes is not None:
+            notes.append(message)
+        else:
+            warnings.warn(message, stacklevel=5)
+
+    def close(self) -> None:
+        """Stops the prefetch thread; reads raise until :meth:`restart`."""
+        self.closed = True
+        if self._prefetcher is not None:
+            self._prefetcher.close()
+
+    def restart(self) -> None:
+        """Stops the prefetch thread (waiting for its read) and forgets what was read
+        ahead or put back: the next read starts afresh (the iterator restarts its
+        sources after this, so that no read races them)."""
+        if self._prefetcher is not None:
+            self._prefetcher.close(wait=True)
+            self._prefetcher = None  # restarted by the next read
+        self._deferred, self._reform = None, False
+        self._leftover.clear()
+        if self.auto is not None:
+            self.auto.restart()
+        self.closed = False
+
+    def put_back(self, item: Any, steps: int | None) -> None:
         """Puts a taken item back at the front of the input: one step's batch (``steps``
         None) or a device loop's ``(batch, n)``. A run that raised consumed no input; the
         next read takes these steps first, as single steps or loops of any length."""
         self._leftover.appendleft(("single" if steps is None else "chunk", (item, [])))
         self._reform = True
+
+    # -- reading -----------------------------------------------------------------------
+    def _produce_host(self) -> tuple[list, Any]:
+        if self._deferred is not None:  # met by the last device loop's reads
+            error, self._deferred = self._deferred, None
+            raise error
+        return self._produce_host_now()
+
+    def _produce(self) -> Any:
+        return self._assemble(*self._produce_host())
 
     def _prefetched(self, k: int | None) -> Any:
         """The next prefetched item: one step's batch (``k`` None) or ``(batch, n)`` for a
@@ -96,20 +172,12 @@ class PrefetchStaging:
         return self._take(payload)
 
     def _check_open(self) -> None:
-        if self._closed:
+        if self.closed:
             raise RuntimeError(
                 "this input iterator was closed (Replicator.finalize() or "
                 "InputIterator.close()); call its reinitialize() to read from the start "
                 "again, or prepare_input for a new one."
             )
-
-    def _next_item(self, k: int | None) -> Any:
-        """The next step's batch (``k`` None) or ``(batch, n)`` for a device loop of up
-        to ``k`` steps: under ``prefetch_on_device=None`` as :meth:`_auto_next` decides,
-        else as :meth:`_read_next`."""
-        if self._auto is not None:
-            return self._auto_next(k)
-        return self._read_next(k)
 
     def _read_next(self, k: int | None) -> Any:
         """The next item: prefetched, left from a prefetch that stopped, or read now."""
@@ -125,7 +193,7 @@ class PrefetchStaging:
     def _auto_next(self, k: int | None) -> Any:
         """The next item under ``prefetch_on_device=None``: read in line (timed) or, in a
         trial or for good, prefetched; see :mod:`jreplicate.input.auto`."""
-        auto = self._auto
+        auto = self.auto
         if auto.trial or self._leftover:  # prefetched, or read ahead by the trial
             item = self._read_next(k)
         else:
@@ -136,7 +204,7 @@ class PrefetchStaging:
         elif verdict == auto_mod.STOP:
             self._stop_prefetch(k)
         elif verdict == auto_mod.KEEP:
-            self._buffer, self._auto = self._auto_buffer, None
+            self._buffer, self.auto = self._auto_buffer, None
         return item
 
     def _stop_prefetch(self, k: int | None) -> None:
@@ -239,13 +307,6 @@ class PrefetchStaging:
         return item
 
     # -- device loops ----------------------------------------------------------------
-    def _get_steps(self, k: int) -> tuple[Any, int]:
-        """The next ``k`` steps' inputs as one batch whose per-replica leaves have a
-        leading step axis, and the number of steps it holds (fewer than ``k`` at the
-        end of the input, or before an input error, which the next read raises).
-        Raises StopIteration when no step is left."""
-        return self._next_item(k)
-
     def _produce_chunk(self) -> tuple[Any, int]:
         """Up to ``self._chunk`` steps read on the host and placed with one transfer.
         Fewer at the end of the input, or where a read raises after the first step (K
@@ -267,7 +328,7 @@ class PrefetchStaging:
                 break
             except BaseException:
                 if hosts and getattr(self._producing, "notes", None) is None:
-                    self._put_back(self._assemble_steps(hosts), len(hosts))
+                    self.put_back(self._assemble_steps(hosts), len(hosts))
                 raise
         if not hosts:
             raise StopIteration
@@ -279,7 +340,23 @@ class PrefetchStaging:
         treedef = hosts[0][1]
         stacked = [[np.stack([h[0][r][j] for h in hosts]) for j in range(len(hosts[0][0][r]))]
                    for r in range(len(hosts[0][0]))]
-        return self._executor.assemble(stacked, treedef), len(hosts)
+        return self._assemble(stacked, treedef), len(hosts)
+
+
+def _weakly(fn: Callable) -> Callable:
+    """``fn``, holding its object weakly if it is a bound method; once the object is
+    gone, a call raises StopIteration (only the prefetch thread of a dropped iterator
+    can make one: it ends)."""
+    if not inspect.ismethod(fn):
+        return fn
+    ref = weakref.WeakMethod(fn)
+
+    def call(*args: Any) -> Any:
+        method = ref()
+        if method is None:
+            raise StopIteration
+        return method(*args)
+    return call
 
 
 def _split(payload: tuple) -> list:

@@ -178,7 +178,6 @@ class WorkerInputIterator(InputIterator):
         self._key = next(_KEYS)
         self._generation = 0
         self._mode = InputReplicationMode.PER_WORKER
-        self._buffer = 0
         self._closed = False
 
     @property
@@ -214,12 +213,12 @@ class WorkerInputIterator(InputIterator):
     def close(self) -> None:
         self._closed = True
 
-    def _get_steps(self, steps: int) -> Any:
+    def next_steps(self, k: int) -> Any:
         raise ValueError(
             "Replicator.run(..., steps=K) under ParameterServerStrategy: device loops "
             "are not supported (each step is one push); call run once per step.")
 
-    def _put_back(self, item: Any, steps: int | None) -> None:
+    def put_back(self, item: Any, steps: int | None) -> None:
         """A marker holds no data: nothing to put back."""
 
     def __repr__(self) -> str:
