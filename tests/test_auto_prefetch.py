@@ -54,7 +54,7 @@ def test_a_slow_source_turns_prefetch_on_and_loses_nothing(rep):
     with pytest.raises(StopIteration):
         rep.run(_step, it)
     assert switched_at is not None and switched_at <= auto.WARMUP + auto.WINDOW + 1
-    assert it.prefetching and it._auto is None  # the trial kept it
+    assert it.prefetching and it._staging.auto is None  # the trial kept it
     assert got == [_expected(i, 8) for i in range(N)]
 
 

@@ -116,11 +116,6 @@ class InputIterator:
         return self._staging.prefetching
 
     @property
-    def _auto(self) -> object | None:
-        """The automatic choice of prefetch while it is undecided (else None)."""
-        return self._staging.auto
-
-    @property
     def num_input_pipelines(self) -> int:
         """Input pipelines on this process."""
         return len(self._pipelines)
