@@ -43,6 +43,7 @@ from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(__file__))
+import _record  # noqa: E402
 import _timing  # noqa: E402
 
 import jreplicate as jr  # noqa: E402
@@ -67,6 +68,7 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=15, help="interleaved rounds (default 15)")
     ap.add_argument("--quick", action="store_true", help="3 rounds")
+    _record.add_argument(ap)
     args = ap.parse_args(argv)
     rounds = 3 if args.quick else args.rounds
     rep = jr.Replicator(jr.MirroredStrategy())
@@ -198,13 +200,25 @@ def main(argv=None) -> None:
           + ("prefetches" if choice else "reads on the calling thread"))
     for name, t in times.items():
         print(f"{name:24s} {statistics.median(t) / CALLS * 1e6:8.0f} us/step")
-    for a, b, target in (("run", "hand", 1.03), ("run+input", "hand+put", 1.05),
+    rows = []
+    for a, b, target in (("run", "hand", 1.03), ("run no-op", "hand no-op", None),
+                         ("run+input", "hand+put", 1.05),
                          ("run+input(prefetch)", "hand+put", 1.05),
                          ("run nnx", "run (nnx group)", 1.10)):
-        print(f"{a:24s} / {b:15s} {_timing.paired_ratio(times, a, b):6.3f}  "
-              f"(target <= {target})")
+        ratio = _timing.paired_ratio(times, a, b)
+        rows.append([a, b, statistics.median(times[a]) / CALLS * 1e6,
+                     statistics.median(times[b]) / CALLS * 1e6, ratio, target])
+        if target is not None:
+            print(f"{a:24s} / {b:15s} {ratio:6.3f}  (target <= {target})")
     added = statistics.median(r - h for r, h in zip(times["run no-op"], times["hand no-op"]))
     print(f"host time run adds per call (no-op step, run - hand): {added / CALLS * 1e6:.0f} us")
+    _record.write(args.json, "host_overhead",
+                  "Host overhead of a dispatch-bound step: jreplicate vs hand-written JAX",
+                  ["jreplicate", "reference", "jreplicate us/step", "reference us/step",
+                   "paired ratio", "target"], rows, rounds=rounds, calls=CALLS,
+                  model="MLP " + "-".join(map(str, SIZES)), devices=n,
+                  added_us_per_call=added / CALLS * 1e6,
+                  default_prefetch="prefetches" if choice else "calling thread")
 
 
 if __name__ == "__main__":

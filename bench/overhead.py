@@ -57,6 +57,7 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 import jreplicate as jr  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(__file__))
+import _record  # noqa: E402
 from _timing import time_block  # noqa: E402
 
 SIZES = (784, 1024, 1024, 10)
@@ -244,7 +245,7 @@ def check_losses(impls: dict[str, Impl], steps: int) -> None:
     print("  check passed (jreplicate rtol 1e-6, keras rtol 1e-3 vs hand-written)\n")
 
 
-def bench(sizes, rounds: int, steps: int, distribution) -> None:
+def bench(sizes, rounds: int, steps: int, distribution) -> list[list]:
     """Builds the implementations for an MLP of ``sizes``, checks and times them."""
     n = jax.device_count()
     params_np = init_params(sizes)
@@ -288,6 +289,9 @@ def bench(sizes, rounds: int, steps: int, distribution) -> None:
                  ("jreplicate", "keras-tob")]:
         print(f"{a:10s} / {b:12s}  {med[a] / med[b]:.3f}")
     print()
+    model = "MLP " + "-".join(map(str, sizes))
+    return [[model, name, med[name] * 1e3, min(times[name]) * 1e3, max(times[name]) * 1e3,
+             med[name] / hw, paired[name]] for name in names]
 
 
 def main() -> None:
@@ -298,6 +302,7 @@ def main() -> None:
                     help="3 rounds x 2 steps, smoke test of the script")
     ap.add_argument("--no-tiny", action="store_true",
                     help="skip the overhead-bound (tiny MLP) table")
+    _record.add_argument(ap)
     args = ap.parse_args()
     if args.quick:
         args.rounds, args.steps = 3, 2
@@ -307,11 +312,17 @@ def main() -> None:
     distribution = keras.distribution.DataParallel(devices=keras.distribution.list_devices())
     keras.distribution.set_distribution(distribution)
     t0 = time.perf_counter()
-    bench(SIZES, args.rounds, args.steps, distribution)
+    rows = bench(SIZES, args.rounds, args.steps, distribution)
     if not args.no_tiny:
         # Same comparison where compute is negligible: exposes per-call host overhead.
-        bench(TINY_SIZES, args.rounds, args.steps * 25, distribution)
+        rows += bench(TINY_SIZES, args.rounds, args.steps * 25, distribution)
     print(f"total {time.perf_counter() - t0:.0f} s")
+    _record.write(args.json, "overhead",
+                  "Step time: jreplicate against hand-written shard_map and Keras 3",
+                  ["model", "implementation", "median ms", "min ms", "max ms",
+                   "median / hand-written", "paired / hand-written"], rows,
+                  rounds=args.rounds, steps=args.steps, keras=keras.__version__,
+                  global_batch=GLOBAL_BATCH)
 
 
 if __name__ == "__main__":

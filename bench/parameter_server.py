@@ -43,6 +43,9 @@ import optax  # noqa: E402
 import jreplicate as jr  # noqa: E402
 import jreplicate.testing as jrt  # noqa: E402
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _record  # noqa: E402
+
 SIZES = [64, 256, 256, 10]
 
 
@@ -119,12 +122,15 @@ def main() -> int:
     parser.add_argument("--ray-vs-handwritten", action="store_true",
                         help="run bench/ray_baseline.py (the Ray carrier against Ray's "
                              "tutorial parameter server) with the other options")
+    _record.add_argument(parser)
     args = parser.parse_args()
     SIZES[1] = SIZES[2] = args.hidden
     adam = lambda: optax.adam(1e-3)  # noqa: E731
-    rows = []
+    rows, by_workers = [], []
     for n in (1, 2, 4, 6):
-        rows.append((f"async, {n} worker(s)", measure(n, adam, args.steps)[0]))
+        rate = measure(n, adam, args.steps)[0]
+        rows.append((f"async, {n} worker(s)", rate))
+        by_workers.append([n, rate])
     base, one = measure(4, adam, args.steps)
     slow, _ = measure(4, adam, args.steps, straggler=4.0)
     rows += [("async, 4 workers (again, paired)", base),
@@ -158,6 +164,11 @@ def main() -> int:
     print(f"\nstraggler, async: {slow / base:.2f}x of no straggler")
     if ray_rate is not None:
         print(f"Ray / embedded (4 workers, async): {ray_rate / base:.2f}x")
+    _record.write(args.json, "parameter_server",
+                  "ParameterServerStrategy: applied updates per second",
+                  ["configuration", "updates/s"], rows, steps=args.steps,
+                  model="MLP " + "-".join(map(str, SIZES)), one_step_s=one,
+                  async_by_workers=by_workers)
     return 0
 
 

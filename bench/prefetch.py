@@ -34,6 +34,7 @@ import numpy as np  # noqa: E402
 import optax  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(__file__))
+import _record  # noqa: E402
 import _timing  # noqa: E402
 
 import jreplicate as jr  # noqa: E402
@@ -95,6 +96,7 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=5, help="interleaved rounds (default 5)")
     ap.add_argument("--quick", action="store_true", help="2 rounds")
+    _record.add_argument(ap)
     args = ap.parse_args(argv)
     rounds = 2 if args.quick else args.rounds
     rep = jr.Replicator(jr.MirroredStrategy())
@@ -113,6 +115,7 @@ def main(argv=None) -> None:
           f"set to the step's; {rounds} rounds of {STEPS} steps")
     print(f"{'source':12s} {'input alone':>11s} {'ideal':>7s} {'off':>7s} {'on':>7s} "
           f"{'auto':>7s} {'off/ideal':>9s} {'on/ideal':>9s} {'auto/ideal':>10s}")
+    rows = []
     for mode in ("per-worker", "per-replica", "fast"):
         latency = 0.0 if mode == "fast" else s
         off_train, off_input, _ = build(rep, mode, latency, False)
@@ -128,6 +131,13 @@ def main(argv=None) -> None:
               f"{med['auto'] * 1e3:5.1f}ms {med['off'] / ideal:9.2f} "
               f"{med['on'] / ideal:9.2f} {med['auto'] / ideal:10.2f}"
               f"  (auto {'prefetches' if auto_inputs.prefetching else 'reads in line'})")
+        rows.append([mode, med["input"] * 1e3, ideal * 1e3, med["off"] * 1e3, med["on"] * 1e3,
+                     med["auto"] * 1e3, med["off"] / ideal, med["on"] / ideal,
+                     med["auto"] / ideal, bool(auto_inputs.prefetching)])
+    _record.write(args.json, "prefetch", "Input prefetch: ms per step against the ideal",
+                  ["source", "input alone ms", "ideal ms", "off ms", "on ms", "auto ms",
+                   "off/ideal", "on/ideal", "auto/ideal", "auto prefetches"], rows,
+                  rounds=rounds, steps=STEPS, step_alone_ms=s * 1e3)
 
 
 if __name__ == "__main__":

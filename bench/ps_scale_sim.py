@@ -63,6 +63,9 @@ import jreplicate as jr  # noqa: E402
 from jreplicate.ps.client import ShardClient  # noqa: E402
 from jreplicate.ps.shard import PSShard, TokenTimeoutError  # noqa: E402
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _record  # noqa: E402
+
 MODES = ("async", "bounded", "gated")
 LR = 0.5
 DIM = 4
@@ -491,6 +494,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--workers", type=int, nargs="*", default=[10, 100, 1000])
     ap.add_argument("--shards", type=int, nargs="*", default=[1, 4, 16])
     ap.add_argument("--modes", nargs="*", default=list(MODES), choices=MODES)
+    _record.add_argument(ap)
     args = ap.parse_args(argv)
     t0 = time.perf_counter()
     folder = share_compiles()
@@ -506,6 +510,11 @@ def main(argv: list[str] | None = None) -> None:
     print(f"\n{len(rows)} runs, invariant checked on each, {time.perf_counter() - t0:.1f} s "
           f"wall ({time.strftime('%Y-%m-%d', time.gmtime())}); latency 1 + Exp(0.5), "
           "5 % deaths, tau 4, token-gated 0.9 x workers of workers.")
+    keys = ["mode", "workers", "shards", "steps", "updates", "updates_per_s", "grads_per_s",
+            "staleness_mean", "staleness_max", "dropped", "deaths", "half_pushes", "wall_s"]
+    _record.write(args.json, "ps_scale_sim",
+                  "Parameter server at 10-1,000 simulated workers (virtual time)", keys,
+                  [[r[k] for k in keys] for r in rows], scale=args.scale, seed=args.seed)
 
 
 if __name__ == "__main__":

@@ -29,6 +29,7 @@ import optax  # noqa: E402
 from sklearn.datasets import load_digits  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(__file__))
+import _record  # noqa: E402
 import _timing  # noqa: E402
 
 import jreplicate as jr  # noqa: E402
@@ -88,8 +89,10 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=7, help="interleaved rounds (default 7)")
     ap.add_argument("--quick", action="store_true", help="3 rounds")
+    _record.add_argument(ap)
     args = ap.parse_args(argv)
     rounds = 3 if args.quick else args.rounds
+    rows = []
     print(f"{jax.device_count()} {jax.devices()[0].platform} devices; {rounds} rounds of "
           f"{STEPS_PER_ROUND} steps per K")
     print(f"{'model':16s} {'K':>4s} {'steps/s':>9s} {'vs K=1':>7s}")
@@ -100,6 +103,10 @@ def main(argv=None) -> None:
             sps = STEPS_PER_ROUND / statistics.median(times[f"K={k}"])
             ratio = _timing.paired_ratio(times, "K=1", f"K={k}")
             print(f"{model:16s} {k:4d} {sps:9.0f} {ratio:7.2f}")
+            rows.append([model, k, sps, ratio])
+    _record.write(args.json, "steps_per_run", "Device loops: steps/s of run(..., steps=K)",
+                  ["model", "K", "steps/s", "speed-up vs K=1"], rows, rounds=rounds,
+                  steps_per_round=STEPS_PER_ROUND, devices=jax.device_count())
 
 
 if __name__ == "__main__":

@@ -41,6 +41,9 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 
 from jreplicate.sync import replica_grad, sync_replicas  # noqa: E402
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _record  # noqa: E402
+
 N = 8
 
 
@@ -103,6 +106,7 @@ def main(argv=None):
     ap.add_argument("--batch", type=int, default=32, help="per-replica batch")
     ap.add_argument("--sizes", default="64,512,512,10", help="MLP layer sizes")
     ap.add_argument("--backend", default="cpu", choices=["cpu", "default"])
+    _record.add_argument(ap)
     args = ap.parse_args(argv)
 
     devices = jax.devices("cpu" if args.backend == "cpu" else None)[:N]
@@ -152,6 +156,12 @@ def main(argv=None):
     for v in variants:
         med = statistics.median(times[v])
         print(f"{v:<15} {med * 1e3:>15.3f} {med / base:>15.3f} {min(times[v]) / base_min:>14.3f}")
+    _record.write(args.json, "sync_replicas", "Step time of sync_replicas against plain adam",
+                  ["variant", "ms/step", "ratio vs plain", "ratio of mins"],
+                  [[v, statistics.median(times[v]) * 1e3, statistics.median(times[v]) / base,
+                    min(times[v]) / base_min] for v in variants],
+                  replicas=N, sizes=list(sizes), batch=args.batch, repeats=args.repeats,
+                  steps=args.steps, platform=devices[0].platform)
     return {v: statistics.median(times[v]) / base for v in variants}
 
 

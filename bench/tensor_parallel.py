@@ -29,6 +29,7 @@ from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(__file__))
+import _record  # noqa: E402
 import _timing  # noqa: E402
 
 import jreplicate as jr  # noqa: E402
@@ -99,6 +100,7 @@ def main(argv=None) -> None:
     ap.add_argument("--rounds", type=int, default=15, help="interleaved rounds (default 15)")
     ap.add_argument("--steps", type=int, default=10, help="steps per round (default 10)")
     ap.add_argument("--quick", action="store_true", help="5 rounds")
+    _record.add_argument(ap)
     args = ap.parse_args(argv)
     rounds = 5 if args.quick else args.rounds
     ours, mesh = build_jreplicate()
@@ -112,8 +114,16 @@ def main(argv=None) -> None:
                                  "hand-written": (hand, args.steps)}, rounds)
     for name, t in times.items():
         print(f"{name:13s} {statistics.median(t) * 1e3:8.2f} ms/step")
-    print(f"jreplicate / hand-written (paired, {rounds} rounds): "
-          f"{_timing.paired_ratio(times, 'jreplicate', 'hand-written'):.3f}")
+    ratio = _timing.paired_ratio(times, "jreplicate", "hand-written")
+    print(f"jreplicate / hand-written (paired, {rounds} rounds): {ratio:.3f}")
+    _record.write(args.json, "tensor_parallel",
+                  "Tensor-parallel MLP: jreplicate against hand-written shard_map",
+                  ["implementation", "ms/step", "paired ratio"],
+                  [[name, statistics.median(t) * 1e3,
+                    _timing.paired_ratio(times, name, "hand-written")]
+                   for name, t in times.items()],
+                  rounds=rounds, steps=args.steps, mesh=dict(mesh.shape),
+                  model="MLP " + "-".join(map(str, SIZES)))
 
 
 if __name__ == "__main__":

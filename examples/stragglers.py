@@ -265,6 +265,8 @@ def parse_args(argv=None):
     ap.add_argument("--hidden", type=int, default=32)
     ap.add_argument("--shift", type=float, default=1.0, help="latency shift")
     ap.add_argument("--scale", type=float, default=1.0, help="mean of the exponential tail")
+    ap.add_argument("--json", metavar="PATH", default=None,
+                    help="also write the table as JSON to PATH (bench/report.py reads it)")
     args = ap.parse_args(argv)
     if args.seeds < 1:
         ap.error("--seeds must be >= 1")
@@ -338,7 +340,27 @@ def main(argv=None) -> dict:
         )
     plot(curves, args)
     print(f"plot saved to {args.out} ({time.perf_counter() - start:.0f} s)")
+    if args.json:
+        write_json(args, results)
     return results
+
+
+def write_json(args, results: dict) -> None:
+    """The table as a ``bench/_record.py`` record (written here: examples/ stands alone)."""
+    import json
+
+    columns = ["configuration", "updates", "time to target", "time to target std",
+               "reached", "final accuracy", "final accuracy std", "jitter"]
+    rows = [[name, r["updates"], r["time_to_target"], r["time_to_target_std"], r["reached"],
+             r["final_accuracy"], r["final_accuracy_std"], r["jitter"]]
+            for name, r in results.items()]
+    rows = [[None if isinstance(v, float) and np.isnan(v) else v for v in row] for row in rows]
+    record = {"bench": "stragglers", "title": "Backup replicas against stragglers: time to "
+              f"{args.target:.0%} test accuracy", "columns": columns, "rows": rows,
+              "meta": {"seeds": args.seeds, "target": args.target, "budget": args.time_budget,
+                       "shift": args.shift, "scale": args.scale}}
+    with open(args.json, "w") as f:
+        json.dump(record, f, indent=1)
 
 
 if __name__ == "__main__":

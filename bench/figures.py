@@ -1,0 +1,199 @@
+"""Markdown tables and figures from a ``bench/report.py`` report (no benchmark runs here).
+
+Every figure is drawn from the records alone, so ``python -m bench.report --render
+bench/results/<run>/report.json`` redraws them without measuring anything again.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Callable
+from typing import Any
+
+
+def slug(text: str) -> str:
+    """A folder-name form of a device kind (``"NVIDIA H100 80GB HBM3"`` ->
+    ``"nvidia-h100-80gb-hbm3"``)."""
+    return re.sub(r"[^a-z0-9]+", "-", text.lower()).strip("-") or "unknown"
+
+
+def _cell(value: Any) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    if isinstance(value, float):
+        if value == 0 or abs(value) >= 100:
+            return f"{value:.0f}"
+        if abs(value) >= 10:
+            return f"{value:.1f}"
+        return f"{value:.3g}" if abs(value) >= 0.01 else f"{value:.2e}"
+    return str(value)
+
+
+def table(record: dict[str, Any]) -> str:
+    """One record's rows as a markdown table."""
+    cols = record["columns"]
+    lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    lines += ["| " + " | ".join(_cell(v) for v in row) + " |" for row in record["rows"]]
+    return "\n".join(lines)
+
+
+def _rows(report: dict[str, Any], name: str) -> tuple[list[str], list[list]] | None:
+    got = report["benchmarks"].get(name, {})
+    if got.get("status") != "ok" or "record" not in got:
+        return None
+    return got["record"]["columns"], got["record"]["rows"]
+
+
+def _pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    return plt
+
+
+def _title(report: dict[str, Any], what: str) -> str:
+    m = report["machine"]
+    return f"{what}\n{m['device_count']} x {m['device_kind']} ({m['platform']}), {m['date'][:10]}"
+
+
+def plot_steps_per_run(report: dict[str, Any], path: str) -> bool:
+    got = _rows(report, "steps_per_run")
+    if got is None:
+        return False
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(6, 4))
+    models = dict.fromkeys(r[0] for r in got[1])
+    for model in models:
+        pts = [(r[1], r[2]) for r in got[1] if r[0] == model]
+        ax.plot(*zip(*pts), marker="o", label=model)
+    ax.set_xscale("log")
+    ax.set_xlabel("K (steps per run call)")
+    ax.set_ylabel("steps/s")
+    ax.set_title(_title(report, "Device loops: run(..., steps=K)"), fontsize=9)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
+def plot_stragglers(report: dict[str, Any], path: str) -> bool:
+    got = _rows(report, "stragglers")
+    if got is None:
+        return False
+    cols, rows = got
+    i, s = cols.index("time to target"), cols.index("time to target std")
+    rows = [r for r in rows if r[i] is not None]
+    if not rows:
+        return False
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(6, 4))
+    names = [r[0] if r[0].startswith("async") else f"sync {r[0]}" for r in rows]
+    ax.bar(names, [r[i] for r in rows], yerr=[r[s] or 0 for r in rows], capsize=3)
+    meta = report["benchmarks"]["stragglers"]["record"]["meta"]
+    ax.set_ylabel(f"virtual time to {meta['target']:.0%} test accuracy")
+    ax.set_title(_title(report, "Backup replicas against stragglers (lower is better)"),
+                 fontsize=9)
+    ax.tick_params(axis="x", labelsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
+def plot_ps_workers(report: dict[str, Any], path: str) -> bool:
+    ps = report["benchmarks"].get("parameter_server", {})
+    ray = _rows(report, "ray_baseline")
+    if ps.get("status") != "ok" and ray is None:
+        return False
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(6, 4))
+    if ps.get("status") == "ok":
+        pts = ps["record"]["meta"]["async_by_workers"]
+        ax.plot(*zip(*pts), marker="o", label="embedded carrier, async")
+    if ray is not None:
+        cols, rows = ray
+        w, h, system, rate = (cols.index(c) for c in ("workers", "hidden", "system",
+                                                      "updates/s"))
+        for key in dict.fromkeys((r[h], r[system]) for r in rows):
+            pts = sorted((r[w], r[rate]) for r in rows if (r[h], r[system]) == key)
+            ax.plot(*zip(*pts), marker="s", ls="--", label=f"{key[1]}, H={key[0]}")
+    ax.set_xlabel("workers")
+    ax.set_ylabel("applied updates/s")
+    ax.set_title(_title(report, "Parameter server: updates/s against workers"), fontsize=9)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
+def plot_host_overhead(report: dict[str, Any], path: str) -> bool:
+    got = _rows(report, "host_overhead")
+    if got is None:
+        return False
+    _, rows = got
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(7, 4))
+    x = range(len(rows))
+    ax.bar([i - 0.2 for i in x], [r[3] for r in rows], width=0.4, label="reference")
+    ax.bar([i + 0.2 for i in x], [r[2] for r in rows], width=0.4, label="jreplicate")
+    ax.set_xticks(list(x), [f"{r[0]}\nvs {r[1]}\n({r[4]:.2f}x)" for r in rows], fontsize=7)
+    ax.set_ylabel("microseconds per step")
+    ax.set_title(_title(report, "Host overhead against hand-written JAX"), fontsize=9)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
+FIGURES: dict[str, tuple[str, Callable[[dict, str], bool]]] = {
+    "steps_per_run": ("steps_per_run.png", plot_steps_per_run),
+    "stragglers": ("stragglers_time_to_target.png", plot_stragglers),
+    "parameter_server": ("ps_workers.png", plot_ps_workers),
+    "host_overhead": ("host_overhead.png", plot_host_overhead),
+}
+
+
+def write_markdown(report: dict[str, Any], out: str) -> str:
+    """Draws the figures into ``out`` and writes ``out/report.md``; returns its text."""
+    m = report["machine"]
+    lines = [f"# Benchmarks, {m['date'][:10]}", "",
+             f"{m['device_count']} x {m['device_kind']} ({m['platform']}), "
+             f"{m['cpu_cores']} CPU cores, load average {m['load_average'][0]:.1f} before and "
+             f"{m.get('load_average_after', [float('nan')])[0]:.1f} after, "
+             f"jax {m['jax']}, Python {m['python']}, {m['date']}"
+             + (" (--quick: smoke-test sizes, noisy)" if report.get("quick") else "") + ".", ""]
+    for name, result in report["benchmarks"].items():
+        fig = FIGURES.get(name)
+        if name == "ray_baseline" and "parameter_server" not in report["benchmarks"]:
+            fig = FIGURES["parameter_server"]  # the same figure, drawn once
+        drawn = fig is not None and fig[1](report, os.path.join(out, fig[0]))
+        title = result.get("record", {}).get("title", name)
+        lines += [f"## {title}", "", f"`{name}`, {result.get('seconds', 0):.0f} s"
+                  + (f", arguments `{' '.join(result['args'])}`" if result.get("args") else "")
+                  + ".", ""]
+        if result["status"] != "ok":
+            lines += [f"{result['status']}: {result.get('why', '')}", ""]
+        elif "record" in result:
+            meta = result["record"].get("meta", {})
+            lines += [table(result["record"]), ""]
+            if meta:
+                lines += ["Measured with " + ", ".join(
+                    f"{k} = {_cell(v)}" for k, v in meta.items()
+                    if not isinstance(v, (list, dict))) + ".", ""]
+        else:
+            lines += ["```text", result.get("text", "").rstrip(), "```", ""]
+        if name == "stragglers" and os.path.exists(os.path.join(out, "stragglers.png")):
+            lines += ["![accuracy against virtual time](stragglers.png)", ""]
+        if drawn:
+            lines += [f"![{name}]({fig[0]})", ""]
+    text = "\n".join(lines)
+    with open(os.path.join(out, "report.md"), "w") as f:
+        f.write(text)
+    return text
