@@ -105,12 +105,16 @@ class ReplicaContext:
         return self._num_logical
 
     def logical_device(self, logical_device_id: int) -> contextlib.AbstractContextManager:
-        """Context placing the computation inside it on a logical device of this replica.
+        """Context marking where the Replicator design puts the computation inside it.
 
-        Logical device ``i`` is index ``i`` of the ``"model"`` mesh axis. Values computed
-        inside the context are constrained to live on that logical device of every
-        replica (see :meth:`jreplicate.Replicator.logical_device_for_variables` for the
-        mapping and its limits); inputs live on logical device 0.
+        Logical device ``i`` is index ``i`` of the ``"model"`` mesh axis. The context
+        validates ``i`` and places nothing: one compiled program spans every device of
+        the mesh, and inside a replica XLA's partitioner places the computation by its
+        operands' shardings (the design's default on TPU). Inputs are available on every
+        logical device of their replica. To place state, use
+        :meth:`jreplicate.Replicator.logical_device_for_variables`; to split memory across
+        the logical devices during the step, shard over ``"model"`` (README, "Model
+        parallelism").
 
         Raises:
           ValueError: if ``logical_device_id`` is not in ``[0,
