@@ -109,8 +109,9 @@ class Replicator:
 
         Logical device ``i`` is index ``i`` of the ``"model"`` mesh axis; the strategy's
         ``logical_devices_per_replica`` sets how many there are. Use it inside
-        :meth:`scope`. See the README ("Model parallelism") for the mapping and its
-        limits.
+        :meth:`scope`. The guide
+        :doc:`/guides/model_parallelism` (``docs/guides/model_parallelism.md``) gives
+        the mapping and its limits.
 
         Raises:
           ValueError: ``logical_device_id`` is not in ``[0, logical_devices_per_replica)``.

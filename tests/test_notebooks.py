@@ -12,9 +12,9 @@ NOTEBOOKS = sorted(COLAB.glob("*.ipynb"))
 QUICKSTART = COLAB / "quickstart.ipynb"
 MODEL_PARALLEL = COLAB / "model_parallel_and_device_loops.ipynb"
 PARAMETER_SERVER = COLAB / "parameter_server.ipynb"
-# Every notebook on 8 simulated CPU devices; those that must run unchanged on any device
-# count also on 1 (their first cell reads JREPLICATE_NOTEBOOK_DEVICES).
-CASES = [(path, 8) for path in NOTEBOOKS] + [(QUICKSTART, 1), (MODEL_PARALLEL, 1)]
+# Every notebook on 8 simulated CPU devices and on 1: each runs unchanged on any device
+# count (its first cell reads JREPLICATE_NOTEBOOK_DEVICES).
+CASES = [(path, 8) for path in NOTEBOOKS] + [(path, 1) for path in NOTEBOOKS]
 
 
 def _outputs(nb) -> list[str]:
@@ -43,7 +43,10 @@ def test_notebook_runs(path, devices, monkeypatch):
         for claim in ("tensor-parallel == 1 device", "two stages == 1 device",
                       "10 steps in one loop == 10 run calls, bit for bit", "K =  50"):
             assert claim in text, text
-    if path == PARAMETER_SERVER:
+    if path == PARAMETER_SERVER and devices == 1:
+        text = "\n".join(_outputs(nb))
+        assert "1 worker: no other worker to reschedule its step on" in text, text
+    elif path == PARAMETER_SERVER:
         text = "\n".join(_outputs(nb))
         for claim in ("staleness histogram (shard 0):", "updates of 5 gradients each",
                       "exactly once: every shard applied each of the 300 steps once"):
@@ -67,3 +70,19 @@ def test_quickstart_is_stored_executed_and_installs_from_the_repository():
     assert "import jax" not in code[0].source and "import jax" in code[1].source
     assert "JAX_PLATFORMS" not in text  # no CPU-only assumption on GPU/TPU runtimes
     assert "replicas == 1 device" in "".join(_outputs(nb))
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
+def test_every_notebook_opens_by_installing_from_the_repository(path):
+    """The first code cell installs jreplicate when the runtime lacks it (from the clone
+    the notebook sits in, or JREPLICATE_SOURCE) and sets the simulated device count, all
+    before jax is imported; the notebook is stored with its outputs."""
+    nb = nbformat.read(path, as_version=4)
+    code = [c for c in nb.cells if c.cell_type == "code"]
+    first = code[0].source
+    assert "importlib.util.find_spec('jreplicate') is None" in first
+    assert "'pip', 'install'" in first and "JREPLICATE_SOURCE" in first
+    assert "JREPLICATE_NOTEBOOK_DEVICES" in first
+    assert "import jax" not in first
+    assert all(c.outputs for c in code[1:]), "save the notebook with its outputs"
+    assert not any(o.get("output_type") == "error" for c in code for o in c.outputs)

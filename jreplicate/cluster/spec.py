@@ -73,6 +73,7 @@ class Timeouts:
 
     Example (explicit values win over ``JREPLICATE_*_TIMEOUT``, which win over the
     defaults; ``MultiWorkerStrategy(heartbeat_timeout=...)`` passes them here):
+
       >>> from jreplicate.cluster import Timeouts
       >>> t = Timeouts.resolve(heartbeat_timeout=30)
       >>> t.heartbeat_timeout, t.collective_timeout

@@ -128,6 +128,7 @@ class MultiWorkerStrategy(Strategy):
 
     Without a cluster (no launcher, ``TF_CONFIG`` or arguments) it is one process
     whose local devices are the replicas, here 8:
+
       >>> import jreplicate as jr
       >>> s = jr.MultiWorkerStrategy()
       >>> s.num_replicas, s.num_workers, s.worker_index, s.is_chief

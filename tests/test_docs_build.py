@@ -1,0 +1,76 @@
+"""The documentation site builds with warnings as errors, and every public name of every
+namespace has its entry, with its example, in the API pages (a new public name without
+documentation fails here). Notebooks are rendered as stored, not executed (they run in
+tests/test_notebooks.py; the guides' code runs in tests/test_docs_examples.py)."""
+
+import inspect
+import os
+import pathlib
+import re
+import subprocess
+import sys
+import time
+import types
+
+import pytest
+
+from tests.test_public_api import NAMESPACES
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+DOCS = ROOT / "docs"
+
+
+@pytest.fixture(scope="module")
+def site(tmp_path_factory):
+    out = tmp_path_factory.mktemp("site")
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT))
+    start = time.monotonic()
+    proc = subprocess.run(
+        [sys.executable, "-m", "sphinx", "-W", "--keep-going", "-q", "-b", "html",
+         "-d", str(out / ".doctrees"), str(DOCS), str(out / "html")],
+        capture_output=True, text=True, env=env, timeout=300, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    print(f"docs built in {time.monotonic() - start:.1f} s")
+    return out / "html"
+
+
+def _page(site, module) -> str:
+    path = site / "api" / f"{module.__name__}.html"
+    assert path.exists(), f"no API page for {module.__name__}: add docs/api/{path.stem}.md"
+    return path.read_text()
+
+
+@pytest.mark.parametrize("module", NAMESPACES, ids=lambda m: m.__name__)
+def test_every_public_name_is_documented(site, module):
+    page = _page(site, module)
+    top = _page(site, NAMESPACES[0])
+    missing, no_example = [], []
+    for name in module.__all__:
+        obj = getattr(module, name)
+        if isinstance(obj, types.ModuleType):
+            continue
+        if f'id="{module.__name__}.{name}"' in page:
+            entry = page.split(f'id="{module.__name__}.{name}"', 1)[1]
+        elif (f'href="jreplicate.html#jreplicate.{name}"' in page
+              and f'id="jreplicate.{name}"' in top):  # a top-level name, documented there
+            entry = top.split(f'id="jreplicate.{name}"', 1)[1]
+        else:
+            missing.append(name)
+            continue
+        # The entry (up to the next top-level entry) shows the docstring's example.
+        entry = re.split(r'<dl class="py (?:class|function|data|exception)">', entry)[0]
+        if ">>>" in (inspect.getdoc(obj) or "") and "&gt;&gt;&gt;" not in entry:
+            no_example.append(name)
+    assert not missing, f"{module.__name__}: no entry in docs/api for {missing}"
+    assert not no_example, f"{module.__name__}: the entry lacks the example of {no_example}"
+
+
+def test_every_notebook_and_guide_is_a_page(site):
+    notebooks = sorted(p.stem for p in (ROOT / "colab").glob("*.ipynb"))
+    linked = sorted(p.stem for p in (DOCS / "notebooks").glob("*.ipynb"))
+    assert linked == notebooks, "link each colab/ notebook into docs/notebooks/"
+    for stem in notebooks:
+        html = (site / "notebooks" / f"{stem}.html").read_text()
+        assert "cell_output" in html, f"{stem}: rendered without its stored outputs"
+    for guide in (DOCS / "guides").glob("*.md"):
+        assert (site / "guides" / f"{guide.stem}.html").exists(), guide
