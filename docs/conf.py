@@ -7,7 +7,6 @@ in tests/test_notebooks.py, the guides' code in tests/test_docs_examples.py.
 
 import os
 import pathlib
-import re
 import sys
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -60,17 +59,3 @@ html_theme = "furo"
 html_title = "jreplicate"
 html_static_path = ["_static"]
 
-
-# The porting guide (docs/porting/, written beside this site) is listed in the top-level
-# toctree; a checkout without it builds without that entry instead of failing.
-_PORTING = pathlib.Path(__file__).resolve().parent / "porting" / "index.md"
-_PORTING_TOCTREE = re.compile(r"```\{toctree\}\n:caption: Porting\n.*?```\n", re.S)
-
-
-def _drop_absent_porting(app, docname, source):
-    if docname == "index" and not _PORTING.exists():
-        source[0] = _PORTING_TOCTREE.sub("", source[0])
-
-
-def setup(app):
-    app.connect("source-read", _drop_absent_porting)
