@@ -113,8 +113,8 @@ class ReplicaContext:
         operands' shardings (the design's default on TPU). Inputs are available on every
         logical device of their replica. To place state, use
         :meth:`jreplicate.Replicator.logical_device_for_variables`; to split memory across
-        the logical devices during the step, shard over ``"model"`` (README, "Model
-        parallelism").
+        the logical devices during the step, shard over ``"model"`` (the model-parallelism
+        guide).
 
         Raises:
           ValueError: if ``logical_device_id`` is not in ``[0,

@@ -150,3 +150,22 @@ def test_every_cited_jreplicate_name_exists(page):
         if params is not None:
             bad += [f"{dotted}: no keyword {kw!r}" for kw in kws if kw not in params]
     assert not bad, f"{page.name} cites names jreplicate lacks:\n" + "\n".join(bad)
+
+
+def test_the_readme_example_runs_and_trains(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    readme = DOCS.parent / "README.md"
+    blocks = python_blocks(readme.read_text())
+    assert len(blocks) == 1, "the README has one short example"
+    namespace = {"__name__": "readme"}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        line, source = blocks[0]
+        exec(compile("\n" * (line - 1) + source, str(readme), "exec"), namespace)  # noqa: S102
+    assert float(namespace["loss"]) < 1e-3  # learnt y = sum(x) exactly
+
+
+def test_the_readme_links_resolve():
+    readme = DOCS.parent / "README.md"
+    for target in re.findall(r"\]\(([^)#]+)\)", readme.read_text()):
+        assert (readme.parent / target).exists(), f"README links to missing {target}"
