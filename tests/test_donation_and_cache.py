@@ -143,7 +143,7 @@ def test_cache_does_not_keep_step_functions_or_their_closures_alive():
             del big
     gc.collect()
     assert [r() for r in refs] == [None] * 5
-    assert len(rep._executor._programs) <= 1  # programs of freed functions are dropped
+    assert len(rep._executor._cache) <= 1  # programs of freed functions are dropped
 
 
 def test_recompiling_new_function_objects_warns_once_with_the_fix():

@@ -7,7 +7,7 @@ no argument can be an NNX module, and a step on plain pytrees never pays for the
 from __future__ import annotations
 
 import sys
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 
@@ -89,14 +89,14 @@ def split_fast(nodes: tuple) -> tuple[PytreeDef, list, list] | None:
         return None
     sig = variable_signature(variables)
     cached = _FULL_DEFS.get(vdef)
-    if cached is None or cached[1] != sig:  # new, or a Variable's type or metadata changed
+    if cached is None or cached.signature != sig:  # new, or a Variable changed type/metadata
         leaves, treedef = jax.tree.flatten(nodes)
         if len(leaves) != len(variables):
             return None
         if len(_FULL_DEFS) > _MAX_ENTRIES:
             _FULL_DEFS.clear()
-        cached = _FULL_DEFS[vdef] = (treedef, sig)
-    return PytreeDef(cached[0]), [v.get_value() for v in variables], variables
+        cached = _FULL_DEFS[vdef] = _FullDef(treedef, sig)
+    return PytreeDef(cached.treedef), [v.get_value() for v in variables], variables
 
 
 def variable_signature(variables: list) -> list:
@@ -107,7 +107,14 @@ def variable_signature(variables: list) -> list:
     return [(type(v), v.get_metadata()) for v in variables]
 
 
-_FULL_DEFS: dict = {}
+class _FullDef(NamedTuple):
+    """The full pytree structure of NNX nodes with Variables as leaves of one structure."""
+
+    treedef: Any      # the full structure (the Variables' values as leaves)
+    signature: list   # its Variables' variable_signature
+
+
+_FULL_DEFS: dict[Any, _FullDef] = {}
 
 
 def split(args: tuple, node_pos: tuple[int, ...]) -> tuple[Any, Any, tuple, list | None]:

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -42,7 +42,7 @@ class Signature:
                             # ("m", spec): replicated over replicas, split over "model"
     steps: int | None
     donate: tuple[int, ...]  # flat leaf indices donated to the program
-    donate_args: tuple = ()  # ((argument position, its flat leaf indices), ...) donated
+    donate_args: tuple = ()  # the donated plain arguments (donation.DonatedArgument)
 
 
 class Program:
@@ -142,6 +142,13 @@ def _call(fn: Callable, ctx: ReplicaContext, sig: Signature, batch: Any, plain: 
     return out, nnx_args.state_of(nodes, sig.graphdef)
 
 
+class Carry(NamedTuple):
+    """What a device loop carries from one step to the next."""
+
+    plain: tuple  # the plain arguments' values
+    state: Any    # the NNX arguments' state (None: none)
+
+
 class _StateChanged(Exception):
     """Raised while tracing a device loop: a step gave NNX state another dtype or shape."""
 
@@ -156,26 +163,28 @@ def _loop(fn: Callable, ctx: ReplicaContext, sig: Signature, batch: Any, plain: 
     so such a loop runs its first step alone and the others from its state; a step that
     changes it again is an error naming the Variable."""
     whole = []  # set while tracing: the step returned its only argument, not a tuple
-    carry0 = (_strong(plain), _strong(state))
+    carry0 = Carry(_strong(plain), _strong(state))
     try:
-        (plain_f, state_f), ys = _scan(fn, ctx, sig, batch, carry0, sig.steps, axis, whole,
-                                       changed="retry")
+        final, ys = _scan(fn, ctx, sig, batch, carry0, sig.steps, axis, whole,
+                          changed="retry")
     except _StateChanged:
         first = jax.tree.map(lambda x: x[0], batch)
         carry1, y1 = _step(fn, ctx, sig, first, carry0, axis, whole, changed=None)
-        carry1 = (carry1[0], _strong(carry1[1]))
+        carry1 = carry1._replace(state=_strong(carry1.state))
         if sig.steps == 1:
-            (plain_f, state_f), ys = carry1, jax.tree.map(lambda y: y[None], y1)
+            final, ys = carry1, jax.tree.map(lambda y: y[None], y1)
         else:
             rest = jax.tree.map(lambda x: x[1:], batch)
-            (plain_f, state_f), ys = _scan(fn, ctx, sig, rest, carry1, sig.steps - 1, axis,
-                                           whole, changed="error")
+            final, ys = _scan(fn, ctx, sig, rest, carry1, sig.steps - 1, axis, whole,
+                              changed="error")
             ys = _stack_first(y1, ys)
-    if whole[0]:
-        return plain_f[0], state_f
+    (returned_whole,) = whole
+    if returned_whole:
+        (arg,) = final.plain
+        return arg, final.state
     if plain:
-        return (*plain_f, *ys), state_f
-    return ys, state_f
+        return (*final.plain, *ys), final.state
+    return ys, final.state
 
 
 def _scan(fn, ctx, sig, batch, carry0, length, axis, whole, changed):
@@ -185,11 +194,11 @@ def _scan(fn, ctx, sig, batch, carry0, length, axis, whole, changed):
     return jax.lax.scan(one, carry0, batch if sig.has_batch else None, length=length)
 
 
-def _step(fn: Callable, ctx: ReplicaContext, sig: Signature, batch_t: Any, carry: tuple,
-          axis: str, whole: list, changed: str | None) -> tuple[tuple, Any]:
-    """One step of a device loop: ``((new plain args, new NNX state), outputs)``. When
-    the NNX state comes out with another dtype or shape: ``changed="retry"`` raises
-    :class:`_StateChanged`, ``"error"`` the user's error, None keeps the new one."""
+def _step(fn: Callable, ctx: ReplicaContext, sig: Signature, batch_t: Any, carry: Carry,
+          axis: str, whole: list, changed: str | None) -> tuple[Carry, Any]:
+    """One step of a device loop: ``(new carry, outputs)``. When the NNX state comes out
+    with another dtype or shape: ``changed="retry"`` raises :class:`_StateChanged`,
+    ``"error"`` the user's error, None keeps the new one."""
     plain_c, state_c = carry
     out, new_state = _call(fn, ctx, sig, batch_t, plain_c, state_c)
     new_plain, extra, is_whole = _split_carry(out, plain_c, sig.node_pos)
@@ -207,7 +216,7 @@ def _step(fn: Callable, ctx: ReplicaContext, sig: Signature, batch_t: Any, carry
                 raise _state_changed_again(sig, state_c, moved)
             new_state = jax.tree.map(lambda new, old: new.astype(old.dtype), new_state,
                                      state_c)
-    return (new_plain, new_state), extra
+    return Carry(new_plain, new_state), extra
 
 
 def _stack_first(y1: Any, ys: Any) -> Any:

@@ -7,7 +7,7 @@ import contextlib
 import functools
 import sys
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -19,7 +19,7 @@ from jreplicate._tree import check_fits, covers, is_array_like, path_str
 from jreplicate.context import PerReplica
 from jreplicate.execution import donation, fast, nnx_args
 from jreplicate.execution.base import Executor
-from jreplicate.execution.cache import ProgramCache
+from jreplicate.execution.cache import ProgramCache, ProgramKey
 from jreplicate.execution.program import Program, Signature
 from jreplicate.layout import Layout
 
@@ -28,6 +28,27 @@ _MAX_ENTRIES = 64
 
 def _is_per_replica(x: Any) -> bool:
     return isinstance(x, PerReplica)
+
+
+class Home(NamedTuple):
+    """An argument leaf that lives on one logical device of each replica: the step gets
+    a replicated copy, and its new value goes back there afterwards."""
+
+    leaf: int            # its flat index among the program's inputs
+    logical_device: int
+
+
+class Prepared(NamedTuple):
+    """A call made ready for its program by :meth:`SPMDExecutor._prepare`."""
+
+    program: Program
+    arrays: list         # the program's inputs, flat: (batch, plain args, NNX state)
+    treedef: Any         # of (batch, plain args, NNX state)
+    node_pos: tuple[int, ...]  # positions of the NNX arguments (empty: none)
+    state: Any           # the NNX arguments' state, or None
+    variables: list | None  # their Variables when split as pytrees (nnx_args.split)
+    homes: list[Home]    # inputs that live on one logical device
+    traced: bool         # an input is traced by an outer jax.jit
 
 
 class SPMDExecutor(Executor):
@@ -51,7 +72,7 @@ class SPMDExecutor(Executor):
         self._num_replicas = layout.num_replicas
         self._replicated = layout.replicated
         self._per_replica = layout.per_replica
-        self._programs = ProgramCache(_MAX_ENTRIES)
+        self._cache = ProgramCache(_MAX_ENTRIES)
         self._node_positions = nnx_args.NodePositions()
         # The (replica, 1) sub-mesh of each logical device, and back.
         self._logical = [_logical_submesh(self._mesh, i)
@@ -60,7 +81,7 @@ class SPMDExecutor(Executor):
         self._sharding_kinds: dict = {self._replicated: "c"}  # see _kind_of
         # Replica id -> its position among this process's replicas (see assemble).
         self._local_position = {r: k for k, r in enumerate(layout.local_replica_ids)}
-        self._fast = fast.FastPath(self._mesh, self._axis,
+        self._fast = fast.FastPath(self._cache, self._mesh, self._axis,
                                    check_shardings=layout.logical_devices_per_replica > 1)
 
     # -- state -----------------------------------------------------------------------
@@ -146,29 +167,28 @@ class SPMDExecutor(Executor):
     # -- running ---------------------------------------------------------------------
     def run(self, fn: Callable, has_batch: bool, batch: Any, args: tuple, *,
             steps: int | None = None, donate_argnums: tuple[int, ...] = ()) -> Any:
-        program, arrays, split, homes, traced = self._prepare(fn, has_batch, batch, args,
-                                                              steps, donate_argnums)
+        call = self._prepare(fn, has_batch, batch, args, steps, donate_argnums)
+        program, node_pos = call.program, call.node_pos
         try:
-            flat = (program.jitted_nested if traced else program.jitted)(*arrays)
+            flat = (program.jitted_nested if call.traced else program.jitted)(*call.arrays)
         except Exception as e:
-            if split[1]:
+            if node_pos:
                 nnx_args.note_failed_step(e, jax.tree.leaves(
-                    [args[i] for i in split[1]], is_leaf=nnx_args.is_variable))
+                    [args[i] for i in node_pos], is_leaf=nnx_args.is_variable))
             raise
-        if not (traced or homes) and (not split[1] or split[3] is not None):
+        if not (call.traced or call.homes) and (not node_pos or call.variables is not None):
             self._fast.record(fn, has_batch, batch, args, steps, donate_argnums, program,
-                              arrays)
+                              call.arrays)
         mesh, axis = self._mesh, self._axis
         outs = [PerReplica(x, mesh, axis) if r else x
                 for x, r in zip(flat, program.outputs_per_replica())]
-        if homes:
-            self._send_home(outs, homes, split[0], program)
+        if call.homes:
+            self._send_home(outs, call.homes, call.treedef, program)
         result = jax.tree.unflatten(program.out_tree, outs[:program.num_out])
-        if split[1]:
-            _, node_pos, state, variables = split
-            new_state = outs[program.num_out:] if variables is not None else \
-                jax.tree.unflatten(jax.tree.structure(state), outs[program.num_out:])
-            nnx_args.write_back(args, node_pos, new_state, variables)
+        if node_pos:
+            new_state = outs[program.num_out:] if call.variables is not None else \
+                jax.tree.unflatten(jax.tree.structure(call.state), outs[program.num_out:])
+            nnx_args.write_back(args, node_pos, new_state, call.variables)
         return result
 
     def run_again(self, fn: Callable, has_batch: bool, batch: Any, args: tuple,
@@ -179,11 +199,11 @@ class SPMDExecutor(Executor):
                  steps: int | None = None, donate_argnums: tuple[int, ...] = ()) -> Any:
         """The ``jax.stages.Compiled`` program ``run`` would call (for inspection:
         ``.as_text()``, ``.memory_analysis()``); runs nothing."""
-        program, arrays, _, _, _ = self._prepare(fn, has_batch, batch, args, steps,
-                                                 donate_argnums)
-        return program.jitted.lower(*arrays).compile()
+        call = self._prepare(fn, has_batch, batch, args, steps, donate_argnums)
+        return call.program.jitted.lower(*call.arrays).compile()
 
-    def _prepare(self, fn, has_batch, batch, args, steps, donate_argnums):
+    def _prepare(self, fn: Callable, has_batch: bool, batch: Any, args: tuple,
+                 steps: int | None, donate_argnums: tuple[int, ...]) -> Prepared:
         """The program for this call's signature (built on first use) and its inputs."""
         node_pos = self._node_positions(args)
         graphdef = state = variables = None
@@ -191,11 +211,12 @@ class SPMDExecutor(Executor):
         if node_pos:
             graphdef, state, plain, variables = nnx_args.split(args, node_pos)
         leaves, treedef = jax.tree.flatten((batch, plain, state), is_leaf=_is_per_replica)
-        homes: list = []
+        homes: list[Home] = []
         arrays, kinds, traced = self._place(leaves, treedef, node_pos, homes)
-        rest = (has_batch, treedef, graphdef, node_pos, kinds, steps, donate_argnums,
-                tuple((a.shape, a.dtype, getattr(a, "weak_type", False)) for a in arrays))
-        program = self._programs.get(fn, rest)
+        key = ProgramKey(
+            has_batch, treedef, graphdef, node_pos, kinds, steps, donate_argnums,
+            tuple((a.shape, a.dtype, getattr(a, "weak_type", False)) for a in arrays))
+        program = self._cache.get(fn, key)
         if program is None:
             if node_pos and variables is None:
                 nnx_args.check_writable(args, node_pos, state)
@@ -203,7 +224,7 @@ class SPMDExecutor(Executor):
             donate = _donated_leaves(treedef, groups)
             sig = Signature(has_batch, treedef, graphdef, node_pos, kinds, steps, donate,
                             groups)
-            program = self._programs.put(fn, rest, lambda f: Program(f, sig, self.layout))
+            program = self._cache.put(fn, key, lambda f: Program(f, sig, self.layout))
         if node_pos:
             _copy_shared_state(arrays, treedef)
         if donate_argnums:
@@ -214,7 +235,7 @@ class SPMDExecutor(Executor):
                 arrays, _donation_limit(leaves, arrays, program.jitted_donate, treedef,
                                         args, copied),
                 args, donation.argument_limit(args, program.donate_args, copied, leaves))
-        return program, arrays, (treedef, node_pos, state, variables), homes, traced
+        return Prepared(program, arrays, treedef, node_pos, state, variables, homes, traced)
 
     def _place(self, leaves: list, treedef: Any, node_pos: tuple,
                homes: list) -> tuple[list, tuple, bool]:
@@ -240,7 +261,7 @@ class SPMDExecutor(Executor):
                         if kind[0] == "logical":
                             # Lives on one logical device: a copy to the others for the
                             # step; its new value goes back there afterwards.
-                            homes.append((i, kind[1]))
+                            homes.append(Home(i, kind[1]))
                         x = jax.device_put(x, replicated)
                         kind = "c"
                     arrays.append(x)
@@ -302,7 +323,8 @@ class SPMDExecutor(Executor):
             raise _deleted_error(_leaf_paths(treedef, node_pos)[i])
         return _read_now(x.array)
 
-    def _send_home(self, outs: list, homes: list, treedef: Any, program: Program) -> None:
+    def _send_home(self, outs: list, homes: list[Home], treedef: Any,
+                   program: Program) -> None:
         """Puts the new values of arguments that live on one logical device back there:
         the NNX state leaves, and the leaves of plain arguments the step returned first
         (as in ``return params, opt_state, loss``)."""
@@ -404,7 +426,7 @@ def _read_now(x: Any) -> Any:
 
 def _argument_leaves(treedef: Any, node_pos: tuple, donate_argnums: tuple[int, ...],
                      num_args: int) -> tuple:
-    """``((position, flat leaf indices), ...)`` of the donated plain arguments."""
+    """The donated plain arguments."""
     batch_t, plain_t, _ = treedef.children()
     sizes = [c.num_leaves for c in plain_t.children()]
     plain_ids = [i for i in range(num_args) if i not in node_pos]
@@ -412,7 +434,7 @@ def _argument_leaves(treedef: Any, node_pos: tuple, donate_argnums: tuple[int, .
     out = []
     for k, i in enumerate(plain_ids):
         if i in donate_argnums:
-            out.append((i, tuple(range(start, start + sizes[k]))))
+            out.append(donation.DonatedArgument(i, tuple(range(start, start + sizes[k]))))
         start += sizes[k]
     return tuple(out)
 
@@ -421,7 +443,7 @@ def _donated_leaves(treedef: Any, groups: tuple) -> tuple[int, ...]:
     """Flat leaf indices of the donated plain arguments (``groups``) and of all NNX
     state (which ``run`` replaces in place, so its old buffers are never read again)."""
     state_start = treedef.num_leaves - treedef.children()[2].num_leaves
-    return tuple(i for _, idx in groups for i in idx) + \
+    return tuple(i for arg in groups for i in arg.leaves) + \
         tuple(range(state_start, treedef.num_leaves))
 
 
