@@ -36,7 +36,7 @@ class ProgramKey(NamedTuple):
     treedef: Any            # of (batch, plain args, NNX state)
     graphdef: Any           # of the NNX arguments, or None
     node_pos: tuple[int, ...]  # positions of the NNX arguments
-    kinds: tuple            # per flat leaf, a program.LeafKind
+    kinds: tuple            # per flat leaf: a program.LeafKind
     steps: int | None
     donate_argnums: tuple[int, ...]
     avals: tuple            # per flat leaf: (shape, dtype, weak type)

@@ -1,11 +1,12 @@
 """The compiled program of one step signature: ``jax.jit`` over ``jax.shard_map`` (private).
 
-The step's inputs arrive as flat leaves of two kinds: replicated (in spec ``P()``;
-model-sharded state keeps its sharding, since the step is manual over the replica axis
-only) and per-replica (a :class:`PerReplica`, stacked on a leading replica axis, in
-spec ``P("replica")``). Flax NNX graph nodes among the arguments arrive as a state
-pytree and are merged inside the step. Output specs are chosen per leaf from whether
-the value varies across replicas (see :mod:`jreplicate._jax_compat`).
+The step's inputs arrive as flat leaves of the kinds of :class:`ArgKind`: replicated
+(in spec ``P()``), model-sharded (in spec ``P()`` too: it keeps its sharding, since the
+step is manual over the replica axis only) and per-replica (a :class:`PerReplica`,
+stacked on a leading replica axis, in spec ``P("replica")``). Flax NNX graph nodes
+among the arguments arrive as a state pytree and are merged inside the step. Output
+specs are chosen per leaf from whether the value varies across replicas (see
+:mod:`jreplicate._jax_compat`).
 
 With ``steps=K`` the program is a device loop: ``lax.scan`` over the leading step axis
 of the batch, carrying the step's arguments (which the step returns first, in order)
@@ -15,6 +16,7 @@ and NNX state; its other outputs are stacked ``[K, ...]``.
 from __future__ import annotations
 
 import dataclasses
+import enum
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -30,6 +32,32 @@ from jreplicate.execution import fast, nnx_args
 from jreplicate.layout import Layout
 
 
+class ArgKind(enum.Enum):
+    """How a flat input leaf enters the program."""
+
+    #: The same value on every replica (in spec ``P()``).
+    REPLICATED = "replicated"
+    #: A :class:`PerReplica`: one row per replica (in spec ``P(replica axis)``).
+    PER_REPLICA = "per_replica"
+    #: Replicated over the replicas, split over the model axis: its new value keeps the
+    #: split (:attr:`LeafKind.spec`).
+    MODEL_SHARDED = "model_sharded"
+
+    __hash__ = object.__hash__  # members are singletons: identity's hash, in C (fast keys)
+
+
+class LeafKind(NamedTuple):
+    """An input leaf's :class:`ArgKind`, with its spec when it is model-sharded."""
+
+    kind: ArgKind
+    spec: Any = None  # MODEL_SHARDED: the leaf's PartitionSpec over the mesh
+
+
+#: The kinds of leaves that carry no spec.
+REPLICATED = LeafKind(ArgKind.REPLICATED)
+PER_REPLICA = LeafKind(ArgKind.PER_REPLICA)
+
+
 @dataclasses.dataclass(frozen=True)
 class Signature:
     """What a compiled program depends on besides the function itself."""
@@ -38,8 +66,7 @@ class Signature:
     treedef: Any            # of (batch, plain args, NNX state)
     graphdef: Any           # of the NNX arguments, or None
     node_pos: tuple[int, ...]
-    kinds: tuple            # per flat leaf: "r" per-replica, "c" replicated, or
-                            # ("m", spec): replicated over replicas, split over "model"
+    kinds: tuple[LeafKind, ...]  # per flat leaf
     steps: int | None
     donate: tuple[int, ...]  # flat leaf indices donated to the program
     donate_args: tuple = ()  # the donated plain arguments (donation.DonatedArgument)
@@ -55,7 +82,8 @@ class Program:
         self.per_replica: tuple[bool, ...] | None = None  # per flat output, after a call
         self.returns_args = False  # the outputs begin with the plain arguments' new values
         axis = layout.replica_axis
-        in_specs = tuple(P(axis) if k == "r" else P() for k in sig.kinds)
+        in_specs = tuple(P(axis) if k.kind is ArgKind.PER_REPLICA else P()
+                         for k in sig.kinds)
         body = _body(fn, sig, layout, self)
         # Manual over the replica axis only when a replica spans several devices (the
         # model axis stays automatic); else over the whole (replicas, 1) mesh.
@@ -86,7 +114,8 @@ def _body(fn: Callable, sig: Signature, layout: Layout, program: Program) -> Cal
     def body(*blocks):
         if fast.retrace_guarded():
             raise fast.Retrace  # a steady-state call with a new signature: full path
-        vals = [b[0] if k == "r" else b for b, k in zip(blocks, sig.kinds)]
+        vals = [b[0] if k.kind is ArgKind.PER_REPLICA else b
+                for b, k in zip(blocks, sig.kinds)]
         batch, plain, state = jax.tree.unflatten(sig.treedef, vals)
         ctx = ReplicaContext(axis_name=axis, num_replicas=layout.num_replicas,
                              num_replicas_in_sync=layout.num_replicas_in_sync,
@@ -118,8 +147,8 @@ def _keep_model_shardings(flat: list, in_shapes: list, sig: Signature,
     pairs += [(nb + np_ + t, program.num_out + t) for t in range(ns)]
     for i, k in pairs:
         kind = sig.kinds[i]
-        if isinstance(kind, tuple) and flat[k].shape == in_shapes[i]:
-            flat[k] = jax.lax.with_sharding_constraint(flat[k], kind[1])
+        if kind.kind is ArgKind.MODEL_SHARDED and flat[k].shape == in_shapes[i]:
+            flat[k] = jax.lax.with_sharding_constraint(flat[k], kind.spec)
     return flat
 
 

@@ -20,7 +20,14 @@ from jreplicate.context import PerReplica
 from jreplicate.execution import donation, fast, nnx_args
 from jreplicate.execution.base import Executor
 from jreplicate.execution.cache import ProgramCache, ProgramKey
-from jreplicate.execution.program import Program, Signature
+from jreplicate.execution.program import (
+    PER_REPLICA,
+    REPLICATED,
+    ArgKind,
+    LeafKind,
+    Program,
+    Signature,
+)
 from jreplicate.layout import Layout
 
 _MAX_ENTRIES = 64
@@ -36,6 +43,18 @@ class Home(NamedTuple):
 
     leaf: int            # its flat index among the program's inputs
     logical_device: int
+
+
+class _Placement(NamedTuple):
+    """How ``run`` takes an array argument of one sharding (see
+    :meth:`SPMDExecutor._placement`)."""
+
+    kind: LeafKind       # as it enters the program
+    copy: bool = False   # placed anew, replicated, for the step
+    logical_device: int | None = None  # lives there: its new value goes back after
+
+
+_AS_IS = _Placement(REPLICATED)
 
 
 class Prepared(NamedTuple):
@@ -78,7 +97,7 @@ class SPMDExecutor(Executor):
         self._logical = [_logical_submesh(self._mesh, i)
                          for i in range(layout.logical_devices_per_replica)]
         self._logical_index = {m: i for i, m in enumerate(self._logical)}
-        self._sharding_kinds: dict = {self._replicated: "c"}  # see _kind_of
+        self._placements: dict = {self._replicated: _AS_IS}  # see _placement
         # Replica id -> its position among this process's replicas (see assemble).
         self._local_position = {r: k for k, r in enumerate(layout.local_replica_ids)}
         self._fast = fast.FastPath(self._cache, self._mesh, self._axis,
@@ -248,7 +267,7 @@ class SPMDExecutor(Executor):
             if isinstance(x, PerReplica):
                 arrays.append(self._check_per_replica(x, i, treedef, node_pos))
                 traced = traced or isinstance(x.array, jax.core.Tracer)
-                kinds.append("r")
+                kinds.append(PER_REPLICA)
                 continue
             if isinstance(x, jax.Array):
                 if isinstance(x, jax.core.Tracer):
@@ -256,16 +275,15 @@ class SPMDExecutor(Executor):
                 elif x.is_deleted():
                     raise _deleted_error(_leaf_paths(treedef, node_pos)[i])
                 else:
-                    kind = self._sharding_kinds.get(x.sharding) or self._kind_of(x.sharding)
-                    if kind[0] in ("logical", "place"):
-                        if kind[0] == "logical":
+                    how = self._placements.get(x.sharding) or self._placement(x.sharding)
+                    if how.copy:
+                        if how.logical_device is not None:
                             # Lives on one logical device: a copy to the others for the
                             # step; its new value goes back there afterwards.
-                            homes.append(Home(i, kind[1]))
+                            homes.append(Home(i, how.logical_device))
                         x = jax.device_put(x, replicated)
-                        kind = "c"
                     arrays.append(x)
-                    kinds.append(kind)
+                    kinds.append(how.kind)
                     continue
             elif is_array_like(x):
                 if isinstance(x, (np.ndarray, np.generic, int, float)):
@@ -281,24 +299,25 @@ class SPMDExecutor(Executor):
                     "compiles each step."
                 )
             arrays.append(x)
-            kinds.append("c")
+            kinds.append(REPLICATED)
         return arrays, tuple(kinds), traced
 
-    def _kind_of(self, s: Any) -> Any:
-        """How ``run`` takes an argument with sharding ``s``: ``"c"`` as it is (replicated),
-        ``("m", spec)`` as it is, split over the model axis (the step keeps the split on
-        the argument's new value), ``("logical", i)`` from logical device ``i``, or
-        ``("place",)``: copied replicated."""
+    def _placement(self, s: Any) -> _Placement:
+        """How ``run`` takes an argument with sharding ``s``: as it is, replicated or
+        split over the model axis (:attr:`ArgKind.MODEL_SHARDED`: the step keeps the
+        split on the argument's new value); copied replicated from logical device
+        ``i``, its new value sent back there; or copied replicated."""
         if isinstance(s, NamedSharding) and s.mesh == self._mesh:
             split = _spec_axes(s.spec) and self.layout.logical_devices_per_replica > 1
-            kind = ("m", s.spec) if split else "c"
+            how = _Placement(LeafKind(ArgKind.MODEL_SHARDED, s.spec)) if split else _AS_IS
         elif isinstance(s, NamedSharding) and s.mesh in self._logical_index:
-            kind = ("logical", self._logical_index[s.mesh])
+            how = _Placement(REPLICATED, copy=True,
+                             logical_device=self._logical_index[s.mesh])
         else:
-            kind = ("place",)
-        if len(self._sharding_kinds) < 1024:
-            self._sharding_kinds[s] = kind
-        return kind
+            how = _Placement(REPLICATED, copy=True)
+        if len(self._placements) < 1024:
+            self._placements[s] = how
+        return how
 
     def _check_per_replica(self, x: PerReplica, i: int, treedef: Any, node_pos: tuple) -> Any:
         if x.mesh is not None and x.mesh is not self._mesh and x.mesh != self._mesh:
