@@ -15,7 +15,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jreplicate._tree import check_fits, covers, is_array_like, path_str
+from jreplicate._tree import check_fits, covers, is_array_like, map_checked, path_str, report
 from jreplicate.context import PerReplica
 from jreplicate.execution import donation, fast, nnx_args
 from jreplicate.execution.base import Executor
@@ -146,14 +146,13 @@ class SPMDExecutor(Executor):
         return jax.tree.unflatten(treedef, out)
 
     def split_batch(self, batch: Any) -> Any:
-        leaves, treedef = jax.tree.flatten(batch, is_leaf=_is_per_replica)
+        leaves = jax.tree.leaves(batch, is_leaf=_is_per_replica)
         if all(isinstance(x, PerReplica) for x in leaves):
             return batch
-        paths = [p for p, _ in jax.tree_util.tree_flatten_with_path(
-            batch, is_leaf=_is_per_replica)[0]]
-        return jax.tree.unflatten(treedef, [
-            x if isinstance(x, PerReplica) else self._split(x, path_str(p) or "the root")
-            for x, p in zip(leaves, paths)])
+        return map_checked(
+            lambda p, x: x if isinstance(x, PerReplica) else
+            self._split(x, path_str(p) or "the root"),
+            batch, "Replicator.run(fn, inputs)", is_leaf=_is_per_replica)
 
     def _split(self, x: Any, where: str) -> PerReplica:
         """A global batch as a PerReplica: replica r takes rows [r*b, (r+1)*b)."""
@@ -259,22 +258,24 @@ class SPMDExecutor(Executor):
     def _place(self, leaves: list, treedef: Any, node_pos: tuple,
                homes: list) -> tuple[list, tuple, bool]:
         """The step's input arrays placed for the mesh, their kinds, and whether any is
-        traced by an outer ``jax.jit``; logical-device arguments are noted in ``homes``."""
-        arrays, kinds = [], []
+        traced by an outer ``jax.jit``; logical-device arguments are noted in ``homes``.
+        Every leaf that can't be an input is named in one error (:func:`_tree.report`)."""
+        arrays, kinds, problems = [], [], []
         traced = False
         replicated = self._replicated
+        where = _LeafNames(treedef, node_pos)
         for i, x in enumerate(leaves):
-            if isinstance(x, PerReplica):
-                arrays.append(self._check_per_replica(x, i, treedef, node_pos))
-                traced = traced or isinstance(x.array, jax.core.Tracer)
-                kinds.append(PER_REPLICA)
-                continue
-            if isinstance(x, jax.Array):
-                if isinstance(x, jax.core.Tracer):
+            try:
+                if isinstance(x, PerReplica):
+                    x = self._check_per_replica(x, i, where)
+                    traced = traced or isinstance(x, jax.core.Tracer)
+                    kind = PER_REPLICA
+                elif isinstance(x, jax.core.Tracer):
                     traced = True  # under an outer jit: shard_map's in_specs place it
-                elif x.is_deleted():
-                    raise _deleted_error(_leaf_paths(treedef, node_pos)[i])
-                else:
+                    kind = REPLICATED
+                elif isinstance(x, jax.Array):
+                    if x.is_deleted():
+                        raise _deleted_error(where(i))
                     how = self._placements.get(x.sharding) or self._placement(x.sharding)
                     if how.copy:
                         if how.logical_device is not None:
@@ -282,24 +283,25 @@ class SPMDExecutor(Executor):
                             # step; its new value goes back there afterwards.
                             homes.append(Home(i, how.logical_device))
                         x = jax.device_put(x, replicated)
-                    arrays.append(x)
-                    kinds.append(how.kind)
-                    continue
-            elif is_array_like(x):
-                if isinstance(x, (np.ndarray, np.generic, int, float)):
-                    check_fits(np.asarray(x), lambda i=i: "Replicator.run: "
-                               + _leaf_paths(treedef, node_pos)[i])
-                x = jax.device_put(_read_now(x), replicated)
-            else:
-                raise TypeError(
-                    f"Replicator.run: {_leaf_paths(treedef, node_pos)[i]} is a "
-                    f"{type(x).__name__}, not an array. Arguments must be pytrees of arrays; "
-                    "close over other values in fn (e.g. functools.partial(step, name=...)), "
-                    "built once outside the training loop: a new function object each step "
-                    "compiles each step."
-                )
+                    kind = how.kind
+                elif is_array_like(x):
+                    if isinstance(x, (np.ndarray, np.generic, int, float)):
+                        check_fits(np.asarray(x), lambda i=i: f"Replicator.run: {where(i)}")
+                    x = jax.device_put(_read_now(x), replicated)
+                    kind = REPLICATED
+                else:
+                    raise TypeError(
+                        f"Replicator.run: {where(i)} is a {type(x).__name__}, not an array. "
+                        "Arguments must be pytrees of arrays; close over other values in fn "
+                        "(e.g. functools.partial(step, name=...)), built once outside the "
+                        "training loop: a new function object each step compiles each step."
+                    )
+            except (TypeError, ValueError) as e:
+                problems.append(e)
+                continue
             arrays.append(x)
-            kinds.append(REPLICATED)
+            kinds.append(kind)
+        report(problems, "Replicator.run")
         return arrays, tuple(kinds), traced
 
     def _placement(self, s: Any) -> _Placement:
@@ -319,10 +321,10 @@ class SPMDExecutor(Executor):
             self._placements[s] = how
         return how
 
-    def _check_per_replica(self, x: PerReplica, i: int, treedef: Any, node_pos: tuple) -> Any:
+    def _check_per_replica(self, x: PerReplica, i: int, where: _LeafNames) -> Any:
         if x.mesh is not None and x.mesh is not self._mesh and x.mesh != self._mesh:
             raise ValueError(
-                "Replicator.run got a PerReplica value from another Replicator "
+                f"Replicator.run: {where(i)} is a PerReplica value from another Replicator "
                 "(a different mesh). Pass values produced by this Replicator's "
                 "prepare_input or run."
             )
@@ -331,7 +333,7 @@ class SPMDExecutor(Executor):
             # shard_map would split a longer leading axis into blocks and each
             # replica would silently take its block's first row.
             raise ValueError(
-                f"Replicator.run: {_leaf_paths(treedef, node_pos)[i]} is a PerReplica whose "
+                f"Replicator.run: {where(i)} is a PerReplica whose "
                 f"array has shape {tuple(shape)}, but it needs a leading axis of one value "
                 f"per replica ({self._num_replicas}). Build it as PerReplica(array of "
                 f"shape [{self._num_replicas}, ...]), or pass a plain array to give "
@@ -339,7 +341,7 @@ class SPMDExecutor(Executor):
             )
         if isinstance(x.array, jax.Array) and not isinstance(x.array, jax.core.Tracer) \
                 and x.array.is_deleted():
-            raise _deleted_error(_leaf_paths(treedef, node_pos)[i])
+            raise _deleted_error(where(i))
         return _read_now(x.array)
 
     def _send_home(self, outs: list, homes: list[Home], treedef: Any,
@@ -510,18 +512,16 @@ def _donation_limit(leaves: list, arrays: list, donated: tuple[int, ...], treede
 def _check_donated_once(arrays: list, donated: tuple[int, ...], treedef: Any,
                         node_pos: tuple) -> None:
     """A donated array must not also be passed elsewhere in the same call (XLA would
-    fail in the middle of the call)."""
+    fail in the middle of the call); every such leaf is named in one error."""
     ids = {id(arrays[i]): i for i in donated}
-    for j, x in enumerate(arrays):
-        i = ids.get(id(x))
-        if i is not None and i != j:
-            paths = _leaf_paths(treedef, node_pos)
-            raise ValueError(
-                f"Replicator.run: {paths[i]} is donated (donate_argnums), but the same array "
-                f"is also passed as {paths[j]}. A buffer can be donated only if nothing else "
-                "in the call reads it: drop it from donate_argnums, or pass a copy "
-                "(jnp.copy(x)) in one of the places."
-            )
+    where = _LeafNames(treedef, node_pos)
+    report([ValueError(
+        f"Replicator.run: {where(i)} is donated (donate_argnums), but the same array "
+        f"is also passed as {where(j)}. A buffer can be donated only if nothing else "
+        "in the call reads it: drop it from donate_argnums, or pass a copy "
+        "(jnp.copy(x)) in one of the places.")
+        for j, i in ((j, ids.get(id(x))) for j, x in enumerate(arrays))
+        if i is not None and i != j], "Replicator.run")
 
 
 def _deleted_error(where: str) -> ValueError:
@@ -532,6 +532,21 @@ def _deleted_error(where: str) -> ValueError:
         "params, opt_state, donate_argnums=(0, 1))), or do not donate an argument you read "
         "again."
     )
+
+
+class _LeafNames:
+    """``names(i)``: flat leaf ``i``'s name (:func:`_leaf_paths`, computed once, when an
+    error first needs it)."""
+
+    __slots__ = ("_treedef", "_node_pos", "_names")
+
+    def __init__(self, treedef: Any, node_pos: tuple):
+        self._treedef, self._node_pos, self._names = treedef, node_pos, None
+
+    def __call__(self, i: int) -> str:
+        if self._names is None:
+            self._names = _leaf_paths(self._treedef, self._node_pos)
+        return self._names[i]
 
 
 def _leaf_paths(treedef: Any, node_pos: tuple) -> list[str]:
