@@ -158,3 +158,39 @@ def test_run_names_every_donated_leaf_also_passed_elsewhere():
                                "same array is also passed as argument [1][0].")
     assert lines[2].startswith("  - argument [0]['b'] is donated (donate_argnums), but the "
                                "same array is also passed as argument [1][1].")
+
+
+@pytest.mark.parametrize("steps", [None, 2])
+def test_run_names_every_nnx_variable_left_different_on_each_replica(steps):
+    """A step that leaves several Variables of an NNX argument different on each
+    replica: one message naming each by its attribute path (was the first only, by its
+    index in the flat state)."""
+    from flax import nnx
+
+    class Net(nnx.Module):
+        def __init__(self):
+            self.a, self.b = nnx.Param(jnp.ones(2)), nnx.Param(jnp.ones(2))
+            self.stat = nnx.BatchStat(jnp.ones(2))
+
+    def step(ctx, x, net):
+        net.a[...] = net.a[...] * ctx.replica_id
+        net.stat[...] = net.stat[...] + ctx.replica_id
+        return x
+
+    rep = Replicator(MirroredStrategy())
+    with rep.scope():
+        net = Net()
+    with pytest.raises(ValueError) as info:
+        rep.run(step, None, jnp.ones(2), net, steps=steps)
+    lines = str(info.value).splitlines()
+    assert lines[0] == "Replicator.run: 2 leaves are wrong:"
+    assert lines[1].startswith("  - the step function left NNX state argument [1].a "
+                               "different on each replica")
+    assert lines[2].startswith("  - the step function left NNX state argument [1].stat ")
+
+    def one(ctx, net):
+        net.b[...] = net.b[...] * ctx.replica_id
+
+    with pytest.raises(ValueError, match=r"^the step function left NNX state argument "
+                       r"\[0\].b different on each replica, so it can't"):
+        rep.run(one, None, net)

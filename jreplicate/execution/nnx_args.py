@@ -12,7 +12,7 @@ from typing import Any, NamedTuple
 import jax
 
 from jreplicate._jax_compat import varying_axes
-from jreplicate._tree import path_str
+from jreplicate._tree import path_str, report
 from jreplicate.context import PerReplica
 
 _MAX_ENTRIES = 64
@@ -188,23 +188,25 @@ def check_writable(args: tuple, node_pos: tuple, state: Any) -> None:
         ) from e
 
 
-def state_leaves(new_state: Any, structure: Any, axis: str) -> list:
-    """The leaves of a module's new state, checked to be writable back: same structure,
-    identical on every replica."""
-    if jax.tree.structure(new_state) != structure:
+def state_leaves(new_state: Any, state: Any, axis: str, graphdef: Any,
+                 node_pos: tuple) -> list:
+    """The leaves of a module's new state, checked to be writable back: the structure
+    of ``state`` (the state the step got), identical on every replica (every leaf that
+    is not is named, :func:`jreplicate._tree.report`)."""
+    if jax.tree.structure(new_state) != jax.tree.structure(state):
         raise ValueError(
             "the step function changed the structure of a Flax NNX module's state (it "
             "added or removed variables). Create all variables before Replicator.run."
         )
-    pairs = jax.tree_util.tree_flatten_with_path(new_state)[0]
-    for path, x in pairs:
-        if axis in varying_axes(x):
-            raise ValueError(
-                f"the step function left NNX state {path_str(path)} different on each "
-                "replica, so it can't be written back to the replicated module. Aggregate "
-                "it first, e.g. `ctx.all_sum(x) / ctx.num_replicas`."
-            )
-    return [x for _, x in pairs]
+    leaves = jax.tree.leaves(new_state)
+    varying = [k for k, x in enumerate(leaves) if axis in varying_axes(x)]
+    if varying:
+        paths = state_paths(graphdef, state, node_pos)
+        report([ValueError(
+            f"the step function left NNX state {paths[k]} different on each replica, so "
+            "it can't be written back to the replicated module. Aggregate it first, e.g. "
+            "`ctx.all_sum(x) / ctx.num_replicas`.") for k in varying], "Replicator.run")
+    return leaves
 
 
 def state_paths(graphdef: Any, state: Any, node_pos: tuple) -> list[str]:

@@ -128,7 +128,7 @@ def _body(fn: Callable, sig: Signature, layout: Layout, program: Program) -> Cal
             program.returns_args = True
         flat = _out_leaves(out, program)
         if graphdef is not None:
-            flat += nnx_args.state_leaves(new_state, jax.tree.structure(state), axis)
+            flat += nnx_args.state_leaves(new_state, state, axis, graphdef, sig.node_pos)
         return _keep_model_shardings(flat, [b.shape for b in blocks], sig, program)
 
     return body
@@ -234,7 +234,7 @@ def _step(fn: Callable, ctx: ReplicaContext, sig: Signature, batch_t: Any, carry
     whole[:] = [is_whole]
     new_plain = _match_carry(new_plain, plain_c, axis)
     if sig.graphdef is not None:
-        nnx_args.state_leaves(new_state, jax.tree.structure(state_c), axis)
+        nnx_args.state_leaves(new_state, state_c, axis, sig.graphdef, sig.node_pos)
         if changed is not None:
             moved = [(i, o, n) for i, (o, n) in enumerate(zip(
                 jax.tree.leaves(state_c), jax.tree.leaves(new_state)))
