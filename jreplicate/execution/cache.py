@@ -165,7 +165,9 @@ class ProgramCache:
         self._recent[(token, key)] = None
         if len(self._recent) > self._max:
             old_token, old_key = next(iter(self._recent))
-            self._drop_program(self._functions[old_token], old_key)
+            old = self._functions.get(old_token)
+            if old is not None:  # (None: its function was freed just now)
+                self._drop_program(old, old_key)
         self._note_new_object(fn)
         return program
 
@@ -179,18 +181,20 @@ class ProgramCache:
     def _drop_program(self, entry: FunctionEntry, key: ProgramKey) -> None:
         """Drops ``entry``'s program for ``key`` with the steady-state calls it serves,
         and the entry once it has no programs left."""
-        program = entry.programs.pop(key)
-        del self._recent[(entry.token, key)]
-        for shape in [s for s, c in entry.steady.items() if c.program is program]:
-            del entry.steady[shape]
+        program = entry.programs.pop(key, None)
+        self._recent.pop((entry.token, key), None)
+        for shape in [s for s, c in list(entry.steady.items()) if c.program is program]:
+            entry.steady.pop(shape, None)
         if not entry.programs:
-            del self._functions[entry.token]
+            self._functions.pop(entry.token, None)
 
     def _forget(self, token: Any) -> None:
-        """``token``'s function was freed: its entry goes, with every program."""
+        """``token``'s function was freed: its entry goes, with every program. (A
+        callback of the garbage collector, which may run inside any other method: it
+        iterates over copies and tolerates what is already gone.)"""
         if self._functions.pop(token, None) is not None:
-            for t, key in [(t, key) for t, key in self._recent if t is token]:
-                del self._recent[(t, key)]
+            for t, key in [(t, key) for t, key in list(self._recent) if t is token]:
+                self._recent.pop((t, key), None)
 
     def _note_new_object(self, fn: Callable) -> None:
         code = _code(fn)
