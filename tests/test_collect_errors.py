@@ -92,3 +92,105 @@ def test_collective_names_every_non_array_leaf():
     lines = str(info.value).splitlines()
     assert lines[0] == "ReplicaContext.all_sum(value): 2 leaves are wrong:"
     assert "['a']" in lines[1] and "['c']" in lines[2] and "not an array" in lines[2]
+
+
+# -- Replicator.run's arguments and batches ----------------------------------------------
+
+def test_run_names_every_bad_argument_leaf_at_once():
+    """Replicator.run used to raise at its first bad leaf. A str, a 64-bit value that
+    does not fit, an array donated to an earlier step and a PerReplica of the wrong
+    length, across two arguments, are one message of one bullet each (in leaf order,
+    with its path and fix); a TypeError among ValueErrors: caught as either."""
+    import jax
+
+    from jreplicate import PerReplica
+
+    rep = Replicator(MirroredStrategy())
+    gone = rep.replicate(jnp.ones(2))
+    rep.run(lambda ctx, w: w + 1, None, gone, donate_argnums=0)  # deletes `gone`
+    params = {"name": "x", "big": np.array([2**40]), "ok": jnp.ones(2)}
+    extra = [gone, PerReplica(jnp.ones((3, 2)), rep.mesh)]
+    for kind in (TypeError, ValueError):
+        with pytest.raises(kind) as info:
+            rep.run(lambda ctx, p, e: p["ok"], None, params, extra)
+    assert type(info.value) is LeafErrors
+    lines = str(info.value).splitlines()
+    assert lines[0] == "Replicator.run: 4 leaves are wrong:"
+    bullets = [line for line in lines if line.startswith("  - ")]
+    assert len(bullets) == 4
+    assert bullets[0].startswith("  - argument [0]['big'] holds 1099511627776 (int64)")
+    assert bullets[1].startswith("  - argument [0]['name'] is a str, not an array.")
+    assert bullets[2].startswith("  - argument [1][0] is an array that was donated")
+    assert bullets[3].startswith("  - argument [1][1] is a PerReplica whose array has shape "
+                                 "(3, 2)")
+    assert all("Replicator.run:" not in b for b in bullets)  # said once, in the head
+    # One bad leaf keeps its one-line message.
+    with pytest.raises(TypeError, match=r"^Replicator.run: argument \[0\]\['name'\] is a "
+                       r"str, not an array\. [^\n]*$"):
+        rep.run(lambda ctx, p: p["ok"], None, {"name": "x", "ok": jnp.ones(2)})
+    jax.effects_barrier()
+
+
+def test_run_names_every_bad_batch_leaf_at_once():
+    rep = Replicator(MirroredStrategy())
+    n = rep.num_replicas
+    batch = {"a": "text", "b": np.ones((n + 1, 2)), "c": np.ones((n, 2)), "d": 3}
+    with pytest.raises(LeafErrors) as info:
+        rep.run(lambda ctx, b: b["c"], batch)
+    lines = str(info.value).splitlines()
+    assert lines[0] == "Replicator.run(fn, inputs): 3 leaves are wrong:"
+    assert lines[1].startswith("  - inputs ['a'] is a str; inputs are a pytree of arrays")
+    assert lines[2].startswith(f"  - inputs ['b'] has shape ({n + 1}, 2); a plain array")
+    assert lines[3].startswith("  - inputs ['d'] has a scalar;")
+    with pytest.raises(ValueError, match=r"^Replicator.run\(fn, inputs\): inputs \['b'\] "
+                       r"has shape [^\n]*$"):
+        rep.run(lambda ctx, b: b["c"], {"b": np.ones((n + 1, 2)), "c": np.ones((n, 2))})
+
+
+def test_run_names_every_donated_leaf_also_passed_elsewhere():
+    rep = Replicator(MirroredStrategy())
+    a, b = rep.replicate(jnp.ones(2)), rep.replicate(jnp.zeros(2))
+    with pytest.raises(ValueError) as info:
+        rep.run(lambda ctx, p, q: (p, q), None, {"a": a, "b": b}, [a, b], donate_argnums=0)
+    lines = str(info.value).splitlines()
+    assert lines[0] == "Replicator.run: 2 leaves are wrong:"
+    assert lines[1].startswith("  - argument [0]['a'] is donated (donate_argnums), but the "
+                               "same array is also passed as argument [1][0].")
+    assert lines[2].startswith("  - argument [0]['b'] is donated (donate_argnums), but the "
+                               "same array is also passed as argument [1][1].")
+
+
+@pytest.mark.parametrize("steps", [None, 2])
+def test_run_names_every_nnx_variable_left_different_on_each_replica(steps):
+    """A step that leaves several Variables of an NNX argument different on each
+    replica: one message naming each by its attribute path (was the first only, by its
+    index in the flat state)."""
+    from flax import nnx
+
+    class Net(nnx.Module):
+        def __init__(self):
+            self.a, self.b = nnx.Param(jnp.ones(2)), nnx.Param(jnp.ones(2))
+            self.stat = nnx.BatchStat(jnp.ones(2))
+
+    def step(ctx, x, net):
+        net.a[...] = net.a[...] * ctx.replica_id
+        net.stat[...] = net.stat[...] + ctx.replica_id
+        return x
+
+    rep = Replicator(MirroredStrategy())
+    with rep.scope():
+        net = Net()
+    with pytest.raises(ValueError) as info:
+        rep.run(step, None, jnp.ones(2), net, steps=steps)
+    lines = str(info.value).splitlines()
+    assert lines[0] == "Replicator.run: 2 leaves are wrong:"
+    assert lines[1].startswith("  - the step function left NNX state argument [1].a "
+                               "different on each replica")
+    assert lines[2].startswith("  - the step function left NNX state argument [1].stat ")
+
+    def one(ctx, net):
+        net.b[...] = net.b[...] * ctx.replica_id
+
+    with pytest.raises(ValueError, match=r"^the step function left NNX state argument "
+                       r"\[0\].b different on each replica, so it can't"):
+        rep.run(one, None, net)

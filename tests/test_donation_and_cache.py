@@ -143,7 +143,46 @@ def test_cache_does_not_keep_step_functions_or_their_closures_alive():
             del big
     gc.collect()
     assert [r() for r in refs] == [None] * 5
-    assert len(rep._executor._programs) <= 1  # programs of freed functions are dropped
+    assert len(rep._executor._cache) <= 1  # programs of freed functions are dropped
+
+
+def test_one_cache_holds_a_functions_programs_and_steady_calls_and_drops_them_together():
+    """The executor's ProgramCache is the only store of compiled programs: the
+    steady-state calls hang off their function's entry, go when the program they serve
+    is evicted (least recently used first), and go with the function."""
+    from types import SimpleNamespace
+
+    from jreplicate.execution.cache import CallShape, ProgramCache
+
+    cache = ProgramCache(2)
+
+    def f(x):
+        return x
+
+    def g(x):
+        return x
+
+    built = []
+
+    def build(call):
+        built.append(call)
+        return SimpleNamespace(name=len(built))
+
+    p1 = cache.put(f, "k1", build)
+    entry = cache.find(f)
+    shape = CallShape("tree", False, None, ())
+    cache.record(entry, shape, SimpleNamespace(program=p1))
+    # The steady-state path looks calls up with a plain tuple of CallShape's fields.
+    assert entry.steady[("tree", False, None, ())].program is p1
+    assert cache.get(f, "k1") is p1 and cache.find(g) is None
+    built[0](3)  # the program calls f through a weak reference
+    cache.put(f, "k2", build)
+    cache.put(g, "k1", build)  # evicts f's least recently used program, k1
+    assert len(cache) == 2 and cache.get(f, "k1") is None
+    assert entry.steady == {}  # dropped with the program it served
+    del f, built[:]
+    gc.collect()
+    assert [e.fn() for e in cache.entries()] == [g] and len(cache) == 1
 
 
 def test_recompiling_new_function_objects_warns_once_with_the_fix():

@@ -43,7 +43,7 @@ def test_a_step_failing_while_running_on_the_steady_state_path_runs_once(rep, mo
     for _ in range(2):
         w = rep.run(step, None, w)
     jax.effects_barrier()
-    (entry,) = rep._executor._fast._entries.values()
+    ((entry,),) = [f.steady.values() for f in rep._executor._cache.entries()]
     real = entry.jitted
 
     def runs_then_fails(*a):
@@ -89,7 +89,7 @@ def test_an_nnx_step_failing_at_run_time_keeps_or_names_the_consumed_state(
         m = _Net()
     for _ in range(2):
         rep.run(_nnx_step, None, m)
-    (entry,) = rep._executor._fast._entries.values()
+    ((entry,),) = [f.steady.values() for f in rep._executor._cache.entries()]
     real = entry.jitted
 
     def fails(*a):
@@ -356,8 +356,8 @@ def test_a_dropped_step_function_leaves_no_program_behind(rep):
                                           np.full(3, 1.0 + 1000.0 * i))
         del step
         gc.collect()
-        assert len(rep._executor._fast._entries) == 0
-        assert len(rep._executor._programs) == 0
+        assert rep._executor._cache.entries() == []
+        assert len(rep._executor._cache) == 0
 
 
 def test_dropped_step_functions_hold_at_most_1_5x_what_jax_jit_functions_hold():

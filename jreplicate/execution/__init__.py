@@ -4,8 +4,9 @@ Where things live: ``base.py`` holds the :class:`Executor` protocol (place state
 assemble a step's input, run a step or a device loop of K steps, reduce); ``spmd.py``
 :class:`SPMDExecutor`, shared by the strategies whose replicas form one mesh (Mirrored,
 MultiWorker, TPU); ``program.py`` the compiled program of one step signature
-(``jax.jit`` over ``jax.shard_map``) and ``cache.py`` the programs of one executor;
-``fast.py`` the steady-state path that skips repeated checks; ``donation.py`` donation
+(``jax.jit`` over ``jax.shard_map``); ``cache.py`` which program serves a call: one
+cache per executor, by step function (held weakly), of its programs and the
+steady-state calls that skip repeated checks (``fast.py``); ``donation.py`` donation
 that never destroys an array another live object holds; ``nnx_args.py`` Flax NNX
 modules among the arguments. An executor receives a frozen
 :class:`jreplicate.strategies.Layout`, never a strategy, and knows nothing of the

@@ -18,7 +18,7 @@ where it need not, never the other way round.
 from __future__ import annotations
 
 import sys
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -27,6 +27,13 @@ import jax.numpy as jnp
 #: pytree node or a PerReplica), or directly as an argument (``run``'s ``*args`` tuple
 #: and the caller's variable).
 VARIABLE, CONTAINER, ARGUMENT = 1, 1, 2
+
+
+class DonatedArgument(NamedTuple):
+    """A plain argument named in ``donate_argnums``."""
+
+    position: int            # among run's arguments
+    leaves: tuple[int, ...]  # its flat leaf indices among the program's inputs
 
 
 def _held(arrays: list, limit: tuple, args: tuple, arg_limit: tuple) -> list[int]:
@@ -68,8 +75,8 @@ def argument_limit(args: tuple, groups: tuple, own: int, leaves: list | None = N
     """The ``arg_limit`` of :func:`held_elsewhere` for the donated arguments that are
     containers: the call's references (:data:`ARGUMENT`), ``own`` more of ``run``'s (one
     more where the argument is itself one of ``leaves``: a PerReplica), and
-    ``getrefcount``'s argument. ``groups``: ``((position, flat leaf indices), ...)`` of
-    the donated arguments."""
+    ``getrefcount``'s argument. ``groups``: the donated arguments
+    (:class:`DonatedArgument`)."""
     def extra(k, idx):
         return leaves is not None and len(idx) == 1 and leaves[idx[0]] is args[k]
 

@@ -5,7 +5,9 @@ A training loop calls ``run`` with the same step function and arguments of the s
 structure thousands of times. The first such call takes the full path
 (:meth:`SPMDExecutor._prepare`: NNX detection, placement, validation, program lookup)
 and, when every input is a concrete ``jax.Array`` already placed for the mesh, records
-the program under ``(fn, pytree structure)``. Later calls with that structure flatten
+the program under ``(fn, pytree structure)`` in the executor's
+:class:`~jreplicate.execution.cache.ProgramCache` (it goes with the program, or with
+``fn`` once ``fn`` is freed). Later calls with that structure flatten
 once (in C++; Flax NNX modules among the top-level arguments in one Python-level pass,
 with their Variables as leaves, whose values are read and written back directly),
 check the leaf types, and call the compiled program: ``jax.jit``'s own C++ dispatch then
@@ -36,7 +38,6 @@ from __future__ import annotations
 
 import sys
 import threading
-import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -46,8 +47,8 @@ from jreplicate._jax_compat import array_type
 from jreplicate.context import PerReplica
 from jreplicate.execution import donation, nnx_args
 from jreplicate.execution.base import NOT_RUN
+from jreplicate.execution.cache import CallShape, ProgramCache
 
-_MAX_ENTRIES = 256
 _tree_flatten = jax.tree_util.tree_flatten
 _tree_unflatten = jax.tree_util.tree_unflatten
 _ARRAY = array_type()  # the concrete jax.Array class (None: never take this path)
@@ -65,16 +66,20 @@ def retrace_guarded() -> bool:
     return getattr(_GUARD, "on", False)
 
 
-class _Entry:
-    __slots__ = ("fn", "jitted", "num_out", "out_def", "donate", "limit", "arg_limit",
+class SteadyCall:
+    """A call shape's program and what its steady-state calls need to skip the checks
+    (hangs off the function's :class:`jreplicate.execution.cache.FunctionEntry`)."""
+
+    __slots__ = ("program", "jitted", "num_out", "out_def", "donate", "limit", "arg_limit",
                  "shardings", "placed", "order", "num_plain", "variables")
 
-    def __init__(self, fn: Callable[[], Any], program: Any, out_def: Any,
-                 shardings: tuple | None, order: list[int] | None, num_plain: int,
-                 variables: list | None, placed: tuple, limit: tuple, arg_limit: tuple):
-        self.fn = fn  # returns the step function, or None once it is freed
+    def __init__(self, program: Any, out_def: Any, shardings: tuple | None,
+                 order: list[int] | None, num_plain: int, variables: list | None,
+                 placed: tuple, limit: tuple, arg_limit: tuple):
+        self.program = program  # the cache drops this call with it
         self.jitted, self.num_out, self.out_def = program.jitted, program.num_out, out_def
-        self.donate, self.shardings = program.jitted_donate, shardings
+        self.donate = program.jitted_donate
+        self.shardings = shardings  # compared before every call (several devices/replica)
         self.placed = placed  # the inputs' shardings (compared only when a call fails)
         self.limit = limit  # see donation.held_elsewhere
         self.arg_limit = arg_limit
@@ -88,11 +93,12 @@ MISS = NOT_RUN
 
 
 class FastPath:
-    """Programs of earlier calls by ``(fn, structure of (batch, args), options)``."""
+    """The steady-state calls of one executor, recorded in and looked up from its
+    :class:`~jreplicate.execution.cache.ProgramCache` by ``(fn, call shape)``."""
 
-    def __init__(self, mesh: Any, axis: str, check_shardings: bool):
-        self._entries: dict = {}
-        self._nnx_fns: set[int] = set()  # ids of step functions recorded with NNX state
+    def __init__(self, cache: ProgramCache, mesh: Any, axis: str, check_shardings: bool):
+        self._find = cache.find
+        self._cache = cache
         self._mesh, self._axis = mesh, axis
         self._check_shardings = check_shardings
 
@@ -101,12 +107,16 @@ class FastPath:
         """The step's result, or :data:`MISS` when the full path must run."""
         if _ARRAY is None:
             return MISS
-        if id(fn) in self._nnx_fns:  # NNX Variables as leaves (a Python-level flatten)
+        function = self._find(fn)
+        if function is None:
+            return MISS
+        if function.nnx:  # NNX Variables as leaves (a Python-level flatten)
             leaves, treedef = _flatten(batch, args)
         else:
             leaves, treedef = _tree_flatten((batch, args))
-        entry = self._entries.get((id(fn), treedef, has_batch, steps, donate_argnums))
-        if entry is None or entry.fn() is not fn:
+        # A CallShape's fields, in order (a plain tuple: equal, of equal hash, faster).
+        entry = function.steady.get((treedef, has_batch, steps, donate_argnums))
+        if entry is None:
             return MISS
         variables = None
         if entry.order is not None:
@@ -186,17 +196,16 @@ class FastPath:
             [PerReplica(0, self._mesh, self._axis) if r else 0 for r in per]))
         placed = tuple(x.sharding for x in inputs)
         shardings = placed if self._check_shardings else None
-        if len(self._entries) >= _MAX_ENTRIES:
-            self._entries.clear()
-            self._nnx_fns.clear()
+        function = self._find(fn)
+        if function is None:  # a bound method (new at every access): the full path only
+            return
         if order is not None:
-            self._nnx_fns.add(id(fn))
-        key = (id(fn), treedef, has_batch, steps, donate_argnums)
-        self._entries[key] = _Entry(
-            _ref(fn, self._entries, key), program, out_def, shardings, order, num_plain,
-            signature, placed,
+            function.nnx = True
+        self._cache.record(function, CallShape(treedef, has_batch, steps, donate_argnums),
+                           SteadyCall(
+            program, out_def, shardings, order, num_plain, signature, placed,
             _donation_limit(inputs, program.jitted_donate, args, num_plain, order is not None),
-            donation.argument_limit(args, program.donate_args, 0))
+            donation.argument_limit(args, program.donate_args, 0)))
 
 
 def _donation_limit(inputs: list, donated: tuple, args: tuple, num_plain: int,
@@ -239,18 +248,3 @@ def _flatten(batch: Any, args: tuple) -> tuple[list, Any]:
         if base is not None and any(isinstance(a, base) for a in args):
             return _tree_flatten((batch, args), is_leaf=nnx_args.is_variable)
     return _tree_flatten((batch, args))
-
-
-def _ref(fn: Callable, entries: dict, key: Any) -> Callable[[], Any]:
-    """A weak reference to ``fn`` that drops ``entries[key]`` (and with it the compiled
-    program) once ``fn`` is freed; a strong one if it can't be weakly referenced, as
-    ``jax.jit`` holds such functions."""
-    def forget(ref: weakref.ref) -> None:
-        entry = entries.get(key)
-        if entry is not None and entry.fn is ref:
-            del entries[key]
-
-    try:
-        return weakref.ref(fn, forget)
-    except TypeError:
-        return lambda: fn

@@ -7,12 +7,12 @@ no argument can be an NNX module, and a step on plain pytrees never pays for the
 from __future__ import annotations
 
 import sys
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 
 from jreplicate._jax_compat import varying_axes
-from jreplicate._tree import path_str
+from jreplicate._tree import path_str, report
 from jreplicate.context import PerReplica
 
 _MAX_ENTRIES = 64
@@ -89,14 +89,14 @@ def split_fast(nodes: tuple) -> tuple[PytreeDef, list, list] | None:
         return None
     sig = variable_signature(variables)
     cached = _FULL_DEFS.get(vdef)
-    if cached is None or cached[1] != sig:  # new, or a Variable's type or metadata changed
+    if cached is None or cached.signature != sig:  # new, or a Variable changed type/metadata
         leaves, treedef = jax.tree.flatten(nodes)
         if len(leaves) != len(variables):
             return None
         if len(_FULL_DEFS) > _MAX_ENTRIES:
             _FULL_DEFS.clear()
-        cached = _FULL_DEFS[vdef] = (treedef, sig)
-    return PytreeDef(cached[0]), [v.get_value() for v in variables], variables
+        cached = _FULL_DEFS[vdef] = _FullDef(treedef, sig)
+    return PytreeDef(cached.treedef), [v.get_value() for v in variables], variables
 
 
 def variable_signature(variables: list) -> list:
@@ -107,7 +107,14 @@ def variable_signature(variables: list) -> list:
     return [(type(v), v.get_metadata()) for v in variables]
 
 
-_FULL_DEFS: dict = {}
+class _FullDef(NamedTuple):
+    """The full pytree structure of NNX nodes with Variables as leaves of one structure."""
+
+    treedef: Any      # the full structure (the Variables' values as leaves)
+    signature: list   # its Variables' variable_signature
+
+
+_FULL_DEFS: dict[Any, _FullDef] = {}
 
 
 def split(args: tuple, node_pos: tuple[int, ...]) -> tuple[Any, Any, tuple, list | None]:
@@ -181,23 +188,25 @@ def check_writable(args: tuple, node_pos: tuple, state: Any) -> None:
         ) from e
 
 
-def state_leaves(new_state: Any, structure: Any, axis: str) -> list:
-    """The leaves of a module's new state, checked to be writable back: same structure,
-    identical on every replica."""
-    if jax.tree.structure(new_state) != structure:
+def state_leaves(new_state: Any, state: Any, axis: str, graphdef: Any,
+                 node_pos: tuple) -> list:
+    """The leaves of a module's new state, checked to be writable back: the structure
+    of ``state`` (the state the step got), identical on every replica (every leaf that
+    is not is named, :func:`jreplicate._tree.report`)."""
+    if jax.tree.structure(new_state) != jax.tree.structure(state):
         raise ValueError(
             "the step function changed the structure of a Flax NNX module's state (it "
             "added or removed variables). Create all variables before Replicator.run."
         )
-    pairs = jax.tree_util.tree_flatten_with_path(new_state)[0]
-    for path, x in pairs:
-        if axis in varying_axes(x):
-            raise ValueError(
-                f"the step function left NNX state {path_str(path)} different on each "
-                "replica, so it can't be written back to the replicated module. Aggregate "
-                "it first, e.g. `ctx.all_sum(x) / ctx.num_replicas`."
-            )
-    return [x for _, x in pairs]
+    leaves = jax.tree.leaves(new_state)
+    varying = [k for k, x in enumerate(leaves) if axis in varying_axes(x)]
+    if varying:
+        paths = state_paths(graphdef, state, node_pos)
+        report([ValueError(
+            f"the step function left NNX state {paths[k]} different on each replica, so "
+            "it can't be written back to the replicated module. Aggregate it first, e.g. "
+            "`ctx.all_sum(x) / ctx.num_replicas`.") for k in varying], "Replicator.run")
+    return leaves
 
 
 def state_paths(graphdef: Any, state: Any, node_pos: tuple) -> list[str]:

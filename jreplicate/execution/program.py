@@ -1,11 +1,12 @@
 """The compiled program of one step signature: ``jax.jit`` over ``jax.shard_map`` (private).
 
-The step's inputs arrive as flat leaves of two kinds: replicated (in spec ``P()``;
-model-sharded state keeps its sharding, since the step is manual over the replica axis
-only) and per-replica (a :class:`PerReplica`, stacked on a leading replica axis, in
-spec ``P("replica")``). Flax NNX graph nodes among the arguments arrive as a state
-pytree and are merged inside the step. Output specs are chosen per leaf from whether
-the value varies across replicas (see :mod:`jreplicate._jax_compat`).
+The step's inputs arrive as flat leaves of the kinds of :class:`ArgKind`: replicated
+(in spec ``P()``), model-sharded (in spec ``P()`` too: it keeps its sharding, since the
+step is manual over the replica axis only) and per-replica (a :class:`PerReplica`,
+stacked on a leading replica axis, in spec ``P("replica")``). Flax NNX graph nodes
+among the arguments arrive as a state pytree and are merged inside the step. Output
+specs are chosen per leaf from whether the value varies across replicas (see
+:mod:`jreplicate._jax_compat`).
 
 With ``steps=K`` the program is a device loop: ``lax.scan`` over the leading step axis
 of the batch, carrying the step's arguments (which the step returns first, in order)
@@ -15,8 +16,9 @@ and NNX state; its other outputs are stacked ``[K, ...]``.
 from __future__ import annotations
 
 import dataclasses
+import enum
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -30,6 +32,32 @@ from jreplicate.execution import fast, nnx_args
 from jreplicate.layout import Layout
 
 
+class ArgKind(enum.Enum):
+    """How a flat input leaf enters the program."""
+
+    #: The same value on every replica (in spec ``P()``).
+    REPLICATED = "replicated"
+    #: A :class:`PerReplica`: one row per replica (in spec ``P(replica axis)``).
+    PER_REPLICA = "per_replica"
+    #: Replicated over the replicas, split over the model axis: its new value keeps the
+    #: split (:attr:`LeafKind.spec`).
+    MODEL_SHARDED = "model_sharded"
+
+    __hash__ = object.__hash__  # members are singletons: identity's hash, in C (fast keys)
+
+
+class LeafKind(NamedTuple):
+    """An input leaf's :class:`ArgKind`, with its spec when it is model-sharded."""
+
+    kind: ArgKind
+    spec: Any = None  # MODEL_SHARDED: the leaf's PartitionSpec over the mesh
+
+
+#: The kinds of leaves that carry no spec.
+REPLICATED = LeafKind(ArgKind.REPLICATED)
+PER_REPLICA = LeafKind(ArgKind.PER_REPLICA)
+
+
 @dataclasses.dataclass(frozen=True)
 class Signature:
     """What a compiled program depends on besides the function itself."""
@@ -38,11 +66,10 @@ class Signature:
     treedef: Any            # of (batch, plain args, NNX state)
     graphdef: Any           # of the NNX arguments, or None
     node_pos: tuple[int, ...]
-    kinds: tuple            # per flat leaf: "r" per-replica, "c" replicated, or
-                            # ("m", spec): replicated over replicas, split over "model"
+    kinds: tuple[LeafKind, ...]  # per flat leaf
     steps: int | None
     donate: tuple[int, ...]  # flat leaf indices donated to the program
-    donate_args: tuple = ()  # ((argument position, its flat leaf indices), ...) donated
+    donate_args: tuple = ()  # the donated plain arguments (donation.DonatedArgument)
 
 
 class Program:
@@ -55,7 +82,8 @@ class Program:
         self.per_replica: tuple[bool, ...] | None = None  # per flat output, after a call
         self.returns_args = False  # the outputs begin with the plain arguments' new values
         axis = layout.replica_axis
-        in_specs = tuple(P(axis) if k == "r" else P() for k in sig.kinds)
+        in_specs = tuple(P(axis) if k.kind is ArgKind.PER_REPLICA else P()
+                         for k in sig.kinds)
         body = _body(fn, sig, layout, self)
         # Manual over the replica axis only when a replica spans several devices (the
         # model axis stays automatic); else over the whole (replicas, 1) mesh.
@@ -86,7 +114,8 @@ def _body(fn: Callable, sig: Signature, layout: Layout, program: Program) -> Cal
     def body(*blocks):
         if fast.retrace_guarded():
             raise fast.Retrace  # a steady-state call with a new signature: full path
-        vals = [b[0] if k == "r" else b for b, k in zip(blocks, sig.kinds)]
+        vals = [b[0] if k.kind is ArgKind.PER_REPLICA else b
+                for b, k in zip(blocks, sig.kinds)]
         batch, plain, state = jax.tree.unflatten(sig.treedef, vals)
         ctx = ReplicaContext(axis_name=axis, num_replicas=layout.num_replicas,
                              num_replicas_in_sync=layout.num_replicas_in_sync,
@@ -99,7 +128,7 @@ def _body(fn: Callable, sig: Signature, layout: Layout, program: Program) -> Cal
             program.returns_args = True
         flat = _out_leaves(out, program)
         if graphdef is not None:
-            flat += nnx_args.state_leaves(new_state, jax.tree.structure(state), axis)
+            flat += nnx_args.state_leaves(new_state, state, axis, graphdef, sig.node_pos)
         return _keep_model_shardings(flat, [b.shape for b in blocks], sig, program)
 
     return body
@@ -118,8 +147,8 @@ def _keep_model_shardings(flat: list, in_shapes: list, sig: Signature,
     pairs += [(nb + np_ + t, program.num_out + t) for t in range(ns)]
     for i, k in pairs:
         kind = sig.kinds[i]
-        if isinstance(kind, tuple) and flat[k].shape == in_shapes[i]:
-            flat[k] = jax.lax.with_sharding_constraint(flat[k], kind[1])
+        if kind.kind is ArgKind.MODEL_SHARDED and flat[k].shape == in_shapes[i]:
+            flat[k] = jax.lax.with_sharding_constraint(flat[k], kind.spec)
     return flat
 
 
@@ -142,6 +171,13 @@ def _call(fn: Callable, ctx: ReplicaContext, sig: Signature, batch: Any, plain: 
     return out, nnx_args.state_of(nodes, sig.graphdef)
 
 
+class Carry(NamedTuple):
+    """What a device loop carries from one step to the next."""
+
+    plain: tuple  # the plain arguments' values
+    state: Any    # the NNX arguments' state (None: none)
+
+
 class _StateChanged(Exception):
     """Raised while tracing a device loop: a step gave NNX state another dtype or shape."""
 
@@ -156,26 +192,28 @@ def _loop(fn: Callable, ctx: ReplicaContext, sig: Signature, batch: Any, plain: 
     so such a loop runs its first step alone and the others from its state; a step that
     changes it again is an error naming the Variable."""
     whole = []  # set while tracing: the step returned its only argument, not a tuple
-    carry0 = (_strong(plain), _strong(state))
+    carry0 = Carry(_strong(plain), _strong(state))
     try:
-        (plain_f, state_f), ys = _scan(fn, ctx, sig, batch, carry0, sig.steps, axis, whole,
-                                       changed="retry")
+        final, ys = _scan(fn, ctx, sig, batch, carry0, sig.steps, axis, whole,
+                          changed="retry")
     except _StateChanged:
         first = jax.tree.map(lambda x: x[0], batch)
         carry1, y1 = _step(fn, ctx, sig, first, carry0, axis, whole, changed=None)
-        carry1 = (carry1[0], _strong(carry1[1]))
+        carry1 = carry1._replace(state=_strong(carry1.state))
         if sig.steps == 1:
-            (plain_f, state_f), ys = carry1, jax.tree.map(lambda y: y[None], y1)
+            final, ys = carry1, jax.tree.map(lambda y: y[None], y1)
         else:
             rest = jax.tree.map(lambda x: x[1:], batch)
-            (plain_f, state_f), ys = _scan(fn, ctx, sig, rest, carry1, sig.steps - 1, axis,
-                                           whole, changed="error")
+            final, ys = _scan(fn, ctx, sig, rest, carry1, sig.steps - 1, axis, whole,
+                              changed="error")
             ys = _stack_first(y1, ys)
-    if whole[0]:
-        return plain_f[0], state_f
+    (returned_whole,) = whole
+    if returned_whole:
+        (arg,) = final.plain
+        return arg, final.state
     if plain:
-        return (*plain_f, *ys), state_f
-    return ys, state_f
+        return (*final.plain, *ys), final.state
+    return ys, final.state
 
 
 def _scan(fn, ctx, sig, batch, carry0, length, axis, whole, changed):
@@ -185,18 +223,18 @@ def _scan(fn, ctx, sig, batch, carry0, length, axis, whole, changed):
     return jax.lax.scan(one, carry0, batch if sig.has_batch else None, length=length)
 
 
-def _step(fn: Callable, ctx: ReplicaContext, sig: Signature, batch_t: Any, carry: tuple,
-          axis: str, whole: list, changed: str | None) -> tuple[tuple, Any]:
-    """One step of a device loop: ``((new plain args, new NNX state), outputs)``. When
-    the NNX state comes out with another dtype or shape: ``changed="retry"`` raises
-    :class:`_StateChanged`, ``"error"`` the user's error, None keeps the new one."""
+def _step(fn: Callable, ctx: ReplicaContext, sig: Signature, batch_t: Any, carry: Carry,
+          axis: str, whole: list, changed: str | None) -> tuple[Carry, Any]:
+    """One step of a device loop: ``(new carry, outputs)``. When the NNX state comes out
+    with another dtype or shape: ``changed="retry"`` raises :class:`_StateChanged`,
+    ``"error"`` the user's error, None keeps the new one."""
     plain_c, state_c = carry
     out, new_state = _call(fn, ctx, sig, batch_t, plain_c, state_c)
     new_plain, extra, is_whole = _split_carry(out, plain_c, sig.node_pos)
     whole[:] = [is_whole]
     new_plain = _match_carry(new_plain, plain_c, axis)
     if sig.graphdef is not None:
-        nnx_args.state_leaves(new_state, jax.tree.structure(state_c), axis)
+        nnx_args.state_leaves(new_state, state_c, axis, sig.graphdef, sig.node_pos)
         if changed is not None:
             moved = [(i, o, n) for i, (o, n) in enumerate(zip(
                 jax.tree.leaves(state_c), jax.tree.leaves(new_state)))
@@ -207,7 +245,7 @@ def _step(fn: Callable, ctx: ReplicaContext, sig: Signature, batch_t: Any, carry
                 raise _state_changed_again(sig, state_c, moved)
             new_state = jax.tree.map(lambda new, old: new.astype(old.dtype), new_state,
                                      state_c)
-    return (new_plain, new_state), extra
+    return Carry(new_plain, new_state), extra
 
 
 def _stack_first(y1: Any, ys: Any) -> Any:

@@ -7,7 +7,7 @@ import contextlib
 import functools
 import sys
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -15,12 +15,19 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jreplicate._tree import check_fits, covers, is_array_like, path_str
+from jreplicate._tree import check_fits, covers, is_array_like, map_checked, path_str, report
 from jreplicate.context import PerReplica
 from jreplicate.execution import donation, fast, nnx_args
 from jreplicate.execution.base import Executor
-from jreplicate.execution.cache import ProgramCache
-from jreplicate.execution.program import Program, Signature
+from jreplicate.execution.cache import ProgramCache, ProgramKey
+from jreplicate.execution.program import (
+    PER_REPLICA,
+    REPLICATED,
+    ArgKind,
+    LeafKind,
+    Program,
+    Signature,
+)
 from jreplicate.layout import Layout
 
 _MAX_ENTRIES = 64
@@ -28,6 +35,39 @@ _MAX_ENTRIES = 64
 
 def _is_per_replica(x: Any) -> bool:
     return isinstance(x, PerReplica)
+
+
+class Home(NamedTuple):
+    """An argument leaf that lives on one logical device of each replica: the step gets
+    a replicated copy, and its new value goes back there afterwards."""
+
+    leaf: int            # its flat index among the program's inputs
+    logical_device: int
+
+
+class _Placement(NamedTuple):
+    """How ``run`` takes an array argument of one sharding (see
+    :meth:`SPMDExecutor._placement`)."""
+
+    kind: LeafKind       # as it enters the program
+    copy: bool = False   # placed anew, replicated, for the step
+    logical_device: int | None = None  # lives there: its new value goes back after
+
+
+_AS_IS = _Placement(REPLICATED)
+
+
+class Prepared(NamedTuple):
+    """A call made ready for its program by :meth:`SPMDExecutor._prepare`."""
+
+    program: Program
+    arrays: list         # the program's inputs, flat: (batch, plain args, NNX state)
+    treedef: Any         # of (batch, plain args, NNX state)
+    node_pos: tuple[int, ...]  # positions of the NNX arguments (empty: none)
+    state: Any           # the NNX arguments' state, or None
+    variables: list | None  # their Variables when split as pytrees (nnx_args.split)
+    homes: list[Home]    # inputs that live on one logical device
+    traced: bool         # an input is traced by an outer jax.jit
 
 
 class SPMDExecutor(Executor):
@@ -51,16 +91,16 @@ class SPMDExecutor(Executor):
         self._num_replicas = layout.num_replicas
         self._replicated = layout.replicated
         self._per_replica = layout.per_replica
-        self._programs = ProgramCache(_MAX_ENTRIES)
+        self._cache = ProgramCache(_MAX_ENTRIES)
         self._node_positions = nnx_args.NodePositions()
         # The (replica, 1) sub-mesh of each logical device, and back.
         self._logical = [_logical_submesh(self._mesh, i)
                          for i in range(layout.logical_devices_per_replica)]
         self._logical_index = {m: i for i, m in enumerate(self._logical)}
-        self._sharding_kinds: dict = {self._replicated: "c"}  # see _kind_of
+        self._placements: dict = {self._replicated: _AS_IS}  # see _placement
         # Replica id -> its position among this process's replicas (see assemble).
         self._local_position = {r: k for k, r in enumerate(layout.local_replica_ids)}
-        self._fast = fast.FastPath(self._mesh, self._axis,
+        self._fast = fast.FastPath(self._cache, self._mesh, self._axis,
                                    check_shardings=layout.logical_devices_per_replica > 1)
 
     # -- state -----------------------------------------------------------------------
@@ -106,14 +146,13 @@ class SPMDExecutor(Executor):
         return jax.tree.unflatten(treedef, out)
 
     def split_batch(self, batch: Any) -> Any:
-        leaves, treedef = jax.tree.flatten(batch, is_leaf=_is_per_replica)
+        leaves = jax.tree.leaves(batch, is_leaf=_is_per_replica)
         if all(isinstance(x, PerReplica) for x in leaves):
             return batch
-        paths = [p for p, _ in jax.tree_util.tree_flatten_with_path(
-            batch, is_leaf=_is_per_replica)[0]]
-        return jax.tree.unflatten(treedef, [
-            x if isinstance(x, PerReplica) else self._split(x, path_str(p) or "the root")
-            for x, p in zip(leaves, paths)])
+        return map_checked(
+            lambda p, x: x if isinstance(x, PerReplica) else
+            self._split(x, path_str(p) or "the root"),
+            batch, "Replicator.run(fn, inputs)", is_leaf=_is_per_replica)
 
     def _split(self, x: Any, where: str) -> PerReplica:
         """A global batch as a PerReplica: replica r takes rows [r*b, (r+1)*b)."""
@@ -146,29 +185,28 @@ class SPMDExecutor(Executor):
     # -- running ---------------------------------------------------------------------
     def run(self, fn: Callable, has_batch: bool, batch: Any, args: tuple, *,
             steps: int | None = None, donate_argnums: tuple[int, ...] = ()) -> Any:
-        program, arrays, split, homes, traced = self._prepare(fn, has_batch, batch, args,
-                                                              steps, donate_argnums)
+        call = self._prepare(fn, has_batch, batch, args, steps, donate_argnums)
+        program, node_pos = call.program, call.node_pos
         try:
-            flat = (program.jitted_nested if traced else program.jitted)(*arrays)
+            flat = (program.jitted_nested if call.traced else program.jitted)(*call.arrays)
         except Exception as e:
-            if split[1]:
+            if node_pos:
                 nnx_args.note_failed_step(e, jax.tree.leaves(
-                    [args[i] for i in split[1]], is_leaf=nnx_args.is_variable))
+                    [args[i] for i in node_pos], is_leaf=nnx_args.is_variable))
             raise
-        if not (traced or homes) and (not split[1] or split[3] is not None):
+        if not (call.traced or call.homes) and (not node_pos or call.variables is not None):
             self._fast.record(fn, has_batch, batch, args, steps, donate_argnums, program,
-                              arrays)
+                              call.arrays)
         mesh, axis = self._mesh, self._axis
         outs = [PerReplica(x, mesh, axis) if r else x
                 for x, r in zip(flat, program.outputs_per_replica())]
-        if homes:
-            self._send_home(outs, homes, split[0], program)
+        if call.homes:
+            self._send_home(outs, call.homes, call.treedef, program)
         result = jax.tree.unflatten(program.out_tree, outs[:program.num_out])
-        if split[1]:
-            _, node_pos, state, variables = split
-            new_state = outs[program.num_out:] if variables is not None else \
-                jax.tree.unflatten(jax.tree.structure(state), outs[program.num_out:])
-            nnx_args.write_back(args, node_pos, new_state, variables)
+        if node_pos:
+            new_state = outs[program.num_out:] if call.variables is not None else \
+                jax.tree.unflatten(jax.tree.structure(call.state), outs[program.num_out:])
+            nnx_args.write_back(args, node_pos, new_state, call.variables)
         return result
 
     def run_again(self, fn: Callable, has_batch: bool, batch: Any, args: tuple,
@@ -179,11 +217,11 @@ class SPMDExecutor(Executor):
                  steps: int | None = None, donate_argnums: tuple[int, ...] = ()) -> Any:
         """The ``jax.stages.Compiled`` program ``run`` would call (for inspection:
         ``.as_text()``, ``.memory_analysis()``); runs nothing."""
-        program, arrays, _, _, _ = self._prepare(fn, has_batch, batch, args, steps,
-                                                 donate_argnums)
-        return program.jitted.lower(*arrays).compile()
+        call = self._prepare(fn, has_batch, batch, args, steps, donate_argnums)
+        return call.program.jitted.lower(*call.arrays).compile()
 
-    def _prepare(self, fn, has_batch, batch, args, steps, donate_argnums):
+    def _prepare(self, fn: Callable, has_batch: bool, batch: Any, args: tuple,
+                 steps: int | None, donate_argnums: tuple[int, ...]) -> Prepared:
         """The program for this call's signature (built on first use) and its inputs."""
         node_pos = self._node_positions(args)
         graphdef = state = variables = None
@@ -191,11 +229,12 @@ class SPMDExecutor(Executor):
         if node_pos:
             graphdef, state, plain, variables = nnx_args.split(args, node_pos)
         leaves, treedef = jax.tree.flatten((batch, plain, state), is_leaf=_is_per_replica)
-        homes: list = []
+        homes: list[Home] = []
         arrays, kinds, traced = self._place(leaves, treedef, node_pos, homes)
-        rest = (has_batch, treedef, graphdef, node_pos, kinds, steps, donate_argnums,
-                tuple((a.shape, a.dtype, getattr(a, "weak_type", False)) for a in arrays))
-        program = self._programs.get(fn, rest)
+        key = ProgramKey(
+            has_batch, treedef, graphdef, node_pos, kinds, steps, donate_argnums,
+            tuple((a.shape, a.dtype, getattr(a, "weak_type", False)) for a in arrays))
+        program = self._cache.get(fn, key)
         if program is None:
             if node_pos and variables is None:
                 nnx_args.check_writable(args, node_pos, state)
@@ -203,7 +242,7 @@ class SPMDExecutor(Executor):
             donate = _donated_leaves(treedef, groups)
             sig = Signature(has_batch, treedef, graphdef, node_pos, kinds, steps, donate,
                             groups)
-            program = self._programs.put(fn, rest, lambda f: Program(f, sig, self.layout))
+            program = self._cache.put(fn, key, lambda f: Program(f, sig, self.layout))
         if node_pos:
             _copy_shared_state(arrays, treedef)
         if donate_argnums:
@@ -214,75 +253,78 @@ class SPMDExecutor(Executor):
                 arrays, _donation_limit(leaves, arrays, program.jitted_donate, treedef,
                                         args, copied),
                 args, donation.argument_limit(args, program.donate_args, copied, leaves))
-        return program, arrays, (treedef, node_pos, state, variables), homes, traced
+        return Prepared(program, arrays, treedef, node_pos, state, variables, homes, traced)
 
     def _place(self, leaves: list, treedef: Any, node_pos: tuple,
                homes: list) -> tuple[list, tuple, bool]:
         """The step's input arrays placed for the mesh, their kinds, and whether any is
-        traced by an outer ``jax.jit``; logical-device arguments are noted in ``homes``."""
-        arrays, kinds = [], []
+        traced by an outer ``jax.jit``; logical-device arguments are noted in ``homes``.
+        Every leaf that can't be an input is named in one error (:func:`_tree.report`)."""
+        arrays, kinds, problems = [], [], []
         traced = False
         replicated = self._replicated
+        where = _LeafNames(treedef, node_pos)
         for i, x in enumerate(leaves):
-            if isinstance(x, PerReplica):
-                arrays.append(self._check_per_replica(x, i, treedef, node_pos))
-                traced = traced or isinstance(x.array, jax.core.Tracer)
-                kinds.append("r")
-                continue
-            if isinstance(x, jax.Array):
-                if isinstance(x, jax.core.Tracer):
+            try:
+                if isinstance(x, PerReplica):
+                    x = self._check_per_replica(x, i, where)
+                    traced = traced or isinstance(x, jax.core.Tracer)
+                    kind = PER_REPLICA
+                elif isinstance(x, jax.core.Tracer):
                     traced = True  # under an outer jit: shard_map's in_specs place it
-                elif x.is_deleted():
-                    raise _deleted_error(_leaf_paths(treedef, node_pos)[i])
-                else:
-                    kind = self._sharding_kinds.get(x.sharding) or self._kind_of(x.sharding)
-                    if kind[0] in ("logical", "place"):
-                        if kind[0] == "logical":
+                    kind = REPLICATED
+                elif isinstance(x, jax.Array):
+                    if x.is_deleted():
+                        raise _deleted_error(where(i))
+                    how = self._placements.get(x.sharding) or self._placement(x.sharding)
+                    if how.copy:
+                        if how.logical_device is not None:
                             # Lives on one logical device: a copy to the others for the
                             # step; its new value goes back there afterwards.
-                            homes.append((i, kind[1]))
+                            homes.append(Home(i, how.logical_device))
                         x = jax.device_put(x, replicated)
-                        kind = "c"
-                    arrays.append(x)
-                    kinds.append(kind)
-                    continue
-            elif is_array_like(x):
-                if isinstance(x, (np.ndarray, np.generic, int, float)):
-                    check_fits(np.asarray(x), lambda i=i: "Replicator.run: "
-                               + _leaf_paths(treedef, node_pos)[i])
-                x = jax.device_put(_read_now(x), replicated)
-            else:
-                raise TypeError(
-                    f"Replicator.run: {_leaf_paths(treedef, node_pos)[i]} is a "
-                    f"{type(x).__name__}, not an array. Arguments must be pytrees of arrays; "
-                    "close over other values in fn (e.g. functools.partial(step, name=...)), "
-                    "built once outside the training loop: a new function object each step "
-                    "compiles each step."
-                )
+                    kind = how.kind
+                elif is_array_like(x):
+                    if isinstance(x, (np.ndarray, np.generic, int, float)):
+                        check_fits(np.asarray(x), lambda i=i: f"Replicator.run: {where(i)}")
+                    x = jax.device_put(_read_now(x), replicated)
+                    kind = REPLICATED
+                else:
+                    raise TypeError(
+                        f"Replicator.run: {where(i)} is a {type(x).__name__}, not an array. "
+                        "Arguments must be pytrees of arrays; close over other values in fn "
+                        "(e.g. functools.partial(step, name=...)), built once outside the "
+                        "training loop: a new function object each step compiles each step."
+                    )
+            except (TypeError, ValueError) as e:
+                problems.append(e)
+                continue
             arrays.append(x)
-            kinds.append("c")
+            kinds.append(kind)
+        report(problems, "Replicator.run")
         return arrays, tuple(kinds), traced
 
-    def _kind_of(self, s: Any) -> Any:
-        """How ``run`` takes an argument with sharding ``s``: ``"c"`` as it is (replicated),
-        ``("m", spec)`` as it is, split over the model axis (the step keeps the split on
-        the argument's new value), ``("logical", i)`` from logical device ``i``, or
-        ``("place",)``: copied replicated."""
+    def _placement(self, s: Any) -> _Placement:
+        """How ``run`` takes an argument with sharding ``s``: as it is, replicated or
+        split over the model axis (:attr:`ArgKind.MODEL_SHARDED`: the step keeps the
+        split on the argument's new value); copied replicated from logical device
+        ``i``, its new value sent back there; or copied replicated."""
         if isinstance(s, NamedSharding) and s.mesh == self._mesh:
             split = _spec_axes(s.spec) and self.layout.logical_devices_per_replica > 1
-            kind = ("m", s.spec) if split else "c"
+            how = _Placement(LeafKind(ArgKind.MODEL_SHARDED, s.spec)) if split else _AS_IS
         elif isinstance(s, NamedSharding) and s.mesh in self._logical_index:
-            kind = ("logical", self._logical_index[s.mesh])
+            how = _Placement(REPLICATED, copy=True,
+                             logical_device=self._logical_index[s.mesh])
         else:
-            kind = ("place",)
-        if len(self._sharding_kinds) < 1024:
-            self._sharding_kinds[s] = kind
-        return kind
+            how = _Placement(REPLICATED, copy=True)
+        if len(self._placements) < 1024:
+            self._placements[s] = how
+        return how
 
-    def _check_per_replica(self, x: PerReplica, i: int, treedef: Any, node_pos: tuple) -> Any:
+    def _check_per_replica(self, x: PerReplica, i: int, where: _LeafNames) -> Any:
         if x.mesh is not None and x.mesh is not self._mesh and x.mesh != self._mesh:
             raise ValueError(
-                "Replicator.run got a PerReplica value from another Replicator "
+                f"Replicator.run: {where(i)} is a PerReplica value from another Replicator "
                 "(a different mesh). Pass values produced by this Replicator's "
                 "prepare_input or run."
             )
@@ -291,7 +333,7 @@ class SPMDExecutor(Executor):
             # shard_map would split a longer leading axis into blocks and each
             # replica would silently take its block's first row.
             raise ValueError(
-                f"Replicator.run: {_leaf_paths(treedef, node_pos)[i]} is a PerReplica whose "
+                f"Replicator.run: {where(i)} is a PerReplica whose "
                 f"array has shape {tuple(shape)}, but it needs a leading axis of one value "
                 f"per replica ({self._num_replicas}). Build it as PerReplica(array of "
                 f"shape [{self._num_replicas}, ...]), or pass a plain array to give "
@@ -299,10 +341,11 @@ class SPMDExecutor(Executor):
             )
         if isinstance(x.array, jax.Array) and not isinstance(x.array, jax.core.Tracer) \
                 and x.array.is_deleted():
-            raise _deleted_error(_leaf_paths(treedef, node_pos)[i])
+            raise _deleted_error(where(i))
         return _read_now(x.array)
 
-    def _send_home(self, outs: list, homes: list, treedef: Any, program: Program) -> None:
+    def _send_home(self, outs: list, homes: list[Home], treedef: Any,
+                   program: Program) -> None:
         """Puts the new values of arguments that live on one logical device back there:
         the NNX state leaves, and the leaves of plain arguments the step returned first
         (as in ``return params, opt_state, loss``)."""
@@ -404,7 +447,7 @@ def _read_now(x: Any) -> Any:
 
 def _argument_leaves(treedef: Any, node_pos: tuple, donate_argnums: tuple[int, ...],
                      num_args: int) -> tuple:
-    """``((position, flat leaf indices), ...)`` of the donated plain arguments."""
+    """The donated plain arguments."""
     batch_t, plain_t, _ = treedef.children()
     sizes = [c.num_leaves for c in plain_t.children()]
     plain_ids = [i for i in range(num_args) if i not in node_pos]
@@ -412,7 +455,7 @@ def _argument_leaves(treedef: Any, node_pos: tuple, donate_argnums: tuple[int, .
     out = []
     for k, i in enumerate(plain_ids):
         if i in donate_argnums:
-            out.append((i, tuple(range(start, start + sizes[k]))))
+            out.append(donation.DonatedArgument(i, tuple(range(start, start + sizes[k]))))
         start += sizes[k]
     return tuple(out)
 
@@ -421,7 +464,7 @@ def _donated_leaves(treedef: Any, groups: tuple) -> tuple[int, ...]:
     """Flat leaf indices of the donated plain arguments (``groups``) and of all NNX
     state (which ``run`` replaces in place, so its old buffers are never read again)."""
     state_start = treedef.num_leaves - treedef.children()[2].num_leaves
-    return tuple(i for _, idx in groups for i in idx) + \
+    return tuple(i for arg in groups for i in arg.leaves) + \
         tuple(range(state_start, treedef.num_leaves))
 
 
@@ -469,18 +512,16 @@ def _donation_limit(leaves: list, arrays: list, donated: tuple[int, ...], treede
 def _check_donated_once(arrays: list, donated: tuple[int, ...], treedef: Any,
                         node_pos: tuple) -> None:
     """A donated array must not also be passed elsewhere in the same call (XLA would
-    fail in the middle of the call)."""
+    fail in the middle of the call); every such leaf is named in one error."""
     ids = {id(arrays[i]): i for i in donated}
-    for j, x in enumerate(arrays):
-        i = ids.get(id(x))
-        if i is not None and i != j:
-            paths = _leaf_paths(treedef, node_pos)
-            raise ValueError(
-                f"Replicator.run: {paths[i]} is donated (donate_argnums), but the same array "
-                f"is also passed as {paths[j]}. A buffer can be donated only if nothing else "
-                "in the call reads it: drop it from donate_argnums, or pass a copy "
-                "(jnp.copy(x)) in one of the places."
-            )
+    where = _LeafNames(treedef, node_pos)
+    report([ValueError(
+        f"Replicator.run: {where(i)} is donated (donate_argnums), but the same array "
+        f"is also passed as {where(j)}. A buffer can be donated only if nothing else "
+        "in the call reads it: drop it from donate_argnums, or pass a copy "
+        "(jnp.copy(x)) in one of the places.")
+        for j, i in ((j, ids.get(id(x))) for j, x in enumerate(arrays))
+        if i is not None and i != j], "Replicator.run")
 
 
 def _deleted_error(where: str) -> ValueError:
@@ -491,6 +532,21 @@ def _deleted_error(where: str) -> ValueError:
         "params, opt_state, donate_argnums=(0, 1))), or do not donate an argument you read "
         "again."
     )
+
+
+class _LeafNames:
+    """``names(i)``: flat leaf ``i``'s name (:func:`_leaf_paths`, computed once, when an
+    error first needs it)."""
+
+    __slots__ = ("_treedef", "_node_pos", "_names")
+
+    def __init__(self, treedef: Any, node_pos: tuple):
+        self._treedef, self._node_pos, self._names = treedef, node_pos, None
+
+    def __call__(self, i: int) -> str:
+        if self._names is None:
+            self._names = _leaf_paths(self._treedef, self._node_pos)
+        return self._names[i]
 
 
 def _leaf_paths(treedef: Any, node_pos: tuple) -> list[str]:
