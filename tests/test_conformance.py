@@ -1,5 +1,10 @@
 """The Replicator contract, checked for every in-process strategy (see conftest)."""
 
+import dataclasses
+import functools
+import gc
+import weakref
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -259,3 +264,42 @@ def test_parameter_server_run_overloads_and_group_collectives(strategy):
     np.testing.assert_array_equal(per_replica, [[11 * r] * 2 for r in range(g)])
     np.testing.assert_allclose(strategy.parameters(), np.full(3, -2.0))  # two pushes of 1
     assert rep.local_results(scheduled)[0][3] == g
+
+
+def test_any_callable_is_a_step(strategy):
+    """A step may be any callable: a dataclass instance (eq=True makes it unhashable),
+    two equal but distinct ones, a bound method, a functools.partial; each runs its own
+    code, and a dropped one frees its programs."""
+    rep = jr.Replicator(strategy)
+    with rep.scope():
+        w = jnp.zeros(3)
+        tx = jr.ps.pushable(optax.sgd(1.0))
+        opt = tx.init(w)
+
+    @dataclasses.dataclass
+    class Push:  # not hashable
+        k: float
+
+        def __call__(self, ctx, w, opt):
+            u, opt = tx.update(jnp.full(3, -self.k), opt, w)  # sgd(1): w += k
+            return optax.apply_updates(w, u), opt
+
+    class Holder:
+        def push(self, ctx, w, opt):
+            return Push(4.0)(ctx, w, opt)
+
+    holder = Holder()
+    fns = [Push(1.0), Push(1.0), Push(2.0), holder.push,
+           functools.partial(lambda ctx, w, opt, k: Push(k)(ctx, w, opt), k=8.0)]
+    ps = isinstance(strategy, jr.ParameterServerStrategy)
+    for fn in fns * 2:
+        out = rep.run(fn, None, w, opt)
+        if not ps:
+            w, opt = out
+    rep.join()
+    got = strategy.parameters() if ps else w
+    np.testing.assert_allclose(np.asarray(got), np.full(3, 2 * (1 + 1 + 2 + 4 + 8.0)))
+    dropped = weakref.ref(fns[0])
+    del fns, fn
+    gc.collect()
+    assert dropped() is None  # nothing of jreplicate keeps a step function alive

@@ -88,11 +88,44 @@ class _WeakCall:
         return fn(*args, **kwargs)
 
 
+class _IdentityRef(weakref.ref):
+    """A weak reference hashed and compared by its referent's identity: the key of a
+    callable that is not hashable (a dataclass with ``__call__``, whose ``eq=True``
+    removes ``__hash__``), which a plain weak reference cannot be."""
+
+    __slots__ = ("_id",)
+
+    def __init__(self, ob: Any, callback: Callable | None = None):
+        super().__init__(ob, callback)
+        self._id = id(ob)
+
+    def __hash__(self) -> int:
+        return hash(self._id)
+
+    def __eq__(self, other: object) -> bool:
+        if self is other:
+            return True
+        if not isinstance(other, _IdentityRef):
+            return NotImplemented
+        ob = self()
+        return ob is not None and ob is other()
+
+
+def _hashable(fn: Callable) -> bool:
+    try:
+        hash(fn)
+    except TypeError:
+        return False
+    return True
+
+
 def _token(fn: Callable, callback: Callable | None = None) -> Any:
     """A weak reference standing for ``fn`` in a key (``fn`` itself if it has none)."""
     try:
         if inspect.ismethod(fn):
             return weakref.WeakMethod(fn, callback)
+        if not _hashable(fn):
+            return _IdentityRef(fn, callback)
         return weakref.ref(fn, callback)
     except TypeError:  # not weakly referenceable (a builtin): held, as jax.jit does
         return fn
@@ -137,8 +170,11 @@ class ProgramCache:
         except TypeError:  # not weakly referenceable (held as itself), or not hashable
             try:
                 entry = self._functions.get(fn)
-            except TypeError:
-                return None
+            except TypeError:  # not hashable: keyed by identity
+                try:
+                    entry = self._functions.get(_IdentityRef(fn))
+                except TypeError:
+                    return None
         if entry is None or entry.fn() is not fn:
             return None
         return entry
@@ -225,6 +261,50 @@ def _handle(fn: Callable, token: Any) -> Callable[[], Any]:
     it lives), the method's token, or ``fn`` itself if it can't be weakly referenced."""
     if token is fn:
         return lambda: fn
-    if isinstance(token, weakref.WeakMethod):
+    if isinstance(token, (weakref.WeakMethod, _IdentityRef)):
         return token
     return _ref(fn)
+
+
+class FunctionMap:
+    """A dict from step functions to values that holds the functions weakly (an entry
+    goes with its function) and works for every callable: by equality for hashable ones
+    (as ``weakref.WeakKeyDictionary``), by identity for unhashable ones, and holding the
+    few that cannot be weakly referenced (builtins) as ``jax.jit`` does."""
+
+    def __init__(self) -> None:
+        self._d: dict[Any, Any] = {}
+
+    def _drop(self, token: Any) -> None:
+        self._d.pop(token, None)
+
+    def get(self, fn: Callable, default: Any = None) -> Any:
+        return self._d.get(_token(fn), default)
+
+    def __getitem__(self, fn: Callable) -> Any:
+        return self._d[_token(fn)]
+
+    def __setitem__(self, fn: Callable, value: Any) -> None:
+        token = _token(fn)
+        if token in self._d:
+            self._d[token] = value
+        else:
+            self._d[_token(fn, self._drop)] = value
+
+    def setdefault(self, fn: Callable, default: Any) -> Any:
+        token = _token(fn)
+        if token not in self._d:
+            self[fn] = default
+        return self._d[token]
+
+    def __len__(self) -> int:
+        return len(self._d)
+
+
+def weak_callable(fn: Callable) -> Callable:
+    """``fn`` behind a weak reference: a callable that calls ``fn`` while it lives,
+    for wrappers kept in a :class:`FunctionMap` under ``fn`` (a wrapper that held ``fn``
+    strongly would keep its own key alive). ``fn`` itself if it cannot be weakly
+    referenced."""
+    token = _token(fn)
+    return fn if token is fn else _WeakCall(token)

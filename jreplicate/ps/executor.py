@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import contextlib
 import sys
-import weakref
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -15,6 +14,7 @@ import numpy as np
 
 from jreplicate.context import PerReplica
 from jreplicate.execution.base import Executor
+from jreplicate.execution.cache import FunctionMap
 from jreplicate.ps import capture
 from jreplicate.ps.client import ShardClient
 from jreplicate.ps.config import PSConfig
@@ -49,7 +49,7 @@ class ParameterServerExecutor(Executor):
         self._opt_ids: tuple | None = None
         self._tx = None
         self._carrier: Carrier | None = None
-        self._fn_keys: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        self._fn_keys = FunctionMap()
         self._next_key = 0
         self._nnx_cache: dict[int, tuple] = {}
 

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import dataclasses
 import time
-import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -30,6 +29,7 @@ import numpy as np
 from jreplicate._jax_compat import varying_axes
 from jreplicate.context import PerReplica
 from jreplicate.execution.base import NOT_RUN
+from jreplicate.execution.cache import FunctionMap, weak_callable
 from jreplicate.execution.spmd import SPMDExecutor
 from jreplicate.layout import mesh_layout, replica_mesh
 from jreplicate.ps.capture import capturing
@@ -112,7 +112,7 @@ class PSWorker:
         self.client = client
         self._opt_host = opt_state
         self._opt = None
-        self._wrapped: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        self._wrapped = FunctionMap()
         self.token_timeout = token_timeout
         self.skip_stale_tokens = skip_stale_tokens
         self.local_step: int | None = None
@@ -286,9 +286,11 @@ class PSWorker:
         replicated arguments unchanged are returned as :class:`_Forwarded`."""
         wrapped = self._wrapped.setdefault(fn, {}).get(first)
         if wrapped is None:
+            step = weak_callable(fn)  # the map's value must not keep its key alive
+
             def wrapped(ctx, *args):
                 with capturing() as sink:
-                    out = fn(ctx, *args)
+                    out = step(ctx, *args)
                 if first is not None:
                     out = _forward(out, args[first:], ctx._axis)
                 if len(sink) != 1:
