@@ -15,6 +15,7 @@ import numpy as np
 
 from jreplicate.context import PerReplica
 from jreplicate.ps import wire
+from jreplicate.ps._malloc import keep_freed_blocks
 from jreplicate.ps._ray_proxy import _Forgotten, _ShardProxy
 from jreplicate.ps.client import ShardClient
 from jreplicate.ps.ledger import Ledger
@@ -38,6 +39,7 @@ if ray is not None:
         blocking token waits in ``"tokens"``, so neither blocks the other."""
 
         def __init__(self, index, params, tx, restored, num_shards=1, max_staleness=None):
+            keep_freed_blocks()  # (see ps/_malloc.py)
             r = restored or {}
             ledger = Ledger.from_arrays(r["ledger"]) if "ledger" in r else None
             self.shard = PSShard(index, params, tx, opt_state=r.get("opt_state"),
@@ -133,6 +135,7 @@ if ray is not None:
 
         def __init__(self, index, shards, placement, token_gated, opt_host, g, token_timeout,
                      skip_stale):
+            keep_freed_blocks()  # page faults of every step's buffers (ps/_malloc.py)
             proxies = [_ShardProxy(a) for a in shards]
             client = ShardClient(proxies, placement, token_gated)
             self.worker = PSWorker(index, jax.local_devices()[:g], client, opt_host,
