@@ -8,6 +8,7 @@ two Ray modules do not import each other.
 
 from __future__ import annotations
 
+import pickle
 import time
 from typing import NamedTuple
 
@@ -57,7 +58,7 @@ class _ShardCalls:
 
     def push_pull(self, push_id, worker, fetched_step, grads):
         # Pieces small enough go as raw bytes in chunks Ray sends inline (ps/wire.py);
-        # the reply is its head (decision, step, meta) and the parameters in as many
+        # the reply is its pickled head (decision, step, meta) and the parameters in as many
         # chunks. Larger ones go as dicts through the object store.
         if not wire.fits_inline(grads):
             return self.actor.push_pull.remote(push_id, worker, fetched_step, grads)
@@ -66,7 +67,8 @@ class _ShardCalls:
         if call is None:
             call = self._packed[len(chunks)] = self.actor.push_pull_packed.options(
                 num_returns=1 + len(chunks))
-        return _PackedReply(call.remote(push_id, worker, fetched_step, meta, *chunks))
+        return _PackedReply(call.remote(push_id, worker, fetched_step, wire.encode(meta),
+                                        *wire.to_bytes(chunks)))
 
     def stage(self, push_id, attempt, grads):
         return self.actor.stage.remote(push_id, attempt, grads)
@@ -107,8 +109,9 @@ class _ShardProxy:
         got, out = self._get(refs), []
         for f in futures:
             if isinstance(f, _PackedReply):
-                (decision, step, meta), *chunks = got[:len(f.refs)]
-                out.append((decision, step, wire.unpack(meta, chunks)))
+                head, *chunks = got[:len(f.refs)]
+                decision, step, meta = pickle.loads(head)
+                out.append((decision, step, wire.unpack(wire.decode(meta), chunks)))
                 got = got[len(f.refs):]
             else:
                 out.append(got[0])
