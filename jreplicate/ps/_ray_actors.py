@@ -7,7 +7,6 @@ module) rather than pickling class definitions by value.
 from __future__ import annotations
 
 import dataclasses
-import pickle
 import time
 import uuid
 
@@ -64,15 +63,13 @@ if ray is not None:
         def push_pull_packed(self, push_id, worker, fetched_step, meta, *chunks):
             """The shard's ``push_pull`` with the pieces and the parameters as
             :mod:`jreplicate.ps.wire` chunks of bytes, ``meta`` encoded (the caller asks
-            for ``1 + len(chunks)`` returns: the pickled ``(decision, step, meta)``,
-            then the chunks)."""
+            for ``1 + len(chunks)`` returns: ``(decision, step, meta)``, then the
+            chunks)."""
             grads = wire.unpack(wire.decode(meta), chunks)
             decision, step, params = self.shard.push_pull(push_id, worker, fetched_step,
                                                           grads)
             meta, out = wire.pack(params, chunks=len(chunks))
-            head = pickle.dumps((decision, step, wire.encode(meta)),
-                                protocol=pickle.HIGHEST_PROTOCOL)
-            return (head, *wire.to_bytes(out))
+            return ((decision, step, wire.encode(meta)), *wire.to_bytes(out))
 
         @ray.method(concurrency_group="io")
         def stage(self, push_id, attempt, grads):

@@ -8,7 +8,6 @@ two Ray modules do not import each other.
 
 from __future__ import annotations
 
-import pickle
 import time
 from typing import NamedTuple
 
@@ -58,7 +57,7 @@ class _ShardCalls:
 
     def push_pull(self, push_id, worker, fetched_step, grads):
         # Pieces small enough go as raw bytes in chunks Ray sends inline (ps/wire.py);
-        # the reply is its pickled head (decision, step, meta) and the parameters in as many
+        # the reply is its head (decision, step, meta) and the parameters in as many
         # chunks. Larger ones go as dicts through the object store.
         if not wire.fits_inline(grads):
             return self.actor.push_pull.remote(push_id, worker, fetched_step, grads)
@@ -109,8 +108,7 @@ class _ShardProxy:
         got, out = self._get(refs), []
         for f in futures:
             if isinstance(f, _PackedReply):
-                head, *chunks = got[:len(f.refs)]
-                decision, step, meta = pickle.loads(head)
+                (decision, step, meta), *chunks = got[:len(f.refs)]
                 out.append((decision, step, wire.unpack(wire.decode(meta), chunks)))
                 got = got[len(f.refs):]
             else:

@@ -31,8 +31,8 @@ Example:
 
 from __future__ import annotations
 
+import json
 import os
-import pickle
 from collections.abc import Mapping, Sequence
 from typing import NamedTuple
 
@@ -126,14 +126,31 @@ _ENCODED: dict[Meta, bytes] = {}
 _DECODED: dict[bytes, Meta] = {}
 
 
+def _dtype_name(dtype: np.dtype) -> str:
+    """``dtype`` as a string :func:`_dtype` reads back exactly: NumPy's own (byte order
+    included), or ``ml_dtypes:<name>`` for the types ml_dtypes adds (bfloat16, float8s),
+    which NumPy spells as raw bytes."""
+    return f"ml_dtypes:{dtype.name}" if dtype.kind == "V" else dtype.str
+
+
+def _dtype(name: str) -> np.dtype:
+    if name.startswith("ml_dtypes:"):
+        import ml_dtypes
+        return np.dtype(getattr(ml_dtypes, name.split(":", 1)[1]))
+    return np.dtype(name)
+
+
 def encode(meta: Meta) -> bytes:
-    """``meta`` as ``bytes`` (a pickle, cached: a worker sends the same meta data at
-    every step, which Ray would otherwise pickle anew, field by field)."""
+    """``meta`` as JSON ``bytes`` (cached: a worker sends the same meta data at every
+    step, which Ray would otherwise pickle anew, field by field; no pickle on the way
+    back either)."""
     out = _ENCODED.get(meta)
     if out is None:
         if len(_ENCODED) >= 64:
             _ENCODED.clear()
-        out = _ENCODED[meta] = pickle.dumps(meta, protocol=pickle.HIGHEST_PROTOCOL)
+        leaves = [[leaf.key, _dtype_name(np.dtype(leaf.dtype)), list(leaf.shape),
+                   leaf.offset] for leaf in meta.leaves]
+        out = _ENCODED[meta] = json.dumps([leaves, meta.nbytes]).encode()
     return out
 
 
@@ -141,14 +158,16 @@ def decode(data: bytes) -> Meta:
     """The :class:`Meta` of :func:`encode`'s ``data`` (cached).
 
     Raises:
-      TypeError: ``data`` is not an encoded :class:`Meta`.
+      ValueError: ``data`` is not an encoded :class:`Meta`.
     """
     out = _DECODED.get(data)
     if out is None:
-        out = pickle.loads(data)
-        if not isinstance(out, Meta):
-            raise TypeError(f"wire.decode: expected an encoded Meta, got a "
-                            f"{type(out).__name__}.")
+        try:
+            leaves, size = json.loads(data)
+            out = Meta(tuple(Leaf(str(k), _dtype(d), tuple(int(n) for n in shape), int(o))
+                             for k, d, shape, o in leaves), int(size))
+        except (ValueError, TypeError, AttributeError) as e:
+            raise ValueError(f"wire.decode: not an encoded Meta ({e}).") from None
         if len(_DECODED) >= 64:
             _DECODED.clear()
         _DECODED[data] = out
