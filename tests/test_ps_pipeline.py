@@ -9,6 +9,7 @@ it, so the step started behind it never runs there.
 
 import threading
 import time
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -155,4 +156,45 @@ def test_outputs_that_are_inputs_unchanged_come_back_as_the_inputs():
     worker = s._executor._carrier.workers[0]  # the state came back as the worker's own
     assert all(a is b for a, b in zip(jax.tree.leaves(values[0]._value[0]),
                                       jax.tree.leaves(worker._opt)))
+    s.shutdown()
+
+
+def test_pulled_parameters_are_donated_to_the_step_without_warnings():
+    """The worker's placed copy of the pulled parameters is donated to the step: the
+    parameters it returns (unchanged, or through the pushable update's zero updates)
+    come back with the values the step started from, and a step that returns none of
+    them, with gradients of another dtype (no output their buffers fit), runs without
+    jax.jit's "donated buffers were not usable" warning."""
+    s = jr.ParameterServerStrategy(num_ps=1, num_workers=1)
+    rep = jr.Replicator(s)
+    with rep.scope():
+        w = {"k": jnp.arange(3.0), "m": jnp.ones((2, 2))}
+        tx = jr.ps.pushable(optax.sgd(0.1))
+        opt = tx.init(w)
+
+    def returns_them(ctx, x, w, opt):
+        g = jax.tree.map(lambda v: v * jnp.sum(x), w)
+        u, opt = tx.update(g, opt, w)
+        return w, optax.apply_updates(w, u), opt
+
+    def returns_a_loss(ctx, x, w, opt):
+        g = jax.tree.map(lambda v: (v * jnp.sum(x)).astype(jnp.bfloat16), w)
+        tx.update(g, opt, w)
+        return jnp.sum(w["k"]) * jnp.sum(x)
+
+    xs = np.ones((8, 1), np.float32)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        values = [rep.run(returns_them, xs, w, opt) for _ in range(3)]
+        losses = [rep.run(returns_a_loss, xs, w, opt) for _ in range(3)]
+        rep.join()
+        got = [v.fetch() for v in values]
+        loss = [float(v.fetch()) for v in losses]
+    assert not [str(c.message) for c in caught if "donated" in str(c.message)]
+    expected = {"k": np.arange(3.0), "m": np.ones((2, 2))}
+    for step, (same, updated, _) in enumerate(got):
+        for key in expected:  # sgd: each step subtracts 0.1 * 8 * (the values)
+            np.testing.assert_allclose(same[key], expected[key] * 0.2 ** step, rtol=1e-6)
+            np.testing.assert_array_equal(updated[key], same[key])
+    np.testing.assert_allclose(loss, [8 * 3 * 0.2 ** k for k in range(3, 6)], rtol=1e-2)
     s.shutdown()

@@ -42,12 +42,14 @@ def arrays(draw):
 def test_round_trip_is_bit_exact(tree, chunks):
     meta, parts = wire.pack(tree, chunks)
     assert all(p.dtype == np.uint8 and p.ndim == 1 for p in parts)
-    back = wire.unpack(meta, parts)
-    assert list(back) == list(tree)
-    for k, a in tree.items():
-        b = back[k]
-        assert b.dtype == a.dtype and b.shape == a.shape, k
-        assert np.ascontiguousarray(a).tobytes() == b.tobytes(), k  # bits, NaNs too
+    # As the Ray carrier sends them: meta encoded, chunks as bytes; and as arrays.
+    for back in (wire.unpack(meta, parts),
+                 wire.unpack(wire.decode(wire.encode(meta)), wire.to_bytes(parts))):
+        assert list(back) == list(tree)
+        for k, a in tree.items():
+            b = back[k]
+            assert b.dtype == a.dtype and b.shape == a.shape, k
+            assert np.ascontiguousarray(a).tobytes() == b.tobytes(), k  # bits, NaNs too
 
 
 def test_chunk_rule_small_models_inline_large_ones_not_packed():
@@ -69,3 +71,13 @@ def test_short_buffer_is_an_error_not_garbage():
     meta, parts = wire.pack({"w": np.arange(10, dtype=np.float32)})
     with pytest.raises(ValueError, match="expected 48 bytes"):
         wire.unpack(meta, [parts[0][:-1]])
+
+
+def test_encoded_meta_is_cached_and_checked():
+    meta, _ = wire.pack({"w": np.arange(10, dtype=np.float32)})
+    data = wire.encode(meta)
+    assert wire.encode(wire.pack({"w": np.ones(10, np.float32)})[0]) is data  # equal meta
+    assert wire.decode(data) == meta and wire.decode(bytes(data)) == meta
+    for bad in (b'{"not": "meta"}', b"[[[1, 2]], 3]", b"\x80\x04"):
+        with pytest.raises(ValueError, match="not an encoded Meta"):
+            wire.decode(bad)

@@ -15,6 +15,7 @@ import numpy as np
 
 from jreplicate.context import PerReplica
 from jreplicate.ps import wire
+from jreplicate.ps._malloc import keep_freed_blocks
 from jreplicate.ps._ray_proxy import _Forgotten, _ShardProxy
 from jreplicate.ps.client import ShardClient
 from jreplicate.ps.ledger import Ledger
@@ -38,6 +39,7 @@ if ray is not None:
         blocking token waits in ``"tokens"``, so neither blocks the other."""
 
         def __init__(self, index, params, tx, restored, num_shards=1, max_staleness=None):
+            keep_freed_blocks()  # (see ps/_malloc.py)
             r = restored or {}
             ledger = Ledger.from_arrays(r["ledger"]) if "ledger" in r else None
             self.shard = PSShard(index, params, tx, opt_state=r.get("opt_state"),
@@ -60,13 +62,14 @@ if ray is not None:
         @ray.method(concurrency_group="io")
         def push_pull_packed(self, push_id, worker, fetched_step, meta, *chunks):
             """The shard's ``push_pull`` with the pieces and the parameters as
-            :mod:`jreplicate.ps.wire` chunks (the caller asks for ``1 + len(chunks)``
-            returns: ``(decision, step, meta)``, then the chunks)."""
-            grads = wire.unpack(meta, chunks)
+            :mod:`jreplicate.ps.wire` chunks of bytes, ``meta`` encoded (the caller asks
+            for ``1 + len(chunks)`` returns: ``(decision, step, meta)``, then the
+            chunks)."""
+            grads = wire.unpack(wire.decode(meta), chunks)
             decision, step, params = self.shard.push_pull(push_id, worker, fetched_step,
                                                           grads)
             meta, out = wire.pack(params, chunks=len(chunks))
-            return ((decision, step, meta), *out)
+            return ((decision, step, wire.encode(meta)), *wire.to_bytes(out))
 
         @ray.method(concurrency_group="io")
         def stage(self, push_id, attempt, grads):
@@ -133,6 +136,7 @@ if ray is not None:
 
         def __init__(self, index, shards, placement, token_gated, opt_host, g, token_timeout,
                      skip_stale):
+            keep_freed_blocks()  # page faults of every step's buffers (ps/_malloc.py)
             proxies = [_ShardProxy(a) for a in shards]
             client = ShardClient(proxies, placement, token_gated)
             self.worker = PSWorker(index, jax.local_devices()[:g], client, opt_host,

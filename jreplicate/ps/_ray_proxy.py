@@ -66,7 +66,8 @@ class _ShardCalls:
         if call is None:
             call = self._packed[len(chunks)] = self.actor.push_pull_packed.options(
                 num_returns=1 + len(chunks))
-        return _PackedReply(call.remote(push_id, worker, fetched_step, meta, *chunks))
+        return _PackedReply(call.remote(push_id, worker, fetched_step, wire.encode(meta),
+                                        *wire.to_bytes(chunks)))
 
     def stage(self, push_id, attempt, grads):
         return self.actor.stage.remote(push_id, attempt, grads)
@@ -108,7 +109,7 @@ class _ShardProxy:
         for f in futures:
             if isinstance(f, _PackedReply):
                 (decision, step, meta), *chunks = got[:len(f.refs)]
-                out.append((decision, step, wire.unpack(meta, chunks)))
+                out.append((decision, step, wire.unpack(wire.decode(meta), chunks)))
                 got = got[len(f.refs):]
             else:
                 out.append(got[0])

@@ -31,6 +31,7 @@ Example:
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Mapping, Sequence
 from typing import NamedTuple
@@ -95,12 +96,14 @@ def pack(tree: Mapping[str, np.ndarray], chunks: int | None = None
     return Meta(tuple(leaves), offset), np.array_split(buf, n)
 
 
-def unpack(meta: Meta, chunks: Sequence[np.ndarray]) -> dict[str, np.ndarray]:
-    """The dict :func:`pack` was given, from its meta data and chunks.
+def unpack(meta: Meta, chunks: Sequence[np.ndarray | bytes]) -> dict[str, np.ndarray]:
+    """The dict :func:`pack` was given, from its meta data and chunks (arrays, or
+    ``bytes`` of them: see :func:`to_bytes`).
 
     Raises:
       ValueError: the chunks do not hold ``meta.nbytes`` bytes.
     """
+    chunks = [np.frombuffer(c, np.uint8) if isinstance(c, bytes) else c for c in chunks]
     buf = chunks[0] if len(chunks) == 1 else np.concatenate(chunks)
     if buf.dtype != np.uint8 or buf.ndim != 1 or buf.size != meta.nbytes:
         raise ValueError(f"wire.unpack: expected {meta.nbytes} bytes in 1-d uint8 chunks, "
@@ -110,4 +113,62 @@ def unpack(meta: Meta, chunks: Sequence[np.ndarray]) -> dict[str, np.ndarray]:
         count = int(np.prod(leaf.shape, dtype=np.int64))
         flat = np.frombuffer(buf, leaf.dtype, count, leaf.offset)
         out[leaf.key] = flat.reshape(leaf.shape)
+    return out
+
+
+def to_bytes(chunks: Sequence[np.ndarray]) -> list[bytes]:
+    """:func:`pack`'s chunks as ``bytes``, which Ray sends with less work per argument
+    or return than an array (no pickling: about 0.05 ms each, measured here)."""
+    return [c.tobytes() for c in chunks]
+
+
+_ENCODED: dict[Meta, bytes] = {}
+_DECODED: dict[bytes, Meta] = {}
+
+
+def _dtype_name(dtype: np.dtype) -> str:
+    """``dtype`` as a string :func:`_dtype` reads back exactly: NumPy's own (byte order
+    included), or ``ml_dtypes:<name>`` for the types ml_dtypes adds (bfloat16, float8s),
+    which NumPy spells as raw bytes."""
+    return f"ml_dtypes:{dtype.name}" if dtype.kind == "V" else dtype.str
+
+
+def _dtype(name: str) -> np.dtype:
+    if name.startswith("ml_dtypes:"):
+        import ml_dtypes
+        return np.dtype(getattr(ml_dtypes, name.split(":", 1)[1]))
+    return np.dtype(name)
+
+
+def encode(meta: Meta) -> bytes:
+    """``meta`` as JSON ``bytes`` (cached: a worker sends the same meta data at every
+    step, which Ray would otherwise pickle anew, field by field; no pickle on the way
+    back either)."""
+    out = _ENCODED.get(meta)
+    if out is None:
+        if len(_ENCODED) >= 64:
+            _ENCODED.clear()
+        leaves = [[leaf.key, _dtype_name(np.dtype(leaf.dtype)), list(leaf.shape),
+                   leaf.offset] for leaf in meta.leaves]
+        out = _ENCODED[meta] = json.dumps([leaves, meta.nbytes]).encode()
+    return out
+
+
+def decode(data: bytes) -> Meta:
+    """The :class:`Meta` of :func:`encode`'s ``data`` (cached).
+
+    Raises:
+      ValueError: ``data`` is not an encoded :class:`Meta`.
+    """
+    out = _DECODED.get(data)
+    if out is None:
+        try:
+            leaves, size = json.loads(data)
+            out = Meta(tuple(Leaf(str(k), _dtype(d), tuple(int(n) for n in shape), int(o))
+                             for k, d, shape, o in leaves), int(size))
+        except (ValueError, TypeError, AttributeError) as e:
+            raise ValueError(f"wire.decode: not an encoded Meta ({e}).") from None
+        if len(_DECODED) >= 64:
+            _DECODED.clear()
+        _DECODED[data] = out
     return out

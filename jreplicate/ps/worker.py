@@ -113,6 +113,7 @@ class PSWorker:
         self._opt_host = opt_state
         self._opt = None
         self._wrapped = FunctionMap()
+        self._plans: dict = {}  # output structure -> where its leaves come from
         self.token_timeout = token_timeout
         self.skip_stale_tokens = skip_stale_tokens
         self.local_step: int | None = None
@@ -214,14 +215,19 @@ class PSWorker:
         # returns) are not copied out of the step: taken from the inputs (not with NNX
         # arguments, whose state the executor splits and writes back itself).
         first = None if any(isinstance(a, NnxArg) for a in c.args) else int(c.has_batch)
-        fn = self._capturing(c.fn, first)
+        # The placed parameters are this step's own copy: donated, the step writes an
+        # output into them (the parameters it returns, which the pushable update leaves
+        # unchanged, or its gradients) instead of a new model-sized buffer.
+        donate = () if first is None else (c.param_index,)
+        fn = self._capturing(c.fn, first, c.param_index if donate else None)
         try:  # a batch the step cannot take (placed here) is the step's error too
-            # Placed for the mesh, so that the step takes the steady-state path.
+            # Placed for the mesh, so that the step takes the steady-state path (held
+            # by args alone, so that the executor donates them without a copy).
             placed, batch = self._place_inputs(None if nnx_model else params, c.batch)
             if not nnx_model:
                 args[c.param_index] = placed
-            args = tuple(args)
-            got, full = self._execute(fn, c.has_batch, batch, args)
+            args, placed = tuple(args), None
+            got, full = self._execute(fn, c.has_batch, batch, args, donate)
             if full and not (nnx_model or c.reuse or self.client.token_gated
                              or c.fn_key in self._first_runs):
                 self._first_runs.add(c.fn_key)
@@ -232,10 +238,10 @@ class PSWorker:
                 args = list(args)
                 args[c.param_index], batch = self._place_inputs(params, c.batch)
                 args = tuple(args)
-                got, _ = self._execute(fn, c.has_batch, batch, args)
-            out, grads = got
+                got, _ = self._execute(fn, c.has_batch, batch, args, donate)
+            out, grads, _ = got
             if first is not None:
-                out = _unforward(out, args)
+                out = _unforward(out, args, self._plans)
             grads = jax.tree.map(np.asarray, grads)
         except WorkerLostError:
             raise
@@ -256,15 +262,15 @@ class PSWorker:
         self._min_step = decision.step + 1 if decision.kind == "applied" else 0
         return out, decision
 
-    def _execute(self, fn: Callable, has_batch: bool, batch: Any,
-                 args: tuple) -> tuple[Any, bool]:
+    def _execute(self, fn: Callable, has_batch: bool, batch: Any, args: tuple,
+                 donate: tuple[int, ...]) -> tuple[Any, bool]:
         """The step's outputs by the steady-state path, else by the full one (which may
         compile), and whether the full path ran."""
-        got = self.executor.run_again(fn, has_batch, batch, args, None, ())
+        got = self.executor.run_again(fn, has_batch, batch, args, None, donate)
         if got is not NOT_RUN:
             return got, False
         return self.executor.run(fn, has_batch, batch, args, steps=None,
-                                 donate_argnums=()), True
+                                 donate_argnums=donate), True
 
     def _place_inputs(self, params: Any, batch: Any) -> tuple[Any, Any]:
         """``params`` (or None) placed replicated, and ``batch`` as the step takes it: a
@@ -280,11 +286,15 @@ class PSWorker:
         return placed, jax.tree.unflatten(batch.treedef,
                                           [PerReplica(x, mesh, axis) for x in leaves])
 
-    def _capturing(self, fn: Callable, first: int | None) -> Callable:
-        """``fn`` tracing its pushable update's gradients (returned with its outputs);
-        with ``first`` (where the arguments after the batch start), outputs that are
-        replicated arguments unchanged are returned as :class:`_Forwarded`."""
-        wrapped = self._wrapped.setdefault(fn, {}).get(first)
+    def _capturing(self, fn: Callable, first: int | None, donated: int | None
+                   ) -> Callable:
+        """``fn`` tracing its pushable update's gradients, returning ``(outputs,
+        gradients, kept)``. With ``first`` (where the arguments after the batch start),
+        outputs that are replicated arguments unchanged are returned as
+        :class:`_Forwarded`, except those of argument ``donated`` (after the batch),
+        whose leaves are donated: ``kept`` returns those that no output of theirs
+        takes (see :func:`_unclaimed`), so that every donated buffer is used."""
+        wrapped = self._wrapped.setdefault(fn, {}).get((first, donated))
         if wrapped is None:
             step = weak_callable(fn)  # the map's value must not keep its key alive
 
@@ -292,7 +302,8 @@ class PSWorker:
                 with capturing() as sink:
                     out = step(ctx, *args)
                 if first is not None:
-                    out = _forward(out, args[first:], ctx._axis)
+                    own = () if donated is None else args[first + donated]
+                    out = _forward(out, args[first:], ctx._axis, own)
                 if len(sink) != 1:
                     raise ValueError(
                         f"ParameterServerStrategy: the step called a jr.ps.pushable "
@@ -304,8 +315,10 @@ class PSWorker:
                 grads = jax.tree.map(
                     lambda g: jax.lax.psum(g, axis) / n if axis in varying_axes(g) else g,
                     sink[0])
-                return out, grads
-            self._wrapped[fn][first] = wrapped
+                kept = () if donated is None else _unclaimed(
+                    args[first + donated], (out, grads), axis)
+                return out, grads, kept
+            self._wrapped[fn][(first, donated)] = wrapped
         return wrapped
 
 
@@ -328,22 +341,72 @@ class _Forwarded:
         return cls(index)
 
 
-def _forward(out: Any, inputs: tuple, axis: str) -> Any:
+def _forward(out: Any, inputs: tuple, axis: str, donated: Any = ()) -> Any:
     """At trace time: ``out`` with each output that is a replicated input tracer itself
-    replaced by a :class:`_Forwarded` naming it."""
+    replaced by a :class:`_Forwarded` naming it, except the leaves of ``donated`` (a
+    donated input returned unchanged is its own buffer, with no copy)."""
     leaves = jax.tree.leaves(inputs)
+    own = {id(x) for x in jax.tree.leaves(donated)}
     index = {id(x): i for i, x in enumerate(leaves)
-             if isinstance(x, jax.core.Tracer) and axis not in varying_axes(x)}
+             if isinstance(x, jax.core.Tracer) and axis not in varying_axes(x)
+             and id(x) not in own}
     return jax.tree.map(lambda x: _Forwarded(index[id(x)]) if id(x) in index else x, out)
 
 
-def _unforward(out: Any, args: tuple) -> Any:
-    """After the step: each :class:`_Forwarded` output replaced by its input (a leaf of
-    ``args``, the step's arguments after the batch, as traced)."""
-    is_fwd = lambda x: isinstance(x, _Forwarded)  # noqa: E731
-    leaves = jax.tree.leaves(out, is_leaf=is_fwd)
-    if not any(map(is_fwd, leaves)):
-        return out
-    inputs = jax.tree.leaves(args)
-    return jax.tree.map(lambda x: inputs[x.index] if is_fwd(x) else x, out, is_leaf=is_fwd)
+def _unclaimed(donated: Any, outputs: Any, axis: str) -> list:
+    """At trace time: the leaves of ``donated`` (inputs whose buffers the step may
+    reuse) for which ``outputs`` hold too few replicated arrays of their shape and
+    dtype (jax.jit gives a donated buffer to an output of its shape and dtype, and
+    warns about one none takes). Returned as extra outputs, they take them: a donated
+    input returned unchanged is its own buffer, with no copy."""
+    def key(x):
+        return (tuple(x.shape), np.dtype(x.dtype))
 
+    free: dict = {}
+    for x in jax.tree.leaves(outputs):
+        if hasattr(x, "shape") and axis not in varying_axes(x):
+            free[key(x)] = free.get(key(x), 0) + 1
+    kept = []
+    for x in jax.tree.leaves(donated):
+        if free.get(key(x), 0):
+            free[key(x)] -= 1
+        else:
+            kept.append(x)
+    return kept
+
+
+def _unforward(out: Any, args: tuple, plans: dict) -> Any:
+    """After the step: each :class:`_Forwarded` output replaced by its input (a leaf of
+    ``args``, the step's arguments after the batch, as traced). ``plans`` caches, per
+    structure of ``out``, where each output comes from (:func:`_unforward_plan`)."""
+    leaves, treedef = jax.tree.flatten(out)  # (a _Forwarded has no leaves)
+    if treedef not in plans:
+        if len(plans) >= 64:  # (steps of many output structures: start again)
+            plans.clear()
+        plans[treedef] = _unforward_plan(treedef)
+    plan = plans[treedef]
+    if plan is None:
+        return out
+    full, sources = plan
+    inputs = jax.tree.leaves(args)
+    return jax.tree.unflatten(full, [inputs[i] if fwd else leaves[i] for fwd, i in sources])
+
+
+def _unforward_plan(treedef: Any) -> tuple[Any, list[tuple[bool, int]]] | None:
+    """For outputs of structure ``treedef``: None if none is forwarded, else the
+    structure with each :class:`_Forwarded` as a leaf, and per leaf of it ``(True, input
+    leaf index)`` or ``(False, output leaf index)``."""
+    marked = jax.tree.unflatten(treedef, [_Output(i) for i in range(treedef.num_leaves)])
+    items, full = jax.tree.flatten(marked, is_leaf=lambda x: isinstance(x, _Forwarded))
+    sources = [(True, x.index) if isinstance(x, _Forwarded) else (False, x.index)
+               for x in items]
+    return (full, sources) if any(fwd for fwd, _ in sources) else None
+
+
+class _Output:
+    """A marker leaf: output leaf ``index`` (see :func:`_unforward_plan`)."""
+
+    __slots__ = ("index",)
+
+    def __init__(self, index: int):
+        self.index = index
