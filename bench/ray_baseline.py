@@ -58,6 +58,7 @@ import psutil  # noqa: E402
 import ray  # noqa: E402
 
 import jreplicate as jr  # noqa: E402
+from bench import _record  # noqa: E402
 from bench._timing import mlp as forward  # noqa: E402 (bench/parameter_server.py's MLP)
 from jreplicate.ps.ray_carrier import ensure_ray  # noqa: E402
 
@@ -262,6 +263,7 @@ def main(argv=None) -> int:
     ap.add_argument("--num-ps", type=int, nargs="+", default=[1, 2])
     ap.add_argument("--breakdown", action="store_true",
                     help="also CPU ms per update by process (last configuration)")
+    _record.add_argument(ap)
     a = ap.parse_args(argv)
     ensure_ray()
     print(f"# {datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC, "
@@ -289,6 +291,11 @@ def main(argv=None) -> int:
         print(f"| 64-{hidden}-{hidden}-10 | {n} | {name} | {rate:.1f} | {cpu:.1f} | "
               f"{ratio:.2f}x |")
     print(f"\nload average at the end: {os.getloadavg()}")
+    _record.write(a.json, "ray_baseline",
+                  "The Ray carrier against a parameter server written as Ray's docs teach",
+                  ["hidden", "workers", "system", "updates/s", "CPU ms/update",
+                   "vs hand-written"], rows, updates=a.updates, rounds=a.rounds,
+                  num_ps=a.num_ps, load_average_end=os.getloadavg()[0])
     ray.shutdown()
     return 0
 

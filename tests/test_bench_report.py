@@ -39,7 +39,7 @@ def test_every_figure_is_drawn_from_records_alone(tmp_path):
                                     [["async, 1 worker(s)", 50.0]],
                                     async_by_workers=[[1, 50.0], [2, 80.0]]),
         "ray_baseline": _result("ray_baseline", ["hidden", "workers", "system", "updates/s",
-                                                 "CPU ms/update", "ratio"],
+                                                 "CPU ms/update", "vs hand-written"],
                                 [[256, 1, "hand-written", 80.0, 18.0, 1.0],
                                  [256, 1, "carrier num_ps=1", 82.0, 17.0, 1.02]]),
         "host_overhead": _result("host_overhead", ["jreplicate", "reference", "jreplicate us",
