@@ -128,7 +128,8 @@ def run_one(bench: Bench, out: str, quick: bool) -> dict[str, Any]:
         except subprocess.TimeoutExpired:
             rc = None
     took = time.perf_counter() - t0
-    result: dict[str, Any] = {"seconds": round(took, 1), "args": args}
+    shown = [os.path.relpath(a, ROOT) if os.path.isabs(a) else a for a in args]
+    result: dict[str, Any] = {"seconds": round(took, 1), "args": shown}
     if rc != 0:
         result.update(status="failed", why=f"exit status {rc}" if rc is not None
                       else f"no result in {bench.timeout_s:.0f} s", log=_tail(log))
