@@ -401,9 +401,6 @@ def test_ps_step_functions_of_every_kind_are_freed_and_right():
     s.shutdown()
 
 
-@pytest.mark.xfail(strict=True, reason="the PS worker's capturing wrapper (one code "
-                   "object) is what the cache counts: 8 distinct step functions warn, "
-                   "naming jreplicate's own 'wrapped'")
 def test_ps_distinct_step_functions_do_not_warn_and_a_lambda_per_step_names_itself():
     import warnings
 

@@ -133,8 +133,15 @@ def _token(fn: Callable, callback: Callable | None = None) -> Any:
 
 def _code(fn: Callable) -> Any:
     inner = fn
-    while hasattr(inner, "func"):  # functools.partial
-        inner = inner.func
+    for _ in range(32):  # (a bound on wrappers, should one wrap itself)
+        if isinstance(inner, _WeakCall):  # (a wrapper's step, held weakly)
+            inner = inner._ref()
+        elif hasattr(inner, "__wrapped__"):  # a wrapper's step (ps/worker.py)
+            inner = inner.__wrapped__
+        elif hasattr(inner, "func"):  # functools.partial
+            inner = inner.func
+        else:
+            break
     inner = getattr(inner, "__func__", inner)
     return getattr(inner, "__code__", None)
 
