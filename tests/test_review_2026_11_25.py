@@ -428,8 +428,6 @@ def test_ps_distinct_step_functions_do_not_warn_and_a_lambda_per_step_names_itse
     s.shutdown()
 
 
-@pytest.mark.xfail(strict=True, reason="wire.encode writes float8_e5m2 (kind 'f') as "
-                   "NumPy's '<f1', which decode cannot read back")
 def test_wire_meta_round_trips_every_ml_dtypes_type():
     """The Ray carrier's push_pull meta data as JSON: every dtype NumPy or ml_dtypes has
     (float8_e5m2 is of kind 'f', spelled '<f1' by NumPy, which NumPy cannot read)."""
