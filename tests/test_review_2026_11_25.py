@@ -445,3 +445,41 @@ def test_wire_meta_round_trips_every_ml_dtypes_type():
             assert out[k].dtype == v.dtype, (t, out[k].dtype)
             np.testing.assert_array_equal(out[k].reshape(-1).view(np.uint8),
                                           v.reshape(-1).view(np.uint8))
+
+
+@pytest.mark.parametrize("when", ["compute", "push"])
+def test_ps_killed_worker_with_donated_params(when):
+    """Two workers, two shards, a worker killed after its step ran (its placed params
+    donated) or between its pushes: its step runs again elsewhere, applied once on each
+    shard; every step's returned parameter is its shard's after some number of
+    updates."""
+    import jreplicate.testing as jrt
+
+    s = jr.ParameterServerStrategy(num_ps=2, num_workers=2)
+    rep = jr.Replicator(s)
+    with rep.scope():
+        w = {"a": jnp.zeros(2), "b": jnp.zeros(3)}
+        tx = jr.ps.pushable(optax.sgd(0.25))
+        opt = tx.init(w)
+
+    def step(ctx, w, opt):  # a constant gradient: the result does not depend on order
+        g = jax.tree.map(jnp.ones_like, w)
+        u, opt = tx.update(g, opt, w)
+        return w, opt, w["b"]
+
+    for k in range(2):
+        jrt.set_worker_delay(s, k, 0.002)
+    jrt.kill_worker(s, 1, when=when)
+    values = [rep.run(step, None, w, opt) for _ in range(12)]
+    rep.join()
+    assert s.stats()["completed"] == 12
+    assert [led["applied"] for led in s.ledger()] == [12, 12]
+    _assert_tree(s.parameters(), {"a": np.full(2, -3.0), "b": np.full(3, -3.0)})
+    for v in values:  # (asynchronous: the two shards may be at different steps)
+        got, _, b = v.fetch()
+        for x in jax.tree.leaves(got):
+            n = -float(np.asarray(x)[0]) / 0.25
+            assert n == int(n) and 0 <= n <= 12  # (a rerun may see its own first push)
+            np.testing.assert_array_equal(np.asarray(x), np.full(x.shape, -0.25 * n))
+        np.testing.assert_array_equal(np.asarray(b), np.asarray(got["b"]))
+    s.shutdown()
