@@ -483,3 +483,37 @@ def test_ps_killed_worker_with_donated_params(when):
             np.testing.assert_array_equal(np.asarray(x), np.full(x.shape, -0.25 * n))
         np.testing.assert_array_equal(np.asarray(b), np.asarray(got["b"]))
     s.shutdown()
+
+
+def test_ps_two_replicas_a_per_replica_output_beside_forwarded_inputs():
+    """num_replicas_in_sync=2: outputs mixing a per-replica value (a PerReplica node),
+    replicated inputs forwarded unchanged and the donated params; plans cached and used
+    again by a second step of the same output structure."""
+    s, rep, w, opt, tx, grads = _ps(num_replicas_in_sync=2)
+    inputs = rep.prepare_input(lambda ctx: [np.full((2, 3), float(i), np.float32)
+                                            for i in range(8)])
+
+    def step(ctx, batch, w, opt, x):
+        u, opt = tx.update(grads(w), opt, w)
+        return {"pr": batch.sum(), "x": x, "w": w, "both": (x, batch.sum() * 2)}
+
+    def step2(ctx, batch, w, opt, x):
+        u, opt = tx.update(grads(w), opt, w)
+        return {"pr": batch.sum() + 1, "x": x, "w": w, "both": (x, batch.sum())}
+
+    x = np.arange(3.0, dtype=np.float32)
+    it = iter(inputs)
+    values = [rep.run(f, next(it), w, opt, x) for f in (step, step2, step, step2)]
+    rep.join()
+    seen, final = _reference(4)
+    for k, v in enumerate(values):
+        out = v.fetch()
+        sums = np.array([6.0 * (2 * k), 6.0 * (2 * k + 1)])  # one element per replica
+        pr, both = (sums, 2 * sums) if k % 2 == 0 else (sums + 1, sums)
+        np.testing.assert_array_equal(np.asarray(out["pr"]).reshape(-1), pr)
+        np.testing.assert_array_equal(np.asarray(out["both"][1]).reshape(-1), both)
+        np.testing.assert_array_equal(np.asarray(out["x"]), x)
+        np.testing.assert_array_equal(np.asarray(out["both"][0]), x)
+        _assert_tree(out["w"], seen[k])
+    _assert_tree(s.parameters(), final)
+    s.shutdown()
