@@ -517,3 +517,32 @@ def test_ps_two_replicas_a_per_replica_output_beside_forwarded_inputs():
         _assert_tree(out["w"], seen[k])
     _assert_tree(s.parameters(), final)
     s.shutdown()
+
+
+@pytest.mark.xfail(strict=True, reason="a Ray worker actor keeps every step function it "
+                   "was sent (by key) for good: dropped step functions are not freed there")
+def test_ray_worker_actors_let_dropped_step_functions_go(request):
+    request.getfixturevalue("local_ray")
+    s, rep, w, opt, tx, grads = _ps(carrier="ray")
+
+    def body(ctx, w, opt, *, c):
+        u, opt = tx.update(grads(w), opt, w)
+        return w["a"] * c
+
+    import functools
+    import warnings
+
+    values = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (a new function per step: warned in the actor)
+        for k in range(6):
+            values.append(rep.run(functools.partial(body, c=float(k)), None, w, opt))
+            rep.join()
+            gc.collect()
+    seen, _ = _reference(6)
+    for k, v in enumerate(values):
+        np.testing.assert_allclose(np.asarray(v.fetch()), seen[k]["a"] * k, rtol=1e-6)
+    actor = s._executor._carrier.workers[0]
+    held = ray.get(actor.__ray_call__.remote(lambda self: len(self.fns)), timeout=60)
+    assert held <= 2, held
+    s.shutdown()
