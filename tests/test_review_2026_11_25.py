@@ -519,8 +519,6 @@ def test_ps_two_replicas_a_per_replica_output_beside_forwarded_inputs():
     s.shutdown()
 
 
-@pytest.mark.xfail(strict=True, reason="a Ray worker actor keeps every step function it "
-                   "was sent (by key) for good: dropped step functions are not freed there")
 def test_ray_worker_actors_let_dropped_step_functions_go(request):
     request.getfixturevalue("local_ray")
     s, rep, w, opt, tx, grads = _ps(carrier="ray")
