@@ -544,3 +544,76 @@ def test_ray_worker_actors_let_dropped_step_functions_go(request):
     held = ray.get(actor.__ray_call__.remote(lambda self: len(self.fns)), timeout=60)
     assert held <= 2, held
     s.shutdown()
+
+
+def test_ps_donated_params_of_odd_leaves_warn_nothing():
+    """Parameters with a scalar, an empty and a bfloat16 leaf, and two leaves of one
+    shape and dtype: donated without jax.jit's 'not usable' warning, right values."""
+    import warnings
+
+    s = jr.ParameterServerStrategy(num_ps=2, num_workers=1)
+    rep = jr.Replicator(s)
+    with rep.scope():
+        w = {"s": jnp.zeros(()), "e": jnp.zeros((0, 3)), "h": jnp.zeros(4, jnp.bfloat16),
+             "a": jnp.zeros(4), "b": jnp.zeros(4)}
+        tx = jr.ps.pushable(optax.sgd(1.0))
+        opt = tx.init(w)
+
+    def step(ctx, w, opt):
+        g = {"s": jnp.ones(()), "e": jnp.ones((0, 3)), "h": jnp.ones(4, jnp.bfloat16),
+             "a": jnp.full(4, 2.0), "b": jnp.full(4, 3.0)}
+        u, opt = tx.update(g, opt, w)
+        return w["a"] + w["b"], w["s"]
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        values = [rep.run(step, None, w, opt) for _ in range(3)]
+        rep.join()
+    for k, v in enumerate(values):
+        ab, sc = v.fetch()
+        np.testing.assert_array_equal(np.asarray(ab), np.full(4, -5.0 * k))
+        assert float(sc) == -k
+    p = s.parameters()
+    assert float(p["s"]) == -3.0 and p["e"].shape == (0, 3)
+    np.testing.assert_array_equal(np.asarray(p["h"], np.float32), np.full(4, -3.0))
+    np.testing.assert_array_equal(p["a"], np.full(4, -6.0))
+    np.testing.assert_array_equal(p["b"], np.full(4, -9.0))
+    s.shutdown()
+
+
+def test_device_loops_donation_and_eviction_in_a_tiny_cache():
+    """Two step functions, steps=K in (1, 3), donated or not, over a cache of 3
+    programs (every few calls evicts one whose steady-state calls are recorded): each
+    call equals K numpy steps."""
+    rep = jr.Replicator(jr.MirroredStrategy(devices=jax.local_devices()[:2]))
+    rep._executor._cache._max = 3
+    xs = np.random.default_rng(0).normal(size=(400, 2, 3)).astype(np.float32)
+
+    def input_fn(ctx):
+        r = ctx.input_pipeline_id
+        return (xs[s, r] for s in range(len(xs)))
+
+    inputs = rep.prepare_input(input_fn, jr.InputReplicationMode.PER_REPLICA)
+
+    def f1(ctx, x, w):
+        return w * 0.5 + ctx.all_sum(x) / 2, ctx.all_sum(x.sum())
+
+    def f2(ctx, x, w):
+        return w - ctx.all_sum(x) * 0.25, ctx.all_sum(x.max())
+
+    with rep.scope():
+        w = jnp.zeros(3)
+    ref, s = np.zeros(3, np.float32), 0
+    plan = [(f, k, d) for f in (f1, f2) for k in (1, 3) for d in ((), (0,))]
+    for f, k, donate in plan + plan[::-1] + plan[:3] * 2:
+        w, aux = rep.run(f, inputs, w, steps=k if k > 1 else None, donate_argnums=donate)
+        want_aux = []
+        for _ in range(k):
+            x = xs[s].sum(0)
+            ref = ref * 0.5 + x / 2 if f is f1 else ref - x * 0.25
+            want_aux.append(xs[s].sum() if f is f1 else xs[s].max(1).sum())
+            s += 1
+        np.testing.assert_allclose(np.asarray(w), ref, rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(np.asarray(aux).reshape(-1), want_aux, rtol=1e-5,
+                                   atol=1e-5)
+    assert len(rep._executor._cache) <= 3
