@@ -617,3 +617,37 @@ def test_device_loops_donation_and_eviction_in_a_tiny_cache():
         np.testing.assert_allclose(np.asarray(aux).reshape(-1), want_aux, rtol=1e-5,
                                    atol=1e-5)
     assert len(rep._executor._cache) <= 3
+
+
+@pytest.mark.xfail(strict=True, reason="the shard's tx.init(params) state holds the "
+                   "params' arrays, and its update donates the state: XLA refuses to "
+                   "donate a buffer also passed as the params ('every worker died')")
+def test_ps_optimizer_state_that_is_the_params_themselves():
+    """A transformation whose state is the params it was given (the same arrays): the
+    worker's state copy is not the donated params copy; both come back right."""
+    base = optax.sgd(LR)
+    tx_raw = optax.GradientTransformation(
+        lambda p: (p, base.init(p)),
+        lambda g, st, p=None: (base.update(g, st[1], p)[0], st))
+    s = jr.ParameterServerStrategy(num_ps=2, num_workers=1)
+    rep = jr.Replicator(s)
+    with rep.scope():
+        w = {"a": jnp.zeros(2), "b": jnp.zeros(3)}
+        tx = jr.ps.pushable(tx_raw)
+        opt = tx.init(w)
+    assert jax.tree.leaves(opt)[0] is jax.tree.leaves(w)[0]
+
+    def step(ctx, w, opt):
+        g = jax.grad(lambda w: sum(0.5 * jnp.sum((w[k] - T[k]) ** 2) for k in T))(w)
+        u, opt = tx.update(g, opt, w)
+        return w, opt
+
+    values = [rep.run(step, None, w, opt) for _ in range(4)]
+    rep.join()
+    seen, final = _reference(4)
+    for k, v in enumerate(values):
+        got_w, got_opt = v.fetch()
+        _assert_tree(got_w, seen[k])
+        _assert_tree(got_opt[0], {"a": np.zeros(2), "b": np.zeros(3)})  # the initial
+    _assert_tree(s.parameters(), final)
+    s.shutdown()
