@@ -619,9 +619,6 @@ def test_device_loops_donation_and_eviction_in_a_tiny_cache():
     assert len(rep._executor._cache) <= 3
 
 
-@pytest.mark.xfail(strict=True, reason="the shard's tx.init(params) state holds the "
-                   "params' arrays, and its update donates the state: XLA refuses to "
-                   "donate a buffer also passed as the params ('every worker died')")
 def test_ps_optimizer_state_that_is_the_params_themselves():
     """A transformation whose state is the params it was given (the same arrays): the
     worker's state copy is not the donated params copy; both come back right."""
