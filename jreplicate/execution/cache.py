@@ -133,8 +133,15 @@ def _token(fn: Callable, callback: Callable | None = None) -> Any:
 
 def _code(fn: Callable) -> Any:
     inner = fn
-    while hasattr(inner, "func"):  # functools.partial
-        inner = inner.func
+    for _ in range(32):  # (a bound on wrappers, should one wrap itself)
+        if isinstance(inner, _WeakCall):  # (a wrapper's step, held weakly)
+            inner = inner._ref()
+        elif hasattr(inner, "__wrapped__"):  # a wrapper's step (ps/worker.py)
+            inner = inner.__wrapped__
+        elif hasattr(inner, "func"):  # functools.partial
+            inner = inner.func
+        else:
+            break
     inner = getattr(inner, "__func__", inner)
     return getattr(inner, "__code__", None)
 
@@ -266,17 +273,28 @@ def _handle(fn: Callable, token: Any) -> Callable[[], Any]:
     return _ref(fn)
 
 
+_GONE = object()
+
+
 class FunctionMap:
     """A dict from step functions to values that holds the functions weakly (an entry
     goes with its function) and works for every callable: by equality for hashable ones
     (as ``weakref.WeakKeyDictionary``), by identity for unhashable ones, and holding the
-    few that cannot be weakly referenced (builtins) as ``jax.jit`` does."""
+    few that cannot be weakly referenced (builtins) as ``jax.jit`` does.
 
-    def __init__(self) -> None:
+    Args:
+      on_drop: called with an entry's value when its function is freed (by the garbage
+        collector: from any thread, inside any code).
+    """
+
+    def __init__(self, on_drop: Callable[[Any], None] | None = None) -> None:
         self._d: dict[Any, Any] = {}
+        self._on_drop = on_drop
 
     def _drop(self, token: Any) -> None:
-        self._d.pop(token, None)
+        value = self._d.pop(token, _GONE)
+        if value is not _GONE and self._on_drop is not None:
+            self._on_drop(value)
 
     def get(self, fn: Callable, default: Any = None) -> Any:
         return self._d.get(_token(fn), default)

@@ -149,9 +149,11 @@ if ray is not None:
             # told it again what it told the first one (set_shards, ...).
             self.restarted = ray.get_runtime_context().was_current_actor_reconstructed
 
-        def run(self, closure, live_workers, let_go=()):
+        def run(self, closure, live_workers, let_go=(), forget=()):
             for step_id in let_go:
                 self.held.pop(step_id, None)
+            for key in forget:  # step functions freed on the driver
+                self.fns.pop(key, None)
             if self.lost is not None:  # a lost worker runs nothing (a step queued behind)
                 raise WorkerLostError(f"worker {self.worker.index} was lost ({self.lost}); "
                                       f"step {closure.step_id} did not run")

@@ -85,6 +85,9 @@ class EmbeddedCarrier:
         for w in self.workers:
             w.live_workers = fn
 
+    def forget_function(self, key: int) -> None:
+        """Nothing: the workers hold the step functions weakly."""
+
     def workers_alive(self, n: int) -> None:
         self.shards[0].set_live_workers(n)
 

@@ -49,7 +49,7 @@ class ParameterServerExecutor(Executor):
         self._opt_ids: tuple | None = None
         self._tx = None
         self._carrier: Carrier | None = None
-        self._fn_keys = FunctionMap()
+        self._fn_keys = FunctionMap(on_drop=self._function_freed)
         self._next_key = 0
         self._nnx_cache: dict[int, tuple] = {}
 
@@ -307,6 +307,12 @@ class ParameterServerExecutor(Executor):
         c = Closure(self.next_id, fn, has_batch, batch, args, p_idx, o_idx, key)
         self.next_id += 1
         return self.coordinator.schedule(c)
+
+    def _function_freed(self, key: int) -> None:
+        """The step function of ``key`` was freed here: the workers let their copies go
+        (a Ray worker actor keeps the function it was sent, by key)."""
+        if self._carrier is not None:
+            self._carrier.forget_function(key)
 
     def _nnx_positions(self, args: tuple) -> dict[int, str]:
         """Flax NNX arguments: ``{index: "model"}`` for the module whose parameters the

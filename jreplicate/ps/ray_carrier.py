@@ -162,6 +162,8 @@ class RayCarrier:
         if self.depth > 1:
             ray.get([w.return_params.remote() for w in self.workers], timeout=300)
         self._drops = [collections.deque() for _ in self.workers]  # step ids let go
+        #: Per worker: keys of step functions freed here, which its actor lets go.
+        self._freed = [collections.deque() for _ in self.workers]
         self._incarnations = ray.get([w.incarnation.remote() for w in self.workers],
                                      timeout=300)
         self._forget: dict[int, Any] = {}  # worker -> forget what its actor held
@@ -176,7 +178,7 @@ class RayCarrier:
         sent: set = set()
         sent_inputs: set = set()  # PER_WORKER input_fns this actor holds (by key)
         running = [0]  # steps started on this actor and not yet waited for
-        drops = self._drops[w]
+        drops, freed = self._drops[w], self._freed[w]
         self._forget[w] = lambda: (sent.clear(), sent_inputs.clear(), drops.clear())
 
         def start(closure, on_token_wait):
@@ -189,12 +191,15 @@ class RayCarrier:
             if running[0]:  # queued behind a step of this actor: it reuses that push's
                 send = dataclasses.replace(send, reuse=True)  # returned parameters
             let_go = [drops.popleft() for _ in range(len(drops))]
+            forget = [freed.popleft() for _ in range(len(freed))]
+            sent.difference_update(forget)
             # live_workers=0: no "one gradient per worker and step" wait on Ray, where
             # the coordinator does not see token waits to relax it.
             try:
-                done = self.workers[w].run.remote(send, 0, let_go)
+                done = self.workers[w].run.remote(send, 0, let_go, forget)
             except Exception as e:  # nothing was sent: Ray could not serialize the step
                 drops.extend(let_go)
+                freed.extend(forget)
                 raise ApplicationError(TypeError(
                     f"step {closure.step_id} cannot be sent to worker {w}: Ray failed to "
                     f"serialize it ({type(e).__name__}: {e}); its function, arguments and "
@@ -237,6 +242,12 @@ class RayCarrier:
         """True: the driver does not see shard 0's token queue (the token deadline,
         ``token_timeout``, detects starvation on Ray)."""
         return True
+
+    def forget_function(self, key: int) -> None:
+        """Each worker actor lets the step function of ``key`` go with its next step
+        (freed here: no step of it is scheduled, and its key is never used again)."""
+        for freed in self._freed:
+            freed.append(key)
 
     def set_live_workers(self, fn) -> None:
         self._live = fn

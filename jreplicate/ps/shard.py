@@ -95,6 +95,28 @@ def _sync_state(state: Any) -> SyncReplicasState:
         x, SyncReplicasState)) if isinstance(s, SyncReplicasState))
 
 
+def _own_buffers(state: Any, params: Any) -> Any:
+    """``state`` with each leaf whose buffer is that of a leaf of ``params`` or of an
+    earlier leaf of its own copied: the update donates the state, and XLA donates no
+    buffer that the same call also takes (a transformation whose ``init`` keeps the
+    params themselves, as the same or another array object)."""
+    def buffer(x: Any) -> int:
+        try:
+            return x.unsafe_buffer_pointer()
+        except Exception:  # noqa: BLE001 - not one buffer (or not an array): itself
+            return id(x)
+
+    seen = {buffer(x) for x in jax.tree.leaves(params)}
+
+    def own(x: Any) -> Any:
+        if buffer(x) in seen:
+            return jax.numpy.array(x, copy=True)
+        seen.add(buffer(x))
+        return x
+
+    return jax.tree.map(own, state)
+
+
 class PSShard:
     """One shard: parameters, optimizer state, step, ledger, and (shard 0 of a
     token-gated job) the token queue.
@@ -126,8 +148,9 @@ class PSShard:
         self._params = put(params)
         # A shard without parameters (more shards than leaves) keeps only its ledger.
         self.empty = not params
-        self._opt_state = None if self.empty else put(opt_state) if opt_state is not None \
-            else put(tx.init(self._params))
+        self._opt_state = None if self.empty else _own_buffers(
+            put(opt_state) if opt_state is not None else put(tx.init(self._params)),
+            self._params)
         self.token_gated = _is_sync(self._opt_state)
         self._tau = max_staleness
         self._step = int(step)

@@ -129,8 +129,14 @@ _DECODED: dict[bytes, Meta] = {}
 def _dtype_name(dtype: np.dtype) -> str:
     """``dtype`` as a string :func:`_dtype` reads back exactly: NumPy's own (byte order
     included), or ``ml_dtypes:<name>`` for the types ml_dtypes adds (bfloat16, float8s),
-    which NumPy spells as raw bytes."""
-    return f"ml_dtypes:{dtype.name}" if dtype.kind == "V" else dtype.str
+    which NumPy spells as raw bytes (``<V2``) or as a string it cannot read back
+    (float8_e5m2's ``<f1``)."""
+    try:
+        if np.dtype(dtype.str) == dtype:
+            return dtype.str
+    except TypeError:
+        pass
+    return f"ml_dtypes:{dtype.name}"
 
 
 def _dtype(name: str) -> np.dtype:

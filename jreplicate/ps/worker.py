@@ -318,6 +318,9 @@ class PSWorker:
                 kept = () if donated is None else _unclaimed(
                     args[first + donated], (out, grads), axis)
                 return out, grads, kept
+            # The cache's warning about recompiled code counts the step's code, not
+            # this wrapper's (one code object for every step function).
+            wrapped.__wrapped__ = step
             self._wrapped[fn][(first, donated)] = wrapped
         return wrapped
 
