@@ -60,6 +60,21 @@ def _title(report: dict[str, Any], what: str) -> str:
     return f"{what}\n{m['device_count']} x {m['device_kind']} ({m['platform']}), {m['date'][:10]}"
 
 
+def _finish(fig: Any, ax: Any, report: dict[str, Any], path: str, title: str, *,
+            xlabel: str | None, ylabel: str, legend: dict | None = None) -> bool:
+    """Labels, titles (with the machine and date), saves and closes one figure."""
+    if xlabel:
+        ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_title(_title(report, title), fontsize=9)
+    if legend is not None:
+        ax.legend(**legend)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    _pyplot().close(fig)
+    return True
+
+
 def plot_steps_per_run(report: dict[str, Any], path: str) -> bool:
     got = _rows(report, "steps_per_run")
     if got is None:
@@ -71,14 +86,8 @@ def plot_steps_per_run(report: dict[str, Any], path: str) -> bool:
         pts = [(r[1], r[2]) for r in got[1] if r[0] == model]
         ax.plot(*zip(*pts), marker="o", label=model)
     ax.set_xscale("log")
-    ax.set_xlabel("K (steps per run call)")
-    ax.set_ylabel("steps/s")
-    ax.set_title(_title(report, "Device loops: run(..., steps=K)"), fontsize=9)
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return True
+    return _finish(fig, ax, report, path, "Device loops: run(..., steps=K)",
+                   xlabel="K (steps per run call)", ylabel="steps/s", legend={})
 
 
 def plot_stragglers(report: dict[str, Any], path: str) -> bool:
@@ -95,14 +104,9 @@ def plot_stragglers(report: dict[str, Any], path: str) -> bool:
     names = [r[0] if r[0].startswith("async") else f"sync {r[0]}" for r in rows]
     ax.bar(names, [r[i] for r in rows], yerr=[r[s] or 0 for r in rows], capsize=3)
     meta = report["benchmarks"]["stragglers"]["record"]["meta"]
-    ax.set_ylabel(f"virtual time to {meta['target']:.0%} test accuracy")
-    ax.set_title(_title(report, "Backup replicas against stragglers (lower is better)"),
-                 fontsize=9)
     ax.tick_params(axis="x", labelsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return True
+    return _finish(fig, ax, report, path, "Backup replicas against stragglers (lower is better)",
+                   xlabel=None, ylabel=f"virtual time to {meta['target']:.0%} test accuracy")
 
 
 def plot_ps_workers(report: dict[str, Any], path: str) -> bool:
@@ -122,14 +126,8 @@ def plot_ps_workers(report: dict[str, Any], path: str) -> bool:
         for key in dict.fromkeys((r[h], r[system]) for r in rows):
             pts = sorted((r[w], r[rate]) for r in rows if (r[h], r[system]) == key)
             ax.plot(*zip(*pts), marker="s", ls="--", label=f"{key[1]}, H={key[0]}")
-    ax.set_xlabel("workers")
-    ax.set_ylabel("applied updates/s")
-    ax.set_title(_title(report, "Parameter server: updates/s against workers"), fontsize=9)
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return True
+    return _finish(fig, ax, report, path, "Parameter server: updates/s against workers",
+                   xlabel="workers", ylabel="applied updates/s", legend={"fontsize": 7})
 
 
 def plot_host_overhead(report: dict[str, Any], path: str) -> bool:
@@ -143,13 +141,8 @@ def plot_host_overhead(report: dict[str, Any], path: str) -> bool:
     ax.bar([i - 0.2 for i in x], [r[3] for r in rows], width=0.4, label="reference")
     ax.bar([i + 0.2 for i in x], [r[2] for r in rows], width=0.4, label="jreplicate")
     ax.set_xticks(list(x), [f"{r[0]}\nvs {r[1]}\n({r[4]:.2f}x)" for r in rows], fontsize=7)
-    ax.set_ylabel("microseconds per step")
-    ax.set_title(_title(report, "Host overhead against hand-written JAX"), fontsize=9)
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return True
+    return _finish(fig, ax, report, path, "Host overhead against hand-written JAX",
+                   xlabel=None, ylabel="microseconds per step", legend={})
 
 
 FIGURES: dict[str, tuple[str, Callable[[dict, str], bool]]] = {
