@@ -174,14 +174,11 @@ class ProgramCache:
         try:
             # The entry's own weak reference is returned here: no new object.
             entry = self._functions.get(_ref(fn))
-        except TypeError:  # not weakly referenceable (held as itself), or not hashable
+        except TypeError:  # not weakly referenceable, or not hashable: its token
             try:
-                entry = self._functions.get(fn)
-            except TypeError:  # not hashable: keyed by identity
-                try:
-                    entry = self._functions.get(_IdentityRef(fn))
-                except TypeError:
-                    return None
+                entry = self._functions.get(_token(fn))
+            except TypeError:  # neither hashable nor weakly referenceable: never cached
+                return None
         if entry is None or entry.fn() is not fn:
             return None
         return entry

@@ -109,9 +109,10 @@ def _own_buffers(state: Any, params: Any) -> Any:
     seen = {buffer(x) for x in jax.tree.leaves(params)}
 
     def own(x: Any) -> Any:
-        if buffer(x) in seen:
+        b = buffer(x)
+        if b in seen:
             return jax.numpy.array(x, copy=True)
-        seen.add(buffer(x))
+        seen.add(b)
         return x
 
     return jax.tree.map(own, state)
