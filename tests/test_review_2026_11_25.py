@@ -19,14 +19,14 @@ T = {"a": np.array([1.0, -2.0], np.float32), "b": np.array([3.0, 0.5, -1.0], np.
 LR = 0.5
 
 
-def _ps(**kw):
+def _ps(inner=None, **kw):
     """One worker (so its steps are sequential and exact), params {"a": 2, "b": 3} of
-    zeros, a pushable sgd(LR); the gradient of the step is ``w - T``."""
+    zeros, a pushable ``inner`` (default sgd(LR)); the gradient of the step is ``w - T``."""
     s = jr.ParameterServerStrategy(**{"num_ps": 2, "num_workers": 1, **kw})
     rep = jr.Replicator(s)
     with rep.scope():
         w = {"a": jnp.zeros(2), "b": jnp.zeros(3)}
-        tx = jr.ps.pushable(optax.sgd(LR))
+        tx = jr.ps.pushable(optax.sgd(LR) if inner is None else inner)
         opt = tx.init(w)
 
     def grads(w):
@@ -48,6 +48,26 @@ def _reference(n):
 def _assert_tree(got, want):
     jax.tree.map(lambda g, r: np.testing.assert_allclose(np.asarray(g), r, rtol=1e-6,
                                                          atol=1e-6), got, want)
+
+
+def _params_and_grads_step(tx, grads):
+    """A step returning the params it pulled and its gradients (and the new opt state)."""
+    def step(ctx, w, opt):
+        g = grads(w)
+        u, opt = tx.update(g, opt, w)
+        return w, g, opt
+    return step
+
+
+def _assert_params_and_grads(s, values):
+    """Each step of ``values`` (scheduled in order on one worker) returned the params
+    numpy SGD had before it and their gradient; the shards hold the final params."""
+    seen, final = _reference(len(values))
+    for k, v in enumerate(values):
+        got_w, got_g, _ = v.fetch()
+        _assert_tree(got_w, seen[k])
+        _assert_tree(got_g, {key: seen[k][key] - T[key] for key in T})
+    _assert_tree(s.parameters(), final)
 
 
 # Each returns (outputs, what they must be given the pulled params w0 and gradients g0).
@@ -105,20 +125,10 @@ def test_ps_donated_params_whatever_the_step_returns(name):
 
 def test_ps_donated_params_with_two_replicas_in_sync():
     s, rep, w, opt, tx, grads = _ps(num_replicas_in_sync=2)
-
-    def step(ctx, w, opt):
-        g = grads(w)
-        u, opt = tx.update(g, opt, w)
-        return w, g, opt
-
+    step = _params_and_grads_step(tx, grads)
     values = [rep.run(step, None, w, opt) for _ in range(4)]
     rep.join()
-    seen, final = _reference(4)
-    for k, v in enumerate(values):
-        got_w, got_g, _ = v.fetch()
-        _assert_tree(got_w, seen[k])
-        _assert_tree(got_g, {key: seen[k][key] - T[key] for key in T})
-    _assert_tree(s.parameters(), final)
+    _assert_params_and_grads(s, values)
     s.shutdown()
 
 
@@ -192,27 +202,12 @@ def test_ps_token_gated_with_donation():
     """One worker, sync_replicas aggregating 1: every step applied, in order, and the
     params it returns are those it pulled (token-gated mode pushes with push, not
     push_pull)."""
-    s = jr.ParameterServerStrategy(num_ps=2, num_workers=1)
-    rep = jr.Replicator(s)
-    with rep.scope():
-        w = {"a": jnp.zeros(2), "b": jnp.zeros(3)}
-        tx = jr.ps.pushable(jr.sync_replicas(optax.sgd(LR), replicas_to_aggregate=1,
-                                             total_num_replicas=1))
-        opt = tx.init(w)
-
-    def step(ctx, w, opt):
-        g = jax.grad(lambda w: sum(0.5 * jnp.sum((w[k] - T[k]) ** 2) for k in T))(w)
-        u, opt = tx.update(g, opt, w)
-        return w, g, opt
-
+    s, rep, w, opt, tx, grads = _ps(jr.sync_replicas(
+        optax.sgd(LR), replicas_to_aggregate=1, total_num_replicas=1))
+    step = _params_and_grads_step(tx, grads)
     values = [rep.run(step, None, w, opt) for _ in range(5)]
     rep.join()
-    seen, final = _reference(5)
-    for k, v in enumerate(values):
-        got_w, got_g, _ = v.fetch()
-        _assert_tree(got_w, seen[k])
-        _assert_tree(got_g, {key: seen[k][key] - T[key] for key in T})
-    _assert_tree(s.parameters(), final)
+    _assert_params_and_grads(s, values)
     assert s.global_step == 5
     s.shutdown()
 
