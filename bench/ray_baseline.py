@@ -25,7 +25,10 @@ system is built and warmed once, then timed in ``--rounds`` interleaved rounds (
 order rotated each round) of ``--updates`` applied updates; medians. Reported:
 updates/s and CPU milliseconds per update summed over the driver and every process of
 the Ray session (the driver's descendants: GCS, raylet, agents, actors), read with psutil
-before and after each timed run.
+before and after each timed run; "vs hand-written" is the median over rounds of each
+round's ratio to the tutorial (paired, so that drift between rounds cancels). Before
+each timed run the session is left to go idle (:func:`quiesce`), so that no run pays
+for the previous one's clean-up.
 
     python bench/ray_baseline.py [--updates 120] [--rounds 5] [--workers 1 2 4]
         [--hidden 256 1024] [--num-ps 1 2]
@@ -223,8 +226,21 @@ def cpu_between(before: dict, after: dict) -> dict[str, float]:
 BREAKDOWN: dict[str, dict[str, list[float]]] = {}  # system -> process -> ms/update
 
 
+def quiesce(limit: float = 3.0, window: float = 0.2, idle: float = 0.1) -> None:
+    """Waits (at most ``limit`` seconds) until the session's processes use under
+    ``idle`` of a core over ``window`` seconds: the previous run's clean-up (objects
+    freed, outputs let go) then lands in no other system's timing."""
+    end = time.monotonic() + limit
+    while time.monotonic() < end:
+        c0 = session_cpu()
+        time.sleep(window)
+        if sum(cpu_between(c0, session_cpu()).values()) < idle * window:
+            return
+
+
 def timed(system, updates: int) -> tuple[float, float]:
     """(updates/s, CPU ms per update) of one run."""
+    quiesce()
     c0, t0 = session_cpu(), time.perf_counter()
     done = system.run(updates)
     took, c1 = time.perf_counter() - t0, session_cpu()
@@ -250,8 +266,12 @@ def compare(n: int, hidden: int, num_ps: list[int], updates: int, rounds: int):
     finally:
         for s in systems:
             s.close()
+    # Each system's rate against the tutorial's in the same round (adjacent runs), so
+    # that the machine's drift between rounds cancels; the median of those ratios.
+    base = got[Tutorial.name]
     return {name: (statistics.median(x[0] for x in v), statistics.median(x[1] for x in v),
-                   v) for name, v in got.items()}
+                   statistics.median(x[0] / b[0] for x, b in zip(v, base)))
+            for name, v in got.items()}
 
 
 def main(argv=None) -> int:
@@ -273,9 +293,8 @@ def main(argv=None) -> int:
         upd = a.updates if hidden <= 256 else max(a.updates // 3, 20)
         for n in a.workers:
             res = compare(n, hidden, a.num_ps, upd, a.rounds)
-            base = res[Tutorial.name]
-            for name, (rate, cpu, _) in res.items():
-                rows.append((hidden, n, name, rate, cpu, rate / base[0]))
+            for name, (rate, cpu, paired) in res.items():
+                rows.append((hidden, n, name, rate, cpu, paired))
             if a.breakdown:
                 for system, procs in BREAKDOWN.items():
                     print(f"    {system}: " + ", ".join(

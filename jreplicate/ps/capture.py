@@ -16,8 +16,9 @@ so the step's transformation is wrapped once, where it is created:
   shard initialises ``tx``'s state over its pieces, and the two arguments of later
   ``run`` calls that are these ``params`` and this state are recognised by identity.
 * While a PS worker traces the step, ``update(grads, ...)`` records ``grads`` (summed
-  over the worker's sync group, as under Mirrored) and returns zero updates and the
-  state unchanged; the worker pushes the recorded gradients once per step, and the
+  over the worker's sync group, as under Mirrored) and returns zero updates (``-0.0``,
+  so that ``optax.apply_updates`` returns the parameters bit for bit) and the state
+  unchanged; the worker pushes the recorded gradients once per step, and the
   shards apply them with ``tx``.
 
 Flax NNX: ``nnx.Optimizer(model, jr.ps.pushable(tx), wrt=...)`` created in the scope
@@ -104,7 +105,7 @@ def pushable(tx: optax.GradientTransformation) -> PushableTransformation:
         sink = active_sink()
         if sink is not None:
             sink.append(grads)
-            return jax.tree.map(jnp.zeros_like, grads), state
+            return sink.zero_updates(grads), state
         return inner.update(grads, state, params, **extra)
 
     return PushableTransformation(init, update, inner)
@@ -117,17 +118,36 @@ def active_registry() -> Any:
     return REGISTRY.get()
 
 
-def active_sink() -> list | None:
-    """The list capturing gradients on this thread (a PS worker tracing), or None."""
+class Sink(list):
+    """The gradients a PS worker's step pushed (one entry per pushable update), and the
+    zero updates those returned, by ``id`` (see :func:`zero_updates`)."""
+
+    def __init__(self):
+        super().__init__()
+        self.zeros: dict[int, Any] = {}
+
+    def zero_updates(self, grads: Any) -> Any:
+        """The updates a pushable update returns on a PS worker: ``-0.0`` everywhere, so
+        that ``params + updates`` is ``params`` bit for bit (``+0.0`` would turn a
+        ``-0.0`` parameter into ``+0.0``). Recorded, so that the worker can tell an
+        output that is a parameter plus them from a new value (``worker._forward``)."""
+        updates = jax.tree.map(lambda g: jnp.full_like(g, -0.0), grads)
+        self.zeros.update((id(u), u) for u in jax.tree.leaves(updates))
+        return updates
+
+
+def active_sink() -> Sink | None:
+    """The :class:`Sink` capturing gradients on this thread (a PS worker tracing), or
+    None."""
     return getattr(_TRACE, "sink", None)
 
 
 @contextlib.contextmanager
-def capturing() -> Iterator[list]:
+def capturing() -> Iterator[Sink]:
     """While active (on this thread), pushable updates record their gradients in the
-    yielded list instead of computing updates."""
+    yielded :class:`Sink` instead of computing updates."""
     prev = getattr(_TRACE, "sink", None)
-    _TRACE.sink = sink = []
+    _TRACE.sink = sink = Sink()
     try:
         yield sink
     finally:

@@ -26,7 +26,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from jreplicate._jax_compat import varying_axes
+from jreplicate._jax_compat import alias_host_arrays, producing_equation, varying_axes
 from jreplicate.context import PerReplica
 from jreplicate.execution.base import NOT_RUN
 from jreplicate.execution.cache import FunctionMap, weak_callable
@@ -128,16 +128,19 @@ class PSWorker:
         self._returned: tuple[list[int], Any] | None = None
         self.inputs = WorkerPipelines(index, len(devices))  # PER_WORKER input, read here
         # The pulled parameters (replicated) and a host batch (per replica) placed over
-        # the mesh by a jitted identity of the NumPy values; on one device it takes their
-        # transferred copies as its outputs (donated: no second copy). On CPU several
-        # times cheaper than device_put or make_array_from_callback: 0.14 against 0.9 ms
-        # for an MLP of 6 leaves and 338 KB, 1.4 against 2.4 ms at 4.4 MB.
-        one = len(devices) == 1
-        self._place = jax.jit(lambda tree: tree, out_shardings=self.layout.replicated,
-                              donate_argnums=0 if one else ())
-        self._place_both = jax.jit(lambda p, b: (p, b), out_shardings=(
-            self.layout.replicated, self.layout.per_replica),
-            donate_argnums=(0, 1) if one else ())
+        # the mesh. On one device the parameters alias the read-only NumPy arrays a
+        # pull returns (Ray's object store, the embedded shards' own buffers: 64-byte
+        # aligned, so no copy; alias_host_arrays), and the step forwards the parameters
+        # it returns unchanged (_forward): a 4.4 MB model is never copied on the worker.
+        # Otherwise (and every batch) by a jitted identity of the NumPy values: on CPU
+        # several times cheaper than device_put or make_array_from_callback (0.14
+        # against 0.9 ms for an MLP of 6 leaves and 338 KB, 1.4 against 2.4 ms at 4.4
+        # MB).
+        self._alias = len(devices) == 1
+        self._place_jit = jax.jit(lambda tree: tree, out_shardings=self.layout.replicated)
+        self._place_batch = jax.jit(lambda b: b, out_shardings=self.layout.per_replica)
+        self._place_both_jit = jax.jit(lambda p, b: (p, b), out_shardings=(
+            self.layout.replicated, self.layout.per_replica))
         self._first_runs: set = set()  # step functions run here before (compiled)
         client.between_shards = self._between_shards
 
@@ -215,10 +218,11 @@ class PSWorker:
         # returns) are not copied out of the step: taken from the inputs (not with NNX
         # arguments, whose state the executor splits and writes back itself).
         first = None if any(isinstance(a, NnxArg) for a in c.args) else int(c.has_batch)
-        # The placed parameters are this step's own copy: donated, the step writes an
-        # output into them (the parameters it returns, which the pushable update leaves
-        # unchanged, or its gradients) instead of a new model-sized buffer.
-        donate = () if first is None else (c.param_index,)
+        # Over several devices the placed parameters are this step's own copy: donated,
+        # the step writes an output into them (the parameters it returns, which the
+        # pushable update leaves unchanged, or its gradients) instead of a new
+        # model-sized buffer. On one device they alias the pulled arrays (not donated).
+        donate = () if first is None or self._alias else (c.param_index,)
         fn = self._capturing(c.fn, first, c.param_index if donate else None)
         try:  # a batch the step cannot take (placed here) is the step's error too
             # Placed for the mesh, so that the step takes the steady-state path (held
@@ -272,6 +276,21 @@ class PSWorker:
         return self.executor.run(fn, has_batch, batch, args, steps=None,
                                  donate_argnums=donate), True
 
+    def _place(self, params: Any) -> Any:
+        """``params`` (numpy) placed replicated over this worker's mesh."""
+        if not self._alias:
+            return self._place_jit(params)
+        leaves, treedef = jax.tree.flatten(params)
+        return jax.tree.unflatten(treedef, alias_host_arrays(
+            leaves, self.layout.replicated, self.layout.first_devices[0]))
+
+    def _place_both(self, params: Any, leaves: list) -> tuple[Any, Any]:
+        """``params`` placed replicated and the stacked batch ``leaves`` per replica."""
+        if not self._alias:
+            return self._place_both_jit(params, leaves)
+        placed = None if params is None else self._place(params)
+        return placed, self._place_batch(leaves)
+
     def _place_inputs(self, params: Any, batch: Any) -> tuple[Any, Any]:
         """``params`` (or None) placed replicated, and ``batch`` as the step takes it: a
         :class:`HostBatch`'s elements stacked per leaf and placed per replica, in the
@@ -303,7 +322,7 @@ class PSWorker:
                     out = step(ctx, *args)
                 if first is not None:
                     own = () if donated is None else args[first + donated]
-                    out = _forward(out, args[first:], ctx._axis, own)
+                    out = _forward(out, args[first:], ctx._axis, own, sink.zeros)
                 if len(sink) != 1:
                     raise ValueError(
                         f"ParameterServerStrategy: the step called a jr.ps.pushable "
@@ -344,16 +363,37 @@ class _Forwarded:
         return cls(index)
 
 
-def _forward(out: Any, inputs: tuple, axis: str, donated: Any = ()) -> Any:
-    """At trace time: ``out`` with each output that is a replicated input tracer itself
-    replaced by a :class:`_Forwarded` naming it, except the leaves of ``donated`` (a
-    donated input returned unchanged is its own buffer, with no copy)."""
+def _forward(out: Any, inputs: tuple, axis: str, donated: Any = (),
+             zeros: dict | None = None) -> Any:
+    """At trace time: ``out`` with each output that is a replicated input tracer itself,
+    or one plus a pushable update's zero updates (``zeros``, by id: the parameters
+    ``optax.apply_updates`` returns, equal to them bit for bit), replaced by a
+    :class:`_Forwarded` naming it, except the leaves of ``donated`` (a donated input
+    returned unchanged is its own buffer, with no copy)."""
     leaves = jax.tree.leaves(inputs)
     own = {id(x) for x in jax.tree.leaves(donated)}
     index = {id(x): i for i, x in enumerate(leaves)
              if isinstance(x, jax.core.Tracer) and axis not in varying_axes(x)
              and id(x) not in own}
-    return jax.tree.map(lambda x: _Forwarded(index[id(x)]) if id(x) in index else x, out)
+
+    def forward(x):
+        i = index.get(id(_plus_zero_of(x, zeros) if zeros else x))
+        return x if i is None else _Forwarded(i)
+
+    return jax.tree.map(forward, out)
+
+
+def _plus_zero_of(x: Any, zeros: dict) -> Any:
+    """At trace time: ``p`` if ``x`` was traced as ``p + z`` (or ``z + p``) with ``z``
+    one of ``zeros`` and ``p`` of ``x``'s type, else ``x`` (also where JAX does not
+    say how ``x`` was made: then nothing is forwarded, and the output is computed)."""
+    made = producing_equation(x)
+    if made is None or made[0] != "add" or len(made[1]) != 2:
+        return x
+    for p, z in (made[1], made[1][::-1]):
+        if zeros.get(id(z)) is z and getattr(p, "aval", None) == x.aval:
+            return p
+    return x
 
 
 def _unclaimed(donated: Any, outputs: Any, axis: str) -> list:
