@@ -303,3 +303,33 @@ def test_any_callable_is_a_step(strategy):
     del fns, fn
     gc.collect()
     assert dropped() is None  # nothing of jreplicate keeps a step function alive
+
+
+def _aligned_ones(n: int) -> np.ndarray:
+    """A writable float32 array at a 64-byte aligned address: JAX on CPU aliases such an
+    array when it places it (jax 0.12's device_put even with may_alias=False)."""
+    raw = np.empty(n * 4 + 64, np.uint8)
+    start = (-raw.ctypes.data) % 64
+    out = raw[start:start + n * 4].view(np.float32)
+    out[...] = 1.0
+    return out
+
+
+def test_numpy_written_after_it_is_handed_over_changes_nothing(strategy, tmp_path):
+    """Every way a NumPy array enters the library reads its values then: the caller
+    refilling it afterwards changes no value the library holds or returns."""
+    _spmd_only(strategy, "see tests/test_ps_forwarding.py (arguments of scheduled steps "
+                         "and parameters given to the shards)")
+    rep = jr.Replicator(strategy)
+    given, arg, init = _aligned_ones(256), _aligned_ones(256), _aligned_ones(256)
+    w = rep.replicate({"a": given})
+    out = rep.run(lambda ctx, w, x: w["a"] + x, None, w, arg)
+    with jr.CheckpointManager(tmp_path / "ckpt", strategy) as m:
+        _, state = m.restore_or_initialize(lambda: {"w": init})
+    for a in (given, arg, init):
+        a[...] = 7.0
+    np.testing.assert_array_equal(np.asarray(jax.device_get(w["a"])), 1.0)
+    np.testing.assert_array_equal(np.asarray(jax.device_get(out)), 2.0)
+    np.testing.assert_array_equal(np.asarray(jax.device_get(state["w"])), 1.0)
+    again = rep.run(lambda ctx, w: w["a"] * 1.0, None, w)
+    np.testing.assert_array_equal(np.asarray(jax.device_get(again)), 1.0)

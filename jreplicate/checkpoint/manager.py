@@ -578,7 +578,9 @@ def _to_host(tree: Any, what: str) -> Any:
                 f"({x.sharding}); checkpoints hold replicated state. Replicate it (e.g. "
                 "return it aggregated from the step) before saving."
             )
-        if isinstance(x, (np.ndarray, np.generic, bool, int, float, complex)):
+        if isinstance(x, np.ndarray):
+            return np.array(x)  # a copy: the caller may write to its array later
+        if isinstance(x, (np.generic, bool, int, float, complex)):
             return np.asarray(x)
         if hasattr(x, "shape") and hasattr(x, "dtype"):  # ShapeDtypeStruct
             return np.zeros(x.shape, x.dtype)

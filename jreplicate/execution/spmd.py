@@ -127,7 +127,8 @@ class SPMDExecutor(Executor):
             yield
 
     def place(self, tree: Any) -> Any:
-        return jax.tree.map(lambda x: jax.device_put(x, self._replicated), tree)
+        # (a NumPy leaf is read now: on CPU the device array may alias what it is given)
+        return jax.tree.map(lambda x: jax.device_put(_read_now(x), self._replicated), tree)
 
     # -- input -----------------------------------------------------------------------
     def assemble(self, elements: Sequence[Sequence[np.ndarray]], treedef: Any) -> Any:

@@ -81,14 +81,16 @@ class ParameterServerExecutor(Executor):
             from flax import nnx
             if isinstance(params, nnx.State):
                 params = nnx.as_pure(params)
-        host = jax.tree.map(np.asarray, params)
+        # Copies of NumPy leaves (a jax.Array's view is immutable): the shards may alias
+        # what they are given on CPU, and the caller may write to its arrays later.
+        host = jax.tree.map(_read_now, params)
         self.placement = place_parameters(host, s.num_ps, s.placement_policy,
                                           min_slice_bytes=s.min_slice_bytes)
         self._tx = tx
         self._param_ids = tuple(id(x) for x in jax.tree.leaves(params))
         self._opt_ids = tuple(id(x) for x in jax.tree.leaves(opt_state))
         self._opt_keep = (params, opt_state)  # ids stay valid while held
-        self._build(self.placement.split(host), jax.tree.map(np.asarray, opt_state))
+        self._build(self.placement.split(host), jax.tree.map(_read_now, opt_state))
 
     def _build(self, pieces: list, opt_host: Any, restored: list | None = None) -> None:
         s = self.config
@@ -259,7 +261,7 @@ class ParameterServerExecutor(Executor):
 
     # -- the executor protocol ---------------------------------------------------------
     def place(self, tree: Any) -> Any:
-        return tree
+        return jax.tree.map(_copy_numpy, tree)  # (values as of now, as every strategy)
 
     def assemble(self, elements: Sequence[Sequence[np.ndarray]], treedef: Any) -> Any:
         return HostBatch([list(e) for e in elements], treedef)
@@ -292,14 +294,16 @@ class ParameterServerExecutor(Executor):
                 "Replicator.run under ParameterServerStrategy: none of the step's arguments "
                 "is the params passed to tx.init inside rep.scope(). Pass those params "
                 "(the shards hold their current values; the worker substitutes them).")
+        # The step runs later, on a worker: NumPy values are read now (copied), so that
+        # refilling the caller's arrays after run returns never changes the step.
         args = tuple(self._nnx_arg(a) if i in nnx_pos else None if i in (p_idx, o_idx)
-                     else a for i, a in enumerate(args))
+                     else jax.tree.map(_copy_numpy, a) for i, a in enumerate(args))
         if isinstance(batch, (HostBatch, WorkerInput)) or batch is None:
             pass
         else:
             batch = jax.tree.map(lambda x: np.asarray(x.array) if isinstance(
-                x, PerReplica) else np.asarray(x), batch,
-                is_leaf=lambda x: isinstance(x, PerReplica))
+                x, PerReplica) else np.array(x) if isinstance(x, np.ndarray)
+                else np.asarray(x), batch, is_leaf=lambda x: isinstance(x, PerReplica))
         key = self._fn_keys.get(fn)
         if key is None:
             key = self._fn_keys[fn] = self._next_key
@@ -371,3 +375,16 @@ class ParameterServerExecutor(Executor):
         if self.coordinator is not None:
             self.coordinator.shutdown()
             self._carrier.close()
+
+
+def _read_now(x: Any) -> Any:
+    """A NumPy leaf's values as of now (a copy); a ``jax.Array`` (immutable) as a NumPy
+    view; anything else as it is."""
+    if isinstance(x, np.ndarray):
+        return np.array(x)
+    return np.asarray(x) if isinstance(x, jax.Array) else x
+
+
+def _copy_numpy(x: Any) -> Any:
+    """A copy of a NumPy leaf; any other leaf (a ``jax.Array`` is immutable) itself."""
+    return np.array(x) if isinstance(x, np.ndarray) else x
