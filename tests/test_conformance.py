@@ -324,10 +324,16 @@ def test_numpy_written_after_it_is_handed_over_changes_nothing(strategy, tmp_pat
     given, arg, init = _aligned_ones(256), _aligned_ones(256), _aligned_ones(256)
     w = rep.replicate({"a": given})
     out = rep.run(lambda ctx, w, x: w["a"] + x, None, w, arg)
+    saved = _aligned_ones(256)
     with jr.CheckpointManager(tmp_path / "ckpt", strategy) as m:
         _, state = m.restore_or_initialize(lambda: {"w": init})
-    for a in (given, arg, init):
+        m.save(1, {"w": saved})
+    for a in (given, arg, init, saved):
         a[...] = 7.0
+    with jr.CheckpointManager(tmp_path / "ckpt", strategy) as m:
+        step, back = m.restore_or_initialize(lambda: {"w": np.zeros(256, np.float32)})
+    assert step == 1
+    np.testing.assert_array_equal(np.asarray(jax.device_get(back["w"])), 1.0)
     np.testing.assert_array_equal(np.asarray(jax.device_get(w["a"])), 1.0)
     np.testing.assert_array_equal(np.asarray(jax.device_get(out)), 2.0)
     np.testing.assert_array_equal(np.asarray(jax.device_get(state["w"])), 1.0)
