@@ -180,37 +180,66 @@ def _needs_float(grads, state, params=None, **extra):
     for g in jax.tree.leaves(grads):
         if not jnp.issubdtype(g.dtype, jnp.floating):
             raise TypeError(f"this optimizer takes float gradients, got {g.dtype}")
-    return jax.tree.map(lambda g: -LR * g, grads), state
+    return grads, state
 
 
-def test_an_update_that_cannot_trace_the_pushed_gradient_fails_the_step_only():
-    """A tx whose update raises while tracing a gradient of a dtype the shard has not
-    compiled for (int32 pushed for float32 parameters): the step's error, naming the
-    shard and the original TypeError; the shard is unchanged and trains on."""
-    tx = optax.GradientTransformationExtraArgs(lambda p: optax.EmptyState(), _needs_float)
-    s = jr.ParameterServerStrategy(num_ps=1, num_workers=2)
+@pytest.mark.parametrize("num_ps", [1, 2])
+def test_an_update_that_cannot_trace_the_pushed_gradient_fails_the_step_only(num_ps):
+    """A tx whose update raises while tracing a gradient of a dtype the shards have not
+    compiled for (int32 pushed for float32 parameters; with two shards, only shard 1's
+    leaf): the step's error, naming the shard and the original TypeError; no shard
+    applied it, the (donated) momentum is intact, and they train on."""
+    tx = optax.chain(optax.GradientTransformationExtraArgs(
+        lambda p: optax.EmptyState(), _needs_float), optax.sgd(LR, momentum=MOMENTUM))
+    s = jr.ParameterServerStrategy(num_ps=num_ps, num_workers=2)
     rep = jr.Replicator(s)
     with rep.scope():
-        params = jnp.zeros(2)
+        params = {"a": jnp.zeros(3), "b": jnp.zeros(2)}
         ptx = jr.ps.pushable(tx)
         opt = ptx.init(params)
+    bad_key = _key_on(s, num_ps - 1)
 
-    def step(ctx, x, params, opt):
-        u, opt = ptx.update(x, opt, params)
-        return optax.apply_updates(params, u), opt
+    def steps(bad):
+        def step(ctx, params, opt):
+            g = {k: jnp.ones_like(p, jnp.int32 if bad and k == bad_key else p.dtype)
+                 for k, p in params.items()}
+            u, opt = ptx.update(g, opt, params)
+            return optax.apply_updates(params, u), opt
+        return step
 
-    values = [rep.run(step, x, params, opt) for x in
-              (np.ones(2, np.float32), np.ones(2, np.int32), np.ones(2, np.float32))]
-    with pytest.raises(Exception, match="TypeError") as info:
+    good, bad = steps(False), steps(True)
+    values = [rep.run(f, None, params, opt) for f in (good, bad, good)]
+    with pytest.raises(jr.ps.ShardUpdateError, match="TypeError") as info:
         rep.join()
-    assert not isinstance(info.value, jr.ps.ParameterServerError)
-    assert "shard 0" in str(info.value) and "step 1" in str(info.value)
+    assert f"shard {num_ps - 1}" in str(info.value) and "step 1" in str(info.value)
     assert "float gradients, got int32" in str(info.value)
     assert values[1].attempts == 1 and all(s.stats()["alive"])
-    led = s.ledger()[0]
-    assert (led["applied"], led["failed"]) == (2, 1), led
-    np.testing.assert_allclose(s.parameters(), np.full(2, -2 * LR), rtol=1e-6)
+    for led in s.ledger():
+        assert (led["applied"], led["failed"]) == (2, 1), led
+    for k, n in (("a", 3), ("b", 2)):
+        np.testing.assert_allclose(s.parameters()[k], np.full(n, _momentum_sgd(2)),
+                                   rtol=1e-6)
     s.shutdown()
+
+
+def test_token_gated_shard_1_raising_for_a_push_shard_0_accepted_is_lost():
+    """Below the client (which tries a push on every shard first): a token-gated shard
+    1 whose update raises while feeding a push shard 0 accepted would disagree with
+    shard 0: it closes itself as lost (ShardClosedError: a ParameterServerError for
+    the job), its state as before."""
+    from jreplicate.ps.shard import Decision, PSShard, ShardClosedError
+    tx = optax.with_extra_args_support(optax.chain(_check_gradients(), jr.sync_replicas(
+        optax.sgd(LR), replicas_to_aggregate=1, total_num_replicas=1)))
+    sh = PSShard(1, {"0": np.zeros(2, np.float32)}, tx, num_shards=2)
+    assert sh.may_raise
+    sh.stage(0, 0, {"0": np.ones(2, np.float32)})
+    sh.commit(0, Decision("applied", 0, 0, completes=True))
+    assert sh.step == 1
+    sh.stage(1, 0, {"0": np.full(2, BAD, np.float32)})
+    with pytest.raises(ShardClosedError, match="shard 0 had accepted.*ValueError"):
+        sh.commit(1, Decision("applied", 1, 0, completes=True))
+    assert sh.closed and sh._step == 1
+    np.testing.assert_allclose(np.asarray(sh._params["0"]), np.full(2, -LR), rtol=1e-6)
 
 
 def test_a_killed_shard_is_still_a_parameter_server_error():

@@ -121,14 +121,7 @@ class ShardUpdateError(RuntimeError):
         """The error for ``error``, raised by shard ``shard``'s update of ``step_id``'s
         push (a host callback's exception, which JAX reports as a runtime error with the
         callback's traceback, is named by the callback's own type and message)."""
-        kind, message = type(error).__name__, str(error)
-        if "Traceback (most recent call last)" in message:
-            for line in reversed(message.strip().splitlines()):
-                m = _RAISED.match(line)
-                if m:
-                    kind, message = m.group(1).rpartition(".")[2], m.group(2)
-                    break
-        return cls(shard, step_id, kind, message)
+        return cls(shard, step_id, *original_error(error))
 
     def __reduce__(self):  # crosses Ray with its fields (the original may not pickle)
         return (ShardUpdateError, (self.shard, self.step_id, self.error_type,
@@ -137,6 +130,18 @@ class ShardUpdateError(RuntimeError):
 
 #: A traceback's last line: ``ValueError: message`` (module-qualified names too).
 _RAISED = re.compile(r"^([A-Za-z_][\w.]*(?:Error|Exception|Exit|Interrupt)): (.*)$")
+
+
+def original_error(error: BaseException) -> tuple[str, str]:
+    """``(type name, message)`` of ``error``, or of the exception a host callback raised
+    when ``error`` is JAX's runtime error carrying the callback's traceback."""
+    kind, message = type(error).__name__, str(error)
+    if "Traceback (most recent call last)" in message:
+        for line in reversed(message.strip().splitlines()):
+            m = _RAISED.match(line)
+            if m:
+                return m.group(1).rpartition(".")[2], m.group(2)
+    return kind, message
 
 
 class StepCancelledError(RuntimeError):

@@ -53,7 +53,7 @@ import numpy as np
 import optax
 
 from jreplicate.ps.ledger import Ledger
-from jreplicate.ps.remote import ShardUpdateError
+from jreplicate.ps.remote import ShardUpdateError, original_error
 from jreplicate.sync.state import SyncReplicasState, take_token, tokens_available
 
 
@@ -257,8 +257,8 @@ class PSShard:
         except Exception as e:
             if any(getattr(x, "is_deleted", lambda: False)()
                    for x in jax.tree.leaves(self._opt_state)):
-                raise self._lose(f"lost: its update raised ({type(e).__name__}: {e}) after "
-                                 "taking its optimizer state") from e
+                raise self._lose("lost: its update raised ({}: {}) after taking its "
+                                 "optimizer state".format(*original_error(e))) from e
             self.ledger.record(push_id, "failed")
             self.ledger.decisions[push_id] = Decision("failed", self._step)
             raise ShardUpdateError.of(e, shard=self.index, step_id=push_id) from e
@@ -477,9 +477,9 @@ class PSShard:
                                    np.int32(gs))
             except Exception as e:  # shard 0 applied it: the shards would disagree
                 raise self._lose(
-                    f"lost: its update raised for a push shard 0 had accepted "
-                    f"({type(e).__name__}: {e}), so its state can no longer agree with "
-                    "shard 0's") from e
+                    "lost: its update raised for a push shard 0 had accepted ({}: {}), so "
+                    "its state can no longer agree with shard 0's".format(
+                        *original_error(e))) from e
             got.pop(self._fed)
             self._fed += 1
             self._params, self._opt_state = new
