@@ -81,8 +81,9 @@ class ShardClient:
         Returns:
           Shard 0's decision.
         """
-        pieces = self.placement.split(grads)
-        careful = self._careful(grads)
+        leaves = self.placement.treedef.flatten_up_to(grads)
+        pieces = self.placement.split_leaves(leaves)
+        careful = self._careful(leaves)
         if careful:
             self._check(push_id, fetched, pieces)
         if not self.token_gated and not self.ordered and not careful:  # all at once
@@ -102,16 +103,17 @@ class ShardClient:
                                                     pieces[i]))
         return first
 
-    def _careful(self, grads: Any) -> bool:
-        """Whether a push of ``grads`` may raise on a shard (and there are others to
-        keep from applying it): ``guarded``, or gradients unlike the parameters."""
+    def _careful(self, leaves: list) -> bool:
+        """Whether a push of the gradients ``leaves`` (numpy) may raise on a shard (and
+        there are others to keep from applying it): ``guarded``, or gradients unlike
+        the parameters."""
         if len(self.shards) == 1:
             return False
         if self.guarded:
             return True
         p = self.placement
-        return any(g.shape != s or g.dtype != d for g, s, d in
-                   zip(jax.tree.leaves(grads), p.shapes, p.dtypes, strict=False))
+        return [g.shape for g in leaves] != list(p.shapes) or \
+            [g.dtype for g in leaves] != list(p.dtypes)
 
     def _check(self, push_id: int, fetched: Sequence[int], pieces: list) -> None:
         """Shards 1... try the push; one raising fails it on every shard."""
@@ -145,9 +147,10 @@ class ShardClient:
         """Asynchronous mode: :meth:`push`, each shard replying with its step and
         parameters after applying (one round trip per shard instead of a push and a
         pull). Returns shard 0's decision, each shard's step and the parameters."""
-        pieces = self.placement.split(grads)
+        leaves = self.placement.treedef.flatten_up_to(grads)
+        pieces = self.placement.split_leaves(leaves)
         op = lambda i, s: s.push_pull(push_id, worker, int(fetched[i]), pieces[i])  # noqa: E731
-        if self._careful(grads):
+        if self._careful(leaves):
             self._check(push_id, fetched, pieces)
             got = [self._first(push_id, lambda s: op(0, s)), *self._rest(push_id, op)]
         else:
