@@ -330,3 +330,37 @@ def test_a_ledger_saved_before_failed_was_counted_loads_with_none_failed():
                             "failed": 0}
     assert again.seen(0) and again.seen(1) and not again.seen(2)
     assert Ledger.from_arrays(arrays).summary() == led.summary()
+
+
+def test_a_tx_that_cannot_run_on_a_shards_pieces_fails_when_built_naming_the_shard():
+    """optax.masked with a mask of the parameters' tree: the shards hold flat dicts of
+    pieces, so it cannot run there; the strategy says so when the optimizer is
+    registered (before any shard is made, so on Ray too), naming the shard and its
+    leaves; a mask given as a function of the leaves works."""
+    s = jr.ParameterServerStrategy(num_ps=2, num_workers=1)
+    rep = jr.Replicator(s)
+    with pytest.raises(ValueError, match=r"shard 0, which holds the leaves") as info:
+        with rep.scope():
+            params = {"a": jnp.zeros(3), "b": jnp.zeros((2, 2))}
+            jr.ps.pushable(optax.masked(optax.sgd(1.0), {"a": True, "b": False})).init(
+                params)
+    assert "optax.masked" in str(info.value) and "pytree structure" in str(info.value)
+    s.shutdown()
+    s = jr.ParameterServerStrategy(num_ps=2, num_workers=1)
+    rep = jr.Replicator(s)
+    with rep.scope():
+        params = {"a": jnp.zeros(3), "b": jnp.zeros((2, 2))}
+        tx = jr.ps.pushable(optax.masked(optax.sgd(1.0), lambda p: jax.tree.map(
+            lambda x: x.ndim == 1, p)))
+        opt = tx.init(params)
+
+    def step(ctx, params, opt):
+        u, opt = tx.update(jax.tree.map(jnp.ones_like, params), opt, params)
+        return optax.apply_updates(params, u), opt
+
+    rep.run(step, None, params, opt)
+    rep.join()
+    got = s.parameters()
+    np.testing.assert_array_equal(got["a"], np.full(3, -1.0, np.float32))
+    np.testing.assert_array_equal(got["b"], np.full((2, 2), 1.0, np.float32))  # unmasked: g
+    s.shutdown()

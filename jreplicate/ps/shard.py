@@ -103,6 +103,53 @@ def _sync_state(state: Any) -> SyncReplicasState:
         x, SyncReplicasState)) if isinstance(s, SyncReplicasState))
 
 
+def check_transformation(index: int, tx: Any, pieces: dict[str, np.ndarray],
+                         paths: list[str]) -> None:
+    """Traces (abstractly) ``tx``'s ``init`` and ``update`` over shard ``index``'s
+    ``pieces``, as the shard will run them, so that a transformation that cannot take
+    them fails when the strategy is built, naming the shard (both carriers).
+
+    Raises:
+      ValueError: naming the shard, its leaves (``paths``), the original error and the
+        fix.
+    """
+    if not pieces:
+        return
+    try:
+        try:
+            state = jax.eval_shape(tx.init, pieces)
+        except Exception:  # noqa: BLE001 - an init that reads values: run it (as shards do)
+            state = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype),
+                                 tx.init(jax.tree.map(jnp.asarray, pieces)))
+        if _is_sync(state):
+            jax.eval_shape(lambda p, s: _sync_update(tx, p, s, p, -1), pieces, state)
+        else:
+            jax.eval_shape(lambda p, s: _apply_update(tx, p, s, p), pieces, state)
+    except Exception as e:
+        kind, message = original_error(e)
+        raise ValueError(
+            f"ParameterServerStrategy: the optimizer cannot run on parameter-server shard "
+            f"{index}, which holds the leaves {paths} as a flat dict of pieces keyed "
+            f"{sorted(pieces)}: its init or update raised the error below. Each shard "
+            "applies the transformation to its own pieces, not to your parameter tree: a "
+            "transformation given a tree of the parameters' structure or names (a mask or "
+            "labels for optax.masked or optax.multi_transform) cannot run there; give "
+            f"it a function of the leaves (e.g. of their ndim or shape) instead.\n"
+            f"{kind}: {message}") from e
+
+
+def _apply_update(tx: Any, params: Any, opt_state: Any, grads: Any) -> tuple[Any, Any]:
+    updates, opt_state = tx.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state
+
+
+def _sync_update(tx: Any, params: Any, opt_state: Any, grads: Any,
+                 local_step: Any) -> tuple[Any, Any]:
+    # Updates are zero until the step completes: params + 0 leaves them unchanged.
+    updates, opt_state = tx.update(grads, opt_state, params, local_step=local_step)
+    return optax.apply_updates(params, updates), opt_state
+
+
 def _may_raise(fn: Callable, *args: Any) -> bool:
     """Whether ``fn(*args)`` jitted can raise once it runs: it calls back into Python
     (``jax.debug.callback``, ``pure_callback``, ``io_callback``), or JAX checks every
@@ -216,14 +263,10 @@ class PSShard:
         self._compile()
 
     def _apply_fn(self, params, opt_state, grads):
-        updates, opt_state = self._tx.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state
+        return _apply_update(self._tx, params, opt_state, grads)
 
     def _sync_fn(self, params, opt_state, grads, local_step):
-        # Updates are zero until the step completes: params + 0 leaves them unchanged.
-        updates, opt_state = self._tx.update(grads, opt_state, params,
-                                             local_step=local_step)
-        return optax.apply_updates(params, updates), opt_state
+        return _sync_update(self._tx, params, opt_state, grads, local_step)
 
     def _compile(self) -> None:
         """Compiles the update (and the token queue's functions) now, on throwaway
