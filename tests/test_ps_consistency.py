@@ -129,7 +129,8 @@ def test_a_worker_lost_mid_push_holds_the_tokens_until_every_shard_has_the_step(
     np.testing.assert_array_equal(client.pull()[1]["a"], [-1.0, -1.0])
     np.testing.assert_array_equal(client.pull()[1]["b"], [-2.0, -2.0])
     for sh in shards:
-        assert sh.ledger.counts == {"applied": 1, "stale": 0, "backup": 0, "duplicate": 1}
+        assert sh.ledger.counts == {"applied": 1, "stale": 0, "backup": 0, "duplicate": 1,
+                                    "failed": 0}
 
 
 @pytest.mark.parametrize("tau", [0, 1, 3])

@@ -68,7 +68,7 @@ def test_async_shard_applies_records_staleness_and_duplicates():
     np.testing.assert_allclose(p["0"], [-1.0, -1.0])
     s = shard.ledger.summary()
     assert s == {"pushes": 3, "applied": 2, "stale": 0, "backup": 0, "duplicate": 1,
-                 "staleness": {0: 1, 1: 1}}
+                 "failed": 0, "staleness": {0: 1, 1: 1}}
     # The ledger survives a round trip through its fixed-shape arrays.
     again = Ledger.from_arrays(shard.ledger.to_arrays())
     assert again.summary() == s and again.seen(1) and not again.seen(2)
@@ -146,7 +146,8 @@ def test_tf_two_workers_through_the_ps():
     c.run_train_op(1)
     assert c.global_step == 1 and c.local_step == [1, 1]
     for s in c.shards:
-        assert s.ledger.counts == {"applied": 2, "stale": 2, "backup": 0, "duplicate": 0}
+        assert s.ledger.counts == {"applied": 2, "stale": 2, "backup": 0, "duplicate": 0,
+                                    "failed": 0}
     # The queue is empty: worker 0 alone waits, with a deadline, never forever.
     c.client.push(c.next_id, 0, [1], _tf_grads(0))
     t0 = time.monotonic()
@@ -172,7 +173,8 @@ def test_tf_three_workers_one_backup_through_the_ps():
     c.run_train_op(2)
     assert c.global_step == 1 and c.local_step[1] == 1
     for s in c.shards:
-        assert s.ledger.counts == {"applied": 2, "stale": 3, "backup": 1, "duplicate": 0}
+        assert s.ledger.counts == {"applied": 2, "stale": 3, "backup": 1, "duplicate": 0,
+                                    "failed": 0}
     c.run_train_op(0, 1)
     assert c.global_step == 2 == c.shards[1].step
     np.testing.assert_allclose(c.value("v0"), -0.6 - 0.4, rtol=1e-6)

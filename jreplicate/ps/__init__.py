@@ -22,6 +22,7 @@ from jreplicate.ps.capture import pushable
 from jreplicate.ps.remote import (
     ParameterServerError,
     RemoteValue,
+    ShardUpdateError,
     StepCancelledError,
     WorkerLostError,
 )
@@ -29,6 +30,7 @@ from jreplicate.ps.remote import (
 __all__ = [
     "ParameterServerError",
     "RemoteValue",
+    "ShardUpdateError",
     "StepCancelledError",
     "WorkerLostError",
     "pushable",

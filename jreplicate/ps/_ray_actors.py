@@ -72,6 +72,14 @@ if ray is not None:
             return ((decision, step, wire.encode(meta)), *wire.to_bytes(out))
 
         @ray.method(concurrency_group="io")
+        def check(self, push_id, fetched_step, grads):
+            return self.shard.check(push_id, fetched_step, grads)
+
+        @ray.method(concurrency_group="io")
+        def may_raise(self):
+            return self.shard.may_raise
+
+        @ray.method(concurrency_group="io")
         def stage(self, push_id, attempt, grads):
             return self.shard.stage(push_id, attempt, grads)
 
@@ -135,10 +143,10 @@ if ray is not None:
         queued on this worker."""
 
         def __init__(self, index, shards, placement, token_gated, opt_host, g, token_timeout,
-                     skip_stale):
+                     skip_stale, guarded=False):
             keep_freed_blocks()  # page faults of every step's buffers (ps/_malloc.py)
             proxies = [_ShardProxy(a) for a in shards]
-            client = ShardClient(proxies, placement, token_gated)
+            client = ShardClient(proxies, placement, token_gated, guarded=guarded)
             self.worker = PSWorker(index, jax.local_devices()[:g], client, opt_host,
                                    token_timeout=token_timeout, skip_stale_tokens=skip_stale)
             self.fns = {}

@@ -12,6 +12,7 @@ import time
 from typing import NamedTuple
 
 from jreplicate.ps import wire
+from jreplicate.ps.remote import ShardUpdateError
 
 
 def _ray():
@@ -69,6 +70,9 @@ class _ShardCalls:
         return _PackedReply(call.remote(push_id, worker, fetched_step, wire.encode(meta),
                                         *wire.to_bytes(chunks)))
 
+    def check(self, push_id, fetched_step, grads):
+        return self.actor.check.remote(push_id, fetched_step, grads)
+
     def stage(self, push_id, attempt, grads):
         return self.actor.stage.remote(push_id, attempt, grads)
 
@@ -102,6 +106,11 @@ class _ShardProxy:
             return ray.get(ref, timeout=timeout)
         except ray.exceptions.RayActorError as e:
             raise _ShardLost(f"a parameter-server shard actor died: {e}") from None
+        except ray.exceptions.RayTaskError as e:  # the shard raised: its own error
+            cause = getattr(e, "cause", None)
+            if isinstance(cause, ShardUpdateError):
+                raise cause from None
+            raise
 
     def gather(self, futures: list) -> list:
         refs = [r for f in futures for r in (f.refs if isinstance(f, _PackedReply) else [f])]
@@ -125,6 +134,9 @@ class _ShardProxy:
 
     def push_pull(self, push_id, worker, fetched_step, grads):
         return self.gather([self.nowait.push_pull(push_id, worker, fetched_step, grads)])[0]
+
+    def check(self, push_id, fetched_step, grads):
+        return self._get(self.nowait.check(push_id, fetched_step, grads))
 
     def stage(self, push_id, attempt, grads):
         return self._get(self.nowait.stage(push_id, attempt, grads))

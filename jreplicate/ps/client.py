@@ -3,6 +3,15 @@
 ``shards`` are :class:`jreplicate.ps.handle.ShardHandle` objects: the shards
 themselves in the embedded carrier, proxies of Ray actors in the Ray carrier
 (:class:`jreplicate.ps.handle.RemoteShardHandle`, called all at once).
+
+A push is applied by every shard or by none. Where a shard's update could raise (a
+host callback in the transformation: ``guarded``; or gradients of shapes or dtypes the
+shards did not compile for, which their update may fail to trace), the other shards
+first try the push (:meth:`jreplicate.ps.shard.PSShard.check`), then shard 0 applies
+it, then the others: a push that raises on any shard is recorded ``failed`` on every
+shard and its :class:`jreplicate.ps.ShardUpdateError` raised. An update that raises on
+a shard after shard 0 applied the push (the check passed, the shard's state then
+changed) leaves the shards disagreeing: :class:`jreplicate.ps.ParameterServerError`.
 """
 
 from __future__ import annotations
@@ -10,10 +19,12 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
+import jax
 import numpy as np
 
 from jreplicate.ps.handle import RemoteShardHandle, ShardHandle
 from jreplicate.ps.placement import Placement
+from jreplicate.ps.remote import ParameterServerError, ShardUpdateError
 from jreplicate.ps.shard import Decision
 
 T = TypeVar("T")
@@ -28,14 +39,17 @@ class ShardClient:
       token_gated: whether shard 0 decides which pushes count (token-gated mode).
       between_shards: called with 1 after shard 0's push, before the others' (a test
         hook to simulate a worker dying mid-push).
+      guarded: a shard's update can raise once it runs (see the module docstring).
     """
 
     def __init__(self, shards: Sequence[ShardHandle], placement: Placement, token_gated: bool,
-                 between_shards: Callable[[int], None] | None = None):
+                 between_shards: Callable[[int], None] | None = None, *,
+                 guarded: bool = False):
         self.shards = list(shards)
         self.placement = placement
         self.token_gated = token_gated
         self.between_shards = between_shards
+        self.guarded = guarded
         #: Push to shard 0 first, then call ``between_shards``, then the others (always
         #: in token-gated mode; in asynchronous mode only when a test arms it).
         self.ordered = False
@@ -67,33 +81,80 @@ class ShardClient:
         Returns:
           Shard 0's decision.
         """
-        pieces = self.placement.split(grads)
-        if not self.token_gated and not self.ordered:  # no order needed: all at once
+        leaves = self.placement.treedef.flatten_up_to(grads)
+        pieces = self.placement.split_leaves(leaves)
+        careful = self._careful(leaves)
+        if careful:
+            self._check(push_id, fetched, pieces)
+        if not self.token_gated and not self.ordered and not careful:  # all at once
             got = self._fan(lambda i, s: s.push(push_id, worker, int(fetched[i]),
                                                 pieces[i]))
             return got[0]
-        rest = self.shards[1:]
         if self.token_gated:
             self._fan(lambda i, s: s.stage(push_id, attempt, pieces[i]), first=1)
-        first = self.shards[0].push(push_id, worker, int(fetched[0]), pieces[0], None,
-                                    attempt)
-        if rest and self.between_shards is not None:
+        first = self._first(push_id, lambda s: s.push(
+            push_id, worker, int(fetched[0]), pieces[0], None, attempt))
+        if self.shards[1:] and self.between_shards is not None:
             self.between_shards(1)
         if self.token_gated:
             self.settle(push_id, first)
         else:
-            self._fan(lambda i, s: s.push(push_id, worker, int(fetched[i]), pieces[i]),
-                      first=1)
+            self._rest(push_id, lambda i, s: s.push(push_id, worker, int(fetched[i]),
+                                                    pieces[i]))
         return first
+
+    def _careful(self, leaves: list) -> bool:
+        """Whether a push of the gradients ``leaves`` (numpy) may raise on a shard (and
+        there are others to keep from applying it): ``guarded``, or gradients unlike
+        the parameters."""
+        if len(self.shards) == 1:
+            return False
+        if self.guarded:
+            return True
+        p = self.placement
+        return [g.shape for g in leaves] != list(p.shapes) or \
+            [g.dtype for g in leaves] != list(p.dtypes)
+
+    def _check(self, push_id: int, fetched: Sequence[int], pieces: list) -> None:
+        """Shards 1... try the push; one raising fails it on every shard."""
+        f = (lambda i: int(fetched[0])) if self.token_gated else (lambda i: int(fetched[i]))
+        try:
+            self._fan(lambda i, s: s.check(push_id, f(i), pieces[i]), first=1)
+        except ShardUpdateError:
+            self._fan(lambda i, s: s.record(push_id, Decision("failed", -1)))
+            raise
+
+    def _first(self, push_id: int, push: Callable[[ShardHandle], T]) -> T:
+        """Shard 0's ``push``; if its update raises, the others record the push failed."""
+        try:
+            return push(self.shards[0])
+        except ShardUpdateError:
+            self._fan(lambda i, s: s.record(push_id, Decision("failed", -1)), first=1)
+            raise
+
+    def _rest(self, push_id: int, push: Callable[[int, ShardHandle], T]) -> list[T]:
+        """The other shards' ``push`` after shard 0 applied it (asynchronous)."""
+        try:
+            return self._fan(push, first=1)
+        except ShardUpdateError as e:
+            raise ParameterServerError(
+                f"{e} But shard 0 had applied the push already (the shard's check of it "
+                "passed before its state changed): the shards disagree. Restore the last "
+                "checkpoint (strategy.restore(state)).") from e
 
     def push_pull(self, push_id: int, worker: int, fetched: Sequence[int], grads: Any
                   ) -> tuple[Decision, list[int], Any]:
         """Asynchronous mode: :meth:`push`, each shard replying with its step and
         parameters after applying (one round trip per shard instead of a push and a
         pull). Returns shard 0's decision, each shard's step and the parameters."""
-        pieces = self.placement.split(grads)
-        got = self._fan(lambda i, s: s.push_pull(push_id, worker, int(fetched[i]),
-                                                 pieces[i]))
+        leaves = self.placement.treedef.flatten_up_to(grads)
+        pieces = self.placement.split_leaves(leaves)
+        op = lambda i, s: s.push_pull(push_id, worker, int(fetched[i]), pieces[i])  # noqa: E731
+        if self._careful(leaves):
+            self._check(push_id, fetched, pieces)
+            got = [self._first(push_id, lambda s: op(0, s)), *self._rest(push_id, op)]
+        else:
+            got = self._fan(op)
         return got[0][0], [g[1] for g in got], self.placement.join([g[2] for g in got])
 
     def settle(self, push_id: int, decision: Decision | None = None) -> None:
@@ -127,5 +188,4 @@ def _is_remote(shard: ShardHandle) -> bool:
 
 def to_numpy(tree: Any) -> Any:
     """A numpy copy of a pytree of arrays."""
-    import jax
     return jax.tree.map(np.asarray, tree)

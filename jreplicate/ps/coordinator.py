@@ -6,8 +6,10 @@ worker becomes free and runs them through a *runner* (the embedded carrier calls
 :meth:`PSWorker.run` in-process; the Ray carrier calls a worker actor). Outcomes:
 
 * success: the RemoteValue gets the outputs;
-* :class:`ApplicationError` (the step raised): the RemoteValue gets the error, and the
-  first one is re-raised by :meth:`Coordinator.join` (not retried, as in TF);
+* :class:`ApplicationError` (the step raised, or a shard's optimizer update raised for
+  its push: :class:`~jreplicate.ps.ShardUpdateError`, which no shard applied): the
+  RemoteValue gets the error, and the first one is re-raised by
+  :meth:`Coordinator.join` (not retried, as in TF; the worker stays alive);
 * a worker failure (:class:`WorkerLostError`, Ray's ``ActorDiedError``, any other
   exception of the carrier): the worker is marked dead and the closure goes back to the
   front of the queue with its id, so its push is applied at most once (the shards'
@@ -394,6 +396,8 @@ class Coordinator:
             self._finish(w, c, error=self._queue.error or e)
         except ShardClosedError as e:
             self._finish(w, c, error=e if self._queue.stopped else self._shard_lost(e))
+        except ParameterServerError as e:  # the shards disagree (see ShardClient)
+            self._finish(w, c, error=self._shard_lost(e))
         except BaseException as e:  # a worker failure: retry elsewhere
             if self._is_shard_failure(e):
                 self._finish(w, c, error=self._shard_lost(e))

@@ -25,11 +25,13 @@ class EmbeddedCarrier:
         self.shards = [self._new_shard(i, pieces[i], restored[i] if restored else {})
                        for i in range(s.num_ps)]
         gated = self.shards[0].token_gated
-        self.workers = [PSWorker(w, list(grp), ShardClient(self.shards, placement, gated),
+        guarded = any(sh.may_raise for sh in self.shards)
+        self.workers = [PSWorker(w, list(grp), ShardClient(self.shards, placement, gated,
+                                                           guarded=guarded),
                                  opt_host, token_timeout=s.token_timeout,
                                  skip_stale_tokens=s.skip_stale_tokens)
                         for w, grp in enumerate(s.worker_devices)]
-        self.client = ShardClient(self.shards, placement, gated)
+        self.client = ShardClient(self.shards, placement, gated, guarded=guarded)
         # A step runs on its worker's coordinator thread when the thread waits for it.
         self.runners = [lambda c, on_wait, w=w: functools.partial(_outputs, w, c, on_wait)
                         for w in self.workers]

@@ -23,7 +23,7 @@ from jreplicate.ps.embedded import EmbeddedCarrier
 from jreplicate.ps.handle import Carrier
 from jreplicate.ps.placement import Placement, place_parameters
 from jreplicate.ps.remote import RemoteValue
-from jreplicate.ps.shard import _is_sync
+from jreplicate.ps.shard import _is_sync, check_transformation
 from jreplicate.ps.shard_restart import (
     ShardRestart,
     check_shard_state,
@@ -90,7 +90,11 @@ class ParameterServerExecutor(Executor):
         self._param_ids = tuple(id(x) for x in jax.tree.leaves(params))
         self._opt_ids = tuple(id(x) for x in jax.tree.leaves(opt_state))
         self._opt_keep = (params, opt_state)  # ids stay valid while held
-        self._build(self.placement.split(host), jax.tree.map(_read_now, opt_state))
+        pieces = self.placement.split(host)
+        for i, piece in enumerate(pieces):  # here, before any shard (or actor) is made
+            check_transformation(i, tx, piece, [p.path for p in self.placement.parts
+                                                if p.shard == i])
+        self._build(pieces, jax.tree.map(_read_now, opt_state))
 
     def _build(self, pieces: list, opt_host: Any, restored: list | None = None) -> None:
         s = self.config

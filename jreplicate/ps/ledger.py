@@ -10,11 +10,14 @@ as the apply, so a push id is applied at most once:
   ``max_staleness`` updates stale (asynchronous mode);
 * ``backup``: dropped, enough faster gradients of its step were already aggregated;
 * ``duplicate``: the id was already decided (a rescheduled step whose first attempt
-  reached this shard).
+  reached this shard);
+* ``failed``: a shard's optimizer update raised for it (the step's error,
+  :class:`jreplicate.ps.ShardUpdateError`): no shard applied it, and every shard records
+  it so.
 
-Invariant: ``pushes == applied + stale + backup + duplicate``. Staleness (shard step at
-apply minus the step at which the worker fetched the parameters) is recorded per
-applied push as a histogram.
+Invariant: ``pushes == applied + stale + backup + duplicate + failed``. Staleness
+(shard step at apply minus the step at which the worker fetched the parameters) is
+recorded per applied push as a histogram.
 
 The ledger saves to fixed-shape arrays (:meth:`Ledger.to_arrays`), so it is
 checkpointed with the shard's state by :class:`jreplicate.CheckpointManager`: decided
@@ -29,7 +32,7 @@ from typing import Any
 
 import numpy as np
 
-KINDS = ("applied", "stale", "backup", "duplicate")
+KINDS = ("applied", "stale", "backup", "duplicate", "failed")
 #: Staleness values kept exactly; larger ones count in the last bin.
 HISTOGRAM_BINS = 64
 #: Decided push ids above the watermark kept in a checkpoint.
@@ -67,7 +70,8 @@ class Ledger:
             self.staleness[int(staleness)] += 1
 
     def summary(self) -> dict[str, Any]:
-        """``{"pushes", "applied", "stale", "backup", "duplicate", "staleness"}``."""
+        """``{"pushes", "applied", "stale", "backup", "duplicate", "failed",
+        "staleness"}``."""
         return {"pushes": self.pushes, **self.counts,
                 "staleness": dict(sorted(self.staleness.items()))}
 
@@ -88,7 +92,8 @@ class Ledger:
     def from_arrays(cls, arrays: dict[str, Any]) -> Ledger:
         led = cls()
         counts = np.asarray(arrays["counts"]).tolist()
-        led.counts = dict(zip(KINDS, (int(c) for c in counts)))
+        # (a ledger saved before ``failed`` existed has one count fewer: none failed)
+        led.counts.update(zip(KINDS, (int(c) for c in counts)))
         for s, n in enumerate(np.asarray(arrays["staleness"]).tolist()):
             if n:
                 led.staleness[s] = int(n)

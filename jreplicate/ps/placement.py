@@ -100,7 +100,10 @@ class Placement:
 
     def split(self, tree: Any) -> list[dict[str, np.ndarray]]:
         """``tree``'s leaves (numpy arrays) as one ``{key: piece}`` dict per shard."""
-        leaves = self.treedef.flatten_up_to(tree)
+        return self.split_leaves(self.treedef.flatten_up_to(tree))
+
+    def split_leaves(self, leaves: Sequence[Any]) -> list[dict[str, np.ndarray]]:
+        """:meth:`split` of a tree flattened (``treedef.flatten_up_to``)."""
         out: list[dict[str, np.ndarray]] = [{} for _ in range(self.num_shards)]
         for p in self.parts:
             x = np.asarray(leaves[p.leaf])

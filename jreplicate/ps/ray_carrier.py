@@ -142,6 +142,8 @@ class RayCarrier:
         self.shards = [self._new_shard(i, pieces[i], _host_restored(restored, i))
                        for i in range(s.num_ps)]
         gated = bool(ray.get(self.shards[0].token_gated.remote(), timeout=300))
+        # Whether a shard's update can raise once it runs (see ShardClient).
+        guarded = any(ray.get([a.may_raise.remote() for a in self.shards], timeout=300))
         # The workers' constructor arguments as objects this carrier holds: Ray restarts
         # a worker with them (arguments Ray stored itself may be gone by then).
         self._worker_args = [ray.put(self.shards), ray.put(placement), ray.put(opt_host)]
@@ -149,10 +151,11 @@ class RayCarrier:
         self.workers = [WorkerActor.options(**worker_actor_options(
             _opts(s.ray_worker_options, w), g)).remote(
             w, shards_ref, placement_ref, gated, opt_ref, g, s.token_timeout,
-            s.skip_stale_tokens) for w in range(s.num_workers)]
+            s.skip_stale_tokens, guarded) for w in range(s.num_workers)]
         self._check_ready(ray.get([w.ready.remote() for w in self.workers], timeout=300))
         self._check_gpus()
-        self.client = ShardClient([_ShardProxy(a) for a in self.shards], placement, gated)
+        self.client = ShardClient([_ShardProxy(a) for a in self.shards], placement, gated,
+                                  guarded=guarded)
         self._live = lambda: len(self.workers)
         # Asynchronous unbounded training keeps two steps in flight per worker actor, so
         # its task queue never runs dry; the second starts from the parameters its
@@ -226,7 +229,7 @@ class RayCarrier:
                 if read is not None:  # the actor built the pipeline (or failed to)
                     sent_inputs.add(read.key)
                 if isinstance(cause, (ApplicationError, StepCancelledError, InputEnded,
-                                      ShardClosedError, _ShardLost)):
+                                      ShardClosedError, _ShardLost, ParameterServerError)):
                     raise cause from None
                 raise WorkerLostError(f"worker {w}: {type(cause).__name__}: {cause}") from e
             # RayActorError (the worker's process died) propagates: a worker failure.

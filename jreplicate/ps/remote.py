@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import threading
 import time
 from typing import Any
@@ -42,19 +43,105 @@ class ParameterServerError(RuntimeError):
     """A parameter-server shard failed; training cannot continue (restore a checkpoint).
 
     Raised by :meth:`RemoteValue.fetch`, :meth:`jreplicate.Replicator.join` and the next
-    :meth:`jreplicate.Replicator.run` once a shard is lost (a shard's update raised, or
-    its Ray actor died and could not be restarted). The shards' state may then be
+    :meth:`jreplicate.Replicator.run` once a shard is lost (closed, or its Ray actor died
+    and could not be restarted; a shard's update raising is the step's own
+    :class:`ShardUpdateError` instead, unless it raised after another shard applied the
+    same push: then the shards disagree and this is raised). The shards' state may then be
     inconsistent: restore the last checkpoint (``CheckpointManager.restore_or``) into a
     new strategy.
 
     Example (catching it around a training loop):
       >>> import jreplicate as jr
       >>> try:
-      ...     raise jr.ps.ParameterServerError("shard 1 lost: its update raised ...")
+      ...     raise jr.ps.ParameterServerError("shard 1 lost: its actor died ...")
       ... except jr.ps.ParameterServerError as e:
       ...     print("restore the last checkpoint:", e)
-      restore the last checkpoint: shard 1 lost: its update raised ...
+      restore the last checkpoint: shard 1 lost: its actor died ...
     """
+
+
+class ShardUpdateError(RuntimeError):
+    """A parameter-server shard's optimizer update raised for one step's push.
+
+    The error is the step's own (TF2's application errors): raised by that step's
+    :meth:`RemoteValue.fetch` and by :meth:`jreplicate.Replicator.join`, never retried on
+    another worker. No shard applied any piece of the push (each ledger counts it as
+    ``failed``), the shards' parameters and optimizer state are as before it, the workers
+    stay alive and the other steps run. The optax transformation the shards apply to
+    their pieces of the parameters raised: fix it, or the gradients the step pushes.
+
+    Attributes:
+      shard: the shard whose update raised.
+      step_id: the step whose push it was.
+      error_type, error_message: the original exception's type name and message (for an
+        exception raised in a host callback, the one the callback raised).
+
+    Example (the transformation rejects a gradient above 50):
+      >>> import jax, jax.numpy as jnp, numpy as np, optax, jreplicate as jr
+      >>> def check(g):
+      ...     top = max(float(np.max(x)) for x in jax.tree.leaves(g))
+      ...     if top > 50:
+      ...         raise ValueError(f"gradient too large: {top}")
+      >>> def update(g, state, params=None):
+      ...     jax.debug.callback(check, g)
+      ...     return jax.tree.map(lambda x: -0.5 * x, g), state
+      >>> checked_sgd = optax.GradientTransformation(lambda p: optax.EmptyState(), update)
+      >>> ps = jr.ParameterServerStrategy(num_ps=1, num_workers=1)
+      >>> rep = jr.Replicator(ps)
+      >>> with rep.scope():
+      ...     params, tx = jnp.zeros(2), jr.ps.pushable(checked_sgd)
+      ...     state = tx.init(params)
+      >>> def step(ctx, g, params, state):
+      ...     tx.update(g, state, params)
+      >>> good = rep.run(step, np.ones(2, np.float32), params, state)
+      >>> bad = rep.run(step, np.full(2, 99, np.float32), params, state)
+      >>> try:
+      ...     rep.join()
+      ... except jr.ps.ShardUpdateError as e:
+      ...     print(e.shard, e.step_id, e.error_type, e.error_message)
+      0 1 ValueError gradient too large: 99.0
+      >>> ps.parameters().tolist(), ps.ledger()[0]["failed"]  # only the good push applied
+      ([-0.5, -0.5], 1)
+      >>> ps.shutdown()
+    """
+
+    def __init__(self, shard: int, step_id: int, error_type: str, error_message: str):
+        super().__init__(
+            f"parameter-server shard {shard}'s optimizer update raised for the push of "
+            f"step {step_id}: {error_type}: {error_message}. No shard applied that push "
+            "(each ledger counts it as failed) and it is not retried; the workers and "
+            "the other steps go on. The optax transformation the shards apply to their "
+            "pieces of the parameters (the tx of jr.ps.pushable(tx)) raised: fix it, or "
+            "the gradients the step pushes.")
+        self.shard, self.step_id = shard, step_id
+        self.error_type, self.error_message = error_type, error_message
+
+    @classmethod
+    def of(cls, error: BaseException, *, shard: int, step_id: int) -> ShardUpdateError:
+        """The error for ``error``, raised by shard ``shard``'s update of ``step_id``'s
+        push (a host callback's exception, which JAX reports as a runtime error with the
+        callback's traceback, is named by the callback's own type and message)."""
+        return cls(shard, step_id, *original_error(error))
+
+    def __reduce__(self):  # crosses Ray with its fields (the original may not pickle)
+        return (ShardUpdateError, (self.shard, self.step_id, self.error_type,
+                                   self.error_message))
+
+
+#: A traceback's last line: ``ValueError: message`` (module-qualified names too).
+_RAISED = re.compile(r"^([A-Za-z_][\w.]*(?:Error|Exception|Exit|Interrupt)): (.*)$")
+
+
+def original_error(error: BaseException) -> tuple[str, str]:
+    """``(type name, message)`` of ``error``, or of the exception a host callback raised
+    when ``error`` is JAX's runtime error carrying the callback's traceback."""
+    kind, message = type(error).__name__, str(error)
+    if "Traceback (most recent call last)" in message:
+        for line in reversed(message.strip().splitlines()):
+            m = _RAISED.match(line)
+            if m:
+                return m.group(1).rpartition(".")[2], m.group(2)
+    return kind, message
 
 
 class StepCancelledError(RuntimeError):

@@ -30,6 +30,13 @@ Two modes, chosen by the transformation:
 With ``max_staleness=tau`` (asynchronous mode) a push whose staleness would exceed tau
 is dropped and counted as ``stale`` (the coordinator's admission keeps this from
 happening; the shard is where the bound is guaranteed).
+
+An update that raises (the user's transformation: a host callback's check, a gradient
+it cannot trace) leaves the shard's state as it was, records the push as ``failed`` and
+raises :class:`jreplicate.ps.ShardUpdateError`. The update donates the optimizer state
+only where nothing can raise once it runs (:attr:`PSShard.may_raise`: no host callback
+in it); :meth:`PSShard.check` tries a push without applying it, so that a client can
+learn that a push fails before any shard applies it.
 """
 
 from __future__ import annotations
@@ -46,6 +53,7 @@ import numpy as np
 import optax
 
 from jreplicate.ps.ledger import Ledger
+from jreplicate.ps.remote import ShardUpdateError, original_error
 from jreplicate.sync.state import SyncReplicasState, take_token, tokens_available
 
 
@@ -66,8 +74,8 @@ class Decision:
     """What shard 0 decided for a push in token-gated mode.
 
     Attributes:
-      kind: ``"applied"`` (accepted into step ``step``'s aggregate), ``"stale"`` or
-        ``"backup"``.
+      kind: ``"applied"`` (accepted into step ``step``'s aggregate), ``"stale"``,
+        ``"backup"`` or ``"failed"`` (an update raised: no shard applies it).
       step: the global step the gradient counts for (accepted), else the step then.
       index: the push's position among step ``step``'s accepted gradients.
       completes: the push completed step ``step`` (shard 0 applied the aggregate).
@@ -93,6 +101,74 @@ def _is_sync(state: Any) -> bool:
 def _sync_state(state: Any) -> SyncReplicasState:
     return next(s for s in jax.tree.leaves(state, is_leaf=lambda x: isinstance(
         x, SyncReplicasState)) if isinstance(s, SyncReplicasState))
+
+
+def check_transformation(index: int, tx: Any, pieces: dict[str, np.ndarray],
+                         paths: list[str]) -> None:
+    """Traces (abstractly) ``tx``'s ``init`` and ``update`` over shard ``index``'s
+    ``pieces``, as the shard will run them, so that a transformation that cannot take
+    them fails when the strategy is built, naming the shard (both carriers).
+
+    Raises:
+      ValueError: naming the shard, its leaves (``paths``), the original error and the
+        fix.
+    """
+    if not pieces:
+        return
+    try:
+        try:
+            state = jax.eval_shape(tx.init, pieces)
+        except Exception:  # noqa: BLE001 - an init that reads values: run it (as shards do)
+            state = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype),
+                                 tx.init(jax.tree.map(jnp.asarray, pieces)))
+        if _is_sync(state):
+            jax.eval_shape(lambda p, s: _sync_update(tx, p, s, p, -1), pieces, state)
+        else:
+            jax.eval_shape(lambda p, s: _apply_update(tx, p, s, p), pieces, state)
+    except Exception as e:
+        kind, message = original_error(e)
+        raise ValueError(
+            f"ParameterServerStrategy: the optimizer cannot run on parameter-server shard "
+            f"{index}, which holds the leaves {paths} as a flat dict of pieces keyed "
+            f"{sorted(pieces)}: its init or update raised the error below. Each shard "
+            "applies the transformation to its own pieces, not to your parameter tree: a "
+            "transformation given a tree of the parameters' structure or names (a mask or "
+            "labels for optax.masked or optax.multi_transform) cannot run there; give "
+            f"it a function of the leaves (e.g. of their ndim or shape) instead.\n"
+            f"{kind}: {message}") from e
+
+
+def _apply_update(tx: Any, params: Any, opt_state: Any, grads: Any) -> tuple[Any, Any]:
+    updates, opt_state = tx.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state
+
+
+def _sync_update(tx: Any, params: Any, opt_state: Any, grads: Any,
+                 local_step: Any) -> tuple[Any, Any]:
+    # Updates are zero until the step completes: params + 0 leaves them unchanged.
+    updates, opt_state = tx.update(grads, opt_state, params, local_step=local_step)
+    return optax.apply_updates(params, updates), opt_state
+
+
+def _may_raise(fn: Callable, *args: Any) -> bool:
+    """Whether ``fn(*args)`` jitted can raise once it runs: it calls back into Python
+    (``jax.debug.callback``, ``pure_callback``, ``io_callback``), or JAX checks every
+    result for NaNs or Infs."""
+    if jax.config.jax_debug_nans or jax.config.jax_debug_infs:
+        return True
+    return _calls_back(jax.make_jaxpr(fn)(*args).jaxpr)
+
+
+def _calls_back(jaxpr: Any) -> bool:
+    for eqn in jaxpr.eqns:
+        if "callback" in eqn.primitive.name:
+            return True
+        for v in eqn.params.values():
+            for sub in v if isinstance(v, (tuple, list)) else (v,):
+                inner = getattr(sub, "jaxpr", sub)  # a ClosedJaxpr's Jaxpr
+                if hasattr(inner, "eqns") and _calls_back(inner):
+                    return True
+    return False
 
 
 def _own_buffers(state: Any, params: Any) -> Any:
@@ -174,23 +250,23 @@ class PSShard:
             else int(np.asarray(opt_state["accumulated"])) if self.empty and \
             isinstance(opt_state, dict) and "accumulated" in opt_state else 0
         self.apply_seconds = 0.0
+        self._fn = self._sync_fn if self.token_gated else self._apply_fn
+        #: Whether the update can raise once it runs (a host callback in it, or JAX's
+        #: NaN/Inf checks): then it does not donate the optimizer state, which an update
+        #: that raises after it started would leave deleted.
+        self.may_raise = not self.empty and _may_raise(self._fn, self._params,
+                                                       self._opt_state, *self._example())
+        self._update = jax.jit(self._fn, donate_argnums=() if self.may_raise else (1,))
         if self.token_gated:
-            self._update = jax.jit(self._sync_fn, donate_argnums=(1,))
             self._take = jax.jit(take_token)
             self._available = jax.jit(tokens_available)
-        else:
-            self._update = jax.jit(self._apply_fn, donate_argnums=(1,))
         self._compile()
 
     def _apply_fn(self, params, opt_state, grads):
-        updates, opt_state = self._tx.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state
+        return _apply_update(self._tx, params, opt_state, grads)
 
     def _sync_fn(self, params, opt_state, grads, local_step):
-        # Updates are zero until the step completes: params + 0 leaves them unchanged.
-        updates, opt_state = self._tx.update(grads, opt_state, params,
-                                             local_step=local_step)
-        return optax.apply_updates(params, updates), opt_state
+        return _sync_update(self._tx, params, opt_state, grads, local_step)
 
     def _compile(self) -> None:
         """Compiles the update (and the token queue's functions) now, on throwaway
@@ -198,15 +274,60 @@ class PSShard:
         if self.empty:
             return
         copy = lambda t: jax.tree.map(jnp.copy, t)  # noqa: E731
-        # NumPy, as pushes pass them (the jitted update transfers them itself: several
-        # times cheaper than a device_put of the pytree), so no push compiles again.
-        zeros = {k: np.zeros(v.shape, v.dtype) for k, v in self._params.items()}
+        self._update(self._params, copy(self._opt_state), *self._example())
         if self.token_gated:
-            self._update(self._params, copy(self._opt_state), zeros, np.int32(-1))
             self._take(self._opt_state)
             self._available(self._opt_state)
-        else:
-            self._update(self._params, copy(self._opt_state), zeros)
+
+    def _example(self) -> tuple:
+        """The update's arguments after the state, as a push passes them: gradients as
+        NumPy (the jitted update transfers them itself: several times cheaper than a
+        device_put of the pytree), so that no push compiles again."""
+        zeros = {k: np.zeros(v.shape, v.dtype) for k, v in self._params.items()}
+        return (zeros, np.int32(-1)) if self.token_gated else (zeros,)
+
+    def _updated(self, push_id: int, *args: Any) -> tuple[Any, Any]:
+        """The update of the state by one push (under the lock), not yet applied.
+
+        Raises:
+          ShardUpdateError: the update raised; the state is unchanged and the push is
+            recorded ``failed``.
+          ShardClosedError: it raised after taking the donated optimizer state, which
+            is gone: the shard is lost.
+        """
+        try:
+            return self._update(self._params, self._opt_state, *args)
+        except Exception as e:
+            if any(getattr(x, "is_deleted", lambda: False)()
+                   for x in jax.tree.leaves(self._opt_state)):
+                raise self._lose("lost: its update raised ({}: {}) after taking its "
+                                 "optimizer state".format(*original_error(e))) from e
+            self.ledger.record(push_id, "failed")
+            self.ledger.decisions[push_id] = Decision("failed", self._step)
+            raise ShardUpdateError.of(e, shard=self.index, step_id=push_id) from e
+
+    def check(self, push_id: int, fetched_step: int, grads: dict[str, np.ndarray]) -> None:
+        """Tries push ``push_id`` on the current state without applying it (traced only,
+        where the update cannot raise once it runs), so that a client learns that a
+        push fails before any shard applies it.
+
+        Raises:
+          ShardUpdateError: the update raised (nothing is recorded: the client records
+            the push ``failed`` on every shard).
+        """
+        with self._cond:
+            self._check_open()
+            if self.empty:
+                return
+            params, opt = self._params, self._opt_state  # (not donated: may_raise)
+        args = (grads, np.int32(fetched_step)) if self.token_gated else (grads,)
+        try:
+            if self.may_raise:
+                self._update(params, opt, *args)
+            else:
+                jax.eval_shape(self._fn, params, opt, *args)
+        except Exception as e:
+            raise ShardUpdateError.of(e, shard=self.index, step_id=push_id) from e
 
     # -- reading ---------------------------------------------------------------------
     @property
@@ -298,8 +419,7 @@ class PSShard:
             self.ledger.record(push_id, "stale")
             return Decision("stale", self._step)
         t0 = time.perf_counter()
-        self._params, self._opt_state = self._update(self._params, self._opt_state,
-                                                     grads)
+        self._params, self._opt_state = self._updated(push_id, grads)
         self.apply_seconds += time.perf_counter() - t0
         self._step += 1
         self.ledger.record(push_id, "applied", staleness)
@@ -310,8 +430,7 @@ class PSShard:
         s = _sync_state(self._opt_state)
         gs, acc = int(s.global_step), int(s.num_accumulated)
         stale, backup = int(s.dropped_stale), int(s.dropped_backup)
-        self._params, self._opt_state = self._update(
-            self._params, self._opt_state, grads, np.int32(local_step))
+        self._params, self._opt_state = self._updated(push_id, grads, np.int32(local_step))
         new = _sync_state(self._opt_state)
         new_gs = int(new.global_step)
         if int(new.dropped_stale) > stale:
@@ -391,13 +510,22 @@ class PSShard:
         got = self._pending.get(gs, {})
         done = False
         while not done and self._fed in got:
-            grads = got.pop(self._fed)
-            self._fed += 1
             if self.empty:  # only the count: the step ends with shard 0's last push
+                got.pop(self._fed)
+                self._fed += 1
                 done = self._need.get(gs) == self._fed
                 continue
-            self._params, self._opt_state = self._update(
-                self._params, self._opt_state, grads, np.int32(gs))
+            try:
+                new = self._update(self._params, self._opt_state, got[self._fed],
+                                   np.int32(gs))
+            except Exception as e:  # shard 0 applied it: the shards would disagree
+                raise self._lose(
+                    "lost: its update raised for a push shard 0 had accepted ({}: {}), so "
+                    "its state can no longer agree with shard 0's".format(
+                        *original_error(e))) from e
+            got.pop(self._fed)
+            self._fed += 1
+            self._params, self._opt_state = new
             done = int(_sync_state(self._opt_state).global_step) > gs
         if not done:
             return False
@@ -537,6 +665,12 @@ class PSShard:
         with self._cond:
             self._closed = reason
             self._cond.notify_all()
+
+    def _lose(self, reason: str) -> ShardClosedError:
+        """Closes the shard as lost (under the lock); returns the error to raise."""
+        self._closed = reason
+        self._cond.notify_all()
+        return ShardClosedError(f"parameter-server shard {self.index} is {reason}.")
 
     @property
     def closed(self) -> bool:

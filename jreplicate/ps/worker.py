@@ -34,7 +34,7 @@ from jreplicate.execution.spmd import SPMDExecutor
 from jreplicate.layout import mesh_layout, replica_mesh
 from jreplicate.ps.capture import capturing
 from jreplicate.ps.client import ShardClient
-from jreplicate.ps.remote import StepCancelledError, WorkerLostError
+from jreplicate.ps.remote import ShardUpdateError, StepCancelledError, WorkerLostError
 from jreplicate.ps.shard import Decision, TokenTimeoutError, TokenWaitInterrupted
 from jreplicate.ps.worker_input import InputEnded, WorkerInput, WorkerPipelines
 
@@ -152,9 +152,9 @@ class PSWorker:
             ) -> tuple[Any, Decision]:
         """Runs one closure; returns its outputs (on this worker's devices) and shard 0's
         decision. Raises :class:`ApplicationError` for the step's own errors (reading
-        its input included), :class:`InputEnded` when its input (read here, before any
-        token) is exhausted, and :class:`WorkerLostError` (or any other exception) for
-        worker failures."""
+        its input included, and a shard's update raising for its push),
+        :class:`InputEnded` when its input (read here, before any token) is exhausted,
+        and :class:`WorkerLostError` (or any other exception) for worker failures."""
         if isinstance(c.batch, WorkerInput):
             c = dataclasses.replace(c, batch=self._read_input(c.batch))
         token = None
@@ -256,12 +256,17 @@ class PSWorker:
         if self.kill_at == "compute":
             raise WorkerLostError(f"worker {self.index} died computing step {c.step_id}")
         self.client.ordered = self.kill_at == "push"
-        if self.return_params and not self.client.token_gated and not self.client.ordered:
-            decision, *returned = self.client.push_pull(c.step_id, self.index, fetched,
-                                                        grads)
-            self._returned = tuple(returned)
-        else:
-            decision = self.client.push(c.step_id, self.index, fetched, grads, c.attempt)
+        try:
+            if self.return_params and not self.client.token_gated and \
+                    not self.client.ordered:
+                decision, *returned = self.client.push_pull(c.step_id, self.index,
+                                                            fetched, grads)
+                self._returned = tuple(returned)
+            else:
+                decision = self.client.push(c.step_id, self.index, fetched, grads,
+                                            c.attempt)
+        except ShardUpdateError as e:  # a shard's update raised: the step's error
+            raise ApplicationError(e) from e
         self.local_step = token
         self._min_step = decision.step + 1 if decision.kind == "applied" else 0
         return out, decision

@@ -269,7 +269,8 @@ class ParameterServerStrategy(Strategy):
         return self._ex().shard_step(0)
 
     def ledger(self) -> list[dict[str, Any]]:
-        """Each shard's ledger summary: pushes, applied, stale, backup, duplicate and the
+        """Each shard's ledger summary: pushes, applied, stale, backup, duplicate, failed
+        (a shard's update raised: :class:`jreplicate.ps.ShardUpdateError`) and the
         staleness histogram ``{staleness: count}``."""
         return [self._ex().shard_summary(i) for i in range(self.num_ps)]
 
