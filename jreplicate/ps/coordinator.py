@@ -370,6 +370,9 @@ class Coordinator:
                 return
             c, wait = started.popleft()
             lost = self._end(w, c, wait, lost) or lost
+            # Not kept while this thread waits for the next step: a finished step's
+            # function and outputs are freed when the caller lets them go.
+            c = wait = None
 
     def _begin(self, w: int, c: Closure) -> Callable[[], Any]:
         """Starts ``c`` on ``w`` (one more attempt); returns the wait for its outputs."""
