@@ -1,0 +1,242 @@
+"""Adversarial review of the PS worker's aliasing and forwarding (a worker on one device
+places the pulled parameters without a copy and forwards ``params + zero updates``) and
+of copying every NumPy array handed to the library (jax 0.12 on CPU aliases an aligned
+NumPy array in ``device_put``).
+
+Each test builds its reference independently (numpy, or the values pulled before the
+step) and compares bit for bit where the result must be exact.
+"""
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import optax
+import pytest
+
+import jreplicate as jr
+import jreplicate.testing as jrt
+from tests._ps_helpers import bounded_test  # noqa: F401 (autouse: every test bounded)
+
+
+def _aligned(a: np.ndarray) -> np.ndarray:
+    """A writable copy of ``a`` at a 64-byte aligned address (JAX on CPU aliases it)."""
+    a = np.asarray(a)
+    raw = np.empty(a.nbytes + 64, np.uint8)
+    start = (-raw.ctypes.data) % 64
+    out = raw[start:start + a.nbytes].view(a.dtype).reshape(a.shape)
+    out[...] = a
+    return out
+
+
+def _bits(x) -> np.ndarray:
+    x = np.asarray(x)
+    return x.view(np.dtype(f"u{x.dtype.itemsize}"))
+
+
+def _same_bits(got, want) -> None:
+    got_l, want_l = jax.tree.leaves(got), jax.tree.leaves(want)
+    assert len(got_l) == len(want_l)
+    for g, w in zip(got_l, want_l):
+        assert np.asarray(g).dtype == np.asarray(w).dtype
+        np.testing.assert_array_equal(_bits(g), _bits(w))
+
+
+def _refill(tree, value) -> None:
+    for x in jax.tree.leaves(tree):
+        if isinstance(x, np.ndarray) and x.dtype.kind == "f":
+            x[...] = value
+
+
+# -- forwarding: only outputs that are a parameter plus the zero updates ------------------
+
+# No subnormals: XLA on CPU flushes them where it computes, numpy does not.
+_A = np.array([-0.0, 0.0, 1.5, -2.5, 3.0, -0.0, 7.0, 0.25], np.float32)
+_B = np.array([20.0, -0.0, 8.0, -0.5, -7.5, 4.5, 0.0, -0.0], np.float32)
+
+
+def _variants(p, u, g):
+    """Outputs that must be computed (or forwarded to the right input) exactly."""
+    add = lambda a, b: a + b  # noqa: E731
+    f, uf = {k: p[k] for k in "ab"}, {k: u[k] for k in "ab"}
+    return {
+        "cross": {"a": p["b"] + u["a"], "b": p["a"] + u["b"]},  # another leaf's zeros
+        "u_plus_p": jax.tree.map(add, u, p),
+        "half": jax.tree.map(lambda a, b: a + 0.5 * b, f, uf),
+        "doubled": optax.apply_updates(jax.tree.map(lambda a: a * 2.0, f), uf),
+        "twice": (optax.apply_updates(p, u), optax.apply_updates(p, u)),
+        "plus_u_u": jax.tree.map(lambda a, b: a + b + b, p, u),
+        "mixed": {"a": p["a"] + u["a"], "b": p["b"] * 3.0},
+        "u_plus_u_plus_p": jax.tree.map(lambda a, b: (b + b) + a, p, u),
+        "plus_grads": jax.tree.map(add, p, g),  # not zeros: computed
+    }
+
+
+_GRADS = {"a": np.arange(8, dtype=np.float32), "b": np.ones(8, np.float32),
+          "h": np.ones(8, ml_dtypes.bfloat16), "n": np.ones(8, np.int32)}
+
+
+def _variants_numpy(p):
+    f = {k: p[k] for k in "ab"}
+    return {
+        "cross": {"a": p["b"], "b": p["a"]},
+        "u_plus_p": p, "half": f,
+        "doubled": {k: v * np.float32(2) for k, v in f.items()},
+        "twice": (p, p), "plus_u_u": p,
+        "mixed": {"a": p["a"], "b": p["b"] * np.float32(3)},
+        "u_plus_u_plus_p": p,
+        "plus_grads": {k: v + _GRADS[k] for k, v in p.items()},
+    }
+
+
+@pytest.mark.parametrize("group", [1, 2])
+def test_forwarded_outputs_are_the_step_outputs_exactly(group):
+    """A worker on one device forwards ``p + zeros`` to the pulled ``p``; over a sync
+    group of two the outputs are computed (the parameters donated). Either way each
+    variant equals numpy on the parameters the step pulled, bit for bit, and the
+    values fetched at once are still those after more steps ran (nothing aliased is
+    ever written)."""
+    s = jr.ParameterServerStrategy(num_ps=2, num_workers=1, num_replicas_in_sync=group,
+                                   placement="round_robin")
+    rep = jr.Replicator(s)
+    init = {"a": jnp.asarray(_A), "b": jnp.asarray(_B),
+            "h": jnp.asarray(_A, jnp.bfloat16), "n": jnp.arange(8, dtype=jnp.int32)}
+    with rep.scope():
+        tx = jr.ps.pushable(optax.sgd(0.25))
+        opt = tx.init(init)
+
+    def step(ctx, p, o):
+        g = {k: jnp.asarray(v) for k, v in _GRADS.items()}
+        u, o = tx.update(g, o, p)
+        return _variants(p, u, g), o
+
+    held = []
+    for _ in range(3):
+        pulled = jax.tree.map(np.array, s.parameters())
+        value = rep.run(step, None, init, opt)
+        rep.join()
+        got, _ = value.fetch()
+        _same_bits(got, _variants_numpy(pulled))
+        held.append((value, jax.tree.map(np.array, got)))
+    for _ in range(3):  # more pushes: the shards' parameters move on
+        rep.run(step, None, init, opt)
+    rep.join()
+    for value, first in held:
+        _same_bits(value.fetch()[0], first)
+    s.shutdown()
+
+
+@pytest.mark.parametrize("group", [1, pytest.param(2, marks=pytest.mark.xfail(
+    strict=True, reason=(
+        "capture.Sink.zero_updates fills complex updates with -0.0, i.e. -0.0+0.0j: "
+        "p + u turns a -0.0 imaginary part into +0.0 where the step's output is "
+        "computed (a sync group of 2), while a one-device worker forwards p")))])
+def test_complex_parameters_come_back_bit_for_bit(group):
+    vals = np.array([complex(-0.0, -0.0), complex(1.0, -0.0), complex(-0.0, 2.0), 3 + 4j],
+                    np.complex64)
+    s = jr.ParameterServerStrategy(num_ps=1, num_workers=1, num_replicas_in_sync=group)
+    rep = jr.Replicator(s)
+    init = {"c": jnp.asarray(vals)}
+    with rep.scope():
+        tx = jr.ps.pushable(optax.sgd(0.1))
+        opt = tx.init(init)
+
+    def step(ctx, p, o):
+        u, o = tx.update({"c": jnp.ones(4, jnp.complex64)}, o, p)
+        return optax.apply_updates(p, u)
+
+    value = rep.run(step, None, init, opt)
+    rep.join()
+    _same_bits(value.fetch()["c"], vals)
+    s.shutdown()
+
+
+# -- NumPy arrays handed to the library are read when given --------------------------------
+
+def _adam_job():
+    s = jr.ParameterServerStrategy(num_ps=2, num_workers=1, placement="round_robin")
+    rep = jr.Replicator(s)
+    init = {"a": jnp.ones(64), "b": jnp.full(32, 2.0)}
+    with rep.scope():
+        tx = jr.ps.pushable(optax.adam(0.1))
+        opt = tx.init(init)
+
+    def step(ctx, p, o):
+        g = jax.grad(lambda p: jnp.sum(p["a"]) + jnp.sum(p["b"] ** 2))(p)
+        u, o = tx.update(g, o, p)
+        return optax.apply_updates(p, u), o
+
+    return s, rep, init, opt, step
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "strategy.restore(state) hands the caller's NumPy arrays to the embedded shards "
+    "uncopied (shard_restart.host_shard_state's np.asarray, then device_put): refilling "
+    "them afterwards changes the shards' parameters"))
+def test_restore_reads_the_callers_numpy_state_when_given():
+    s, rep, init, opt, step = _adam_job()
+    for _ in range(2):
+        rep.run(step, None, init, opt)
+    rep.join()
+    saved = jax.tree.map(np.array, s.state())
+    mine = jax.tree.map(_aligned, saved)
+    s.restore(mine)
+    _refill(mine, 77.0)
+    _same_bits(s.parameters(), {"a": saved["shards"][0]["params"]["a"],
+                                "b": saved["shards"][1]["params"]["b"]})
+    # Training goes on from the saved state, as a restore of an untouched copy does.
+    for _ in range(2):
+        rep.run(step, None, init, opt)
+    rep.join()
+    got = s.parameters()
+    s.restore(jax.tree.map(np.array, saved))
+    for _ in range(2):
+        rep.run(step, None, init, opt)
+    rep.join()
+    _same_bits(got, s.parameters())
+    s.shutdown()
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "strategy.restart_shard(i, state) hands the caller's NumPy arrays to the new shard "
+    "uncopied: refilling them afterwards changes its parameters"))
+def test_restart_shard_reads_the_callers_numpy_state_when_given():
+    s, rep, init, opt, step = _adam_job()
+    rep.run(step, None, init, opt)
+    rep.join()
+    saved = jax.tree.map(np.array, s.state())
+    mine = jax.tree.map(_aligned, saved)
+    jrt.kill_shard(s, 1)
+    with pytest.raises(jr.ps.ParameterServerError):
+        rep.run(step, None, init, opt)
+        rep.join()
+    s.restart_shard(1, mine)
+    _refill(mine, 77.0)
+    _same_bits(s.parameters()["b"], saved["shards"][1]["params"]["b"])
+    s.shutdown()
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "ParameterServerExecutor.run keeps a PerReplica batch's NumPy array uncopied "
+    "(np.asarray(x.array)): refilling it before the scheduled step runs changes the "
+    "step's batch"))
+def test_ps_per_replica_numpy_batch_is_read_when_scheduled():
+    s = jr.ParameterServerStrategy(num_ps=1, num_workers=1)
+    rep = jr.Replicator(s)
+    init = jnp.ones(4)
+    with rep.scope():
+        tx = jr.ps.pushable(optax.sgd(0.0))
+        opt = tx.init(init)
+
+    def step(ctx, batch, p, o):
+        tx.update(jnp.zeros_like(p), o, p)
+        return batch
+
+    batch = _aligned(np.full((1, 64), 5.0, np.float32))
+    jrt.set_worker_delay(s, 0, 0.3)  # the step runs after the array is refilled
+    value = rep.run(step, jr.PerReplica(batch), init, opt)
+    batch[...] = -1.0
+    rep.join()
+    got = value.fetch()
+    np.testing.assert_array_equal(np.asarray(getattr(got, "array", got)), 5.0)
+    s.shutdown()
