@@ -126,12 +126,11 @@ def test_forwarded_outputs_are_the_step_outputs_exactly(group):
     s.shutdown()
 
 
-@pytest.mark.parametrize("group", [1, pytest.param(2, marks=pytest.mark.xfail(
-    strict=True, reason=(
-        "capture.Sink.zero_updates fills complex updates with -0.0, i.e. -0.0+0.0j: "
-        "p + u turns a -0.0 imaginary part into +0.0 where the step's output is "
-        "computed (a sync group of 2), while a one-device worker forwards p")))])
+@pytest.mark.parametrize("group", [1, 2])
 def test_complex_parameters_come_back_bit_for_bit(group):
+    """The zero updates are -0.0 in both parts of a complex value: p + u is p bit for
+    bit where it is computed (a sync group of 2) as where it is forwarded (one device);
+    -0.0 + 0.0j turned a -0.0 imaginary part into +0.0."""
     vals = np.array([complex(-0.0, -0.0), complex(1.0, -0.0), complex(-0.0, 2.0), 3 + 4j],
                     np.complex64)
     s = jr.ParameterServerStrategy(num_ps=1, num_workers=1, num_replicas_in_sync=group)
@@ -169,11 +168,10 @@ def _adam_job():
     return s, rep, init, opt, step
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "strategy.restore(state) hands the caller's NumPy arrays to the embedded shards "
-    "uncopied (shard_restart.host_shard_state's np.asarray, then device_put): refilling "
-    "them afterwards changes the shards' parameters"))
 def test_restore_reads_the_callers_numpy_state_when_given():
+    """strategy.restore(state) copies a NumPy state: the embedded shards aliased it
+    (host_shard_state's np.asarray, then device_put), so refilling it changed their
+    parameters."""
     s, rep, init, opt, step = _adam_job()
     for _ in range(2):
         rep.run(step, None, init, opt)
@@ -197,10 +195,9 @@ def test_restore_reads_the_callers_numpy_state_when_given():
     s.shutdown()
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "strategy.restart_shard(i, state) hands the caller's NumPy arrays to the new shard "
-    "uncopied: refilling them afterwards changes its parameters"))
 def test_restart_shard_reads_the_callers_numpy_state_when_given():
+    """restart_shard(i, state) copies the shard's NumPy state (it aliased it, as
+    restore did)."""
     s, rep, init, opt, step = _adam_job()
     rep.run(step, None, init, opt)
     rep.join()
@@ -217,11 +214,10 @@ def test_restart_shard_reads_the_callers_numpy_state_when_given():
     s.shutdown()
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "ParameterServerExecutor.run keeps a PerReplica batch's NumPy array uncopied "
-    "(np.asarray(x.array)): refilling it before the scheduled step runs changes the "
-    "step's batch"))
 def test_ps_per_replica_numpy_batch_is_read_when_scheduled():
+    """A PerReplica batch holding the caller's NumPy array is copied when the step is
+    scheduled (np.asarray kept the array: refilled before the step ran, the step
+    read the new values)."""
     s = jr.ParameterServerStrategy(num_ps=1, num_workers=1)
     rep = jr.Replicator(s)
     init = jnp.ones(4)

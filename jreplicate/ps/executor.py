@@ -301,9 +301,9 @@ class ParameterServerExecutor(Executor):
         if isinstance(batch, (HostBatch, WorkerInput)) or batch is None:
             pass
         else:
-            batch = jax.tree.map(lambda x: np.asarray(x.array) if isinstance(
-                x, PerReplica) else np.array(x) if isinstance(x, np.ndarray)
-                else np.asarray(x), batch, is_leaf=lambda x: isinstance(x, PerReplica))
+            # (a PerReplica's array too: it may be the caller's NumPy array)
+            batch = jax.tree.map(lambda x: np.asarray(_read_now(x.array if isinstance(
+                x, PerReplica) else x)), batch, is_leaf=lambda x: isinstance(x, PerReplica))
         key = self._fn_keys.get(fn)
         if key is None:
             key = self._fn_keys[fn] = self._next_key
