@@ -17,6 +17,7 @@ import pytest
 import jreplicate as jr
 import jreplicate.testing as jrt
 from tests._ps_helpers import bounded_test  # noqa: F401 (autouse: every test bounded)
+from tests.test_ps_ray import local_ray  # noqa: F401 (one Ray for the module)
 
 
 def _aligned(a: np.ndarray) -> np.ndarray:
@@ -237,3 +238,51 @@ def test_ps_per_replica_numpy_batch_is_read_when_scheduled():
     got = value.fetch()
     np.testing.assert_array_equal(np.asarray(getattr(got, "array", got)), 5.0)
     s.shutdown()
+
+
+# -- Ray: outputs of aliased, pipelined steps ---------------------------------------------
+
+_G = np.array([0.0, 1.0, 0.0, 2.0, 3.0, 0.0, 1.0, 4.0], np.float32)
+# Pieces of one shard each: one inline chunk (its bytes are aliased), several inline
+# chunks (joined: a copy), and one through Ray's object store (aliased).
+_SIZES = {"a": 8, "b": 50_000, "c": 300_000}
+
+
+def _tiled(x: np.ndarray, n: int) -> np.ndarray:
+    return np.resize(x, n)
+
+
+def _sgd_outputs(carrier: str, n: int) -> list:
+    """``n`` steps on one worker (on Ray two are in flight: the second starts from the
+    parameters the first's push returned), every value fetched after the last ran."""
+    s = jr.ParameterServerStrategy(num_ps=3, num_workers=1, carrier=carrier,
+                                   placement="round_robin")
+    rep = jr.Replicator(s)
+    init = {k: jnp.asarray(_tiled(_A, m)) for k, m in _SIZES.items()}
+    with rep.scope():
+        tx = jr.ps.pushable(optax.sgd(0.25))
+        opt = tx.init(init)
+
+    def step(ctx, p, o):
+        u, o = tx.update({k: jnp.asarray(_tiled(_G, m)) for k, m in _SIZES.items()}, o, p)
+        return optax.apply_updates(p, u), p, jax.tree.map(lambda x: x * 2.0, p)
+
+    values = [rep.run(step, None, init, opt) for _ in range(n)]
+    rep.join()
+    out = [v.fetch() for v in values]
+    s.shutdown()
+    return out
+
+
+@pytest.mark.usefixtures("local_ray")
+def test_ray_outputs_equal_the_embedded_carriers_bit_for_bit():
+    """A Ray worker on one device aliases the arrays a pull returns and forwards the
+    returned parameters; its outputs, held on the worker for every step until fetched
+    at the end, equal the embedded carrier's and numpy's SGD bit for bit."""
+    n = 10
+    ray_out, embedded = _sgd_outputs("ray", n), _sgd_outputs("embedded", n)
+    p = {k: _tiled(_A, m) for k, m in _SIZES.items()}
+    for k in range(n):
+        _same_bits(ray_out[k], embedded[k])
+        _same_bits(ray_out[k], (p, p, {key: v * np.float32(2) for key, v in p.items()}))
+        p = {key: v + np.float32(-0.25) * _tiled(_G, v.size) for key, v in p.items()}
