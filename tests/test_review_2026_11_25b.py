@@ -151,14 +151,11 @@ def test_complex_parameters_come_back_bit_for_bit(group):
     s.shutdown()
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "worker._unforward puts back the runtime argument itself for an output that is an "
-    "argument unchanged: a Python scalar or a float64/int64 NumPy argument comes back "
-    "as float64/int64, where the step (and every other strategy) returns float32/int32"))
 @pytest.mark.parametrize("group", [1, 2])
 def test_arguments_returned_unchanged_keep_the_steps_dtypes(group):
     """A step returning some of its arguments unchanged gives what the same step gives
-    under MirroredStrategy: the arguments as the step saw them (JAX's dtypes)."""
+    under MirroredStrategy: the arguments as the step saw them (JAX's dtypes; the PS
+    worker put back the runtime value itself, a Python scalar or a float64 array)."""
     args = (0.5, 3, True, np.arange(3, dtype=np.float64), np.arange(2, dtype=np.int64),
             [1.0, 2])
     got = {}
