@@ -184,6 +184,36 @@ def test_arguments_returned_unchanged_keep_the_steps_dtypes(group):
         np.testing.assert_array_equal(a, b)
 
 
+@pytest.mark.parametrize("gated", [False, True])
+def test_split_leaf_and_token_gated_outputs_are_numpy_sgd(gated):
+    """A leaf split over two shards (the pull joins it: a writable copy, placed by a
+    copy) next to a scalar aliased from a shard, asynchronous or token-gated: each
+    step's returned and pulled parameters equal numpy SGD bit for bit, -0.0 kept."""
+    a, g = np.resize(_A, 4096), np.resize(np.float32([0, 1, 0, 2, 3, 0, 1, 4]), 4096)
+    s = jr.ParameterServerStrategy(num_ps=2, num_workers=1, placement="size_balanced",
+                                   min_slice_bytes=1024)
+    rep = jr.Replicator(s)
+    init = {"a": jnp.asarray(a), "s": jnp.float32(-0.0)}
+    with rep.scope():
+        inner = optax.sgd(0.25)
+        tx = jr.ps.pushable(jr.sync_replicas(inner, replicas_to_aggregate=1,
+                                             total_num_replicas=1) if gated else inner)
+        opt = tx.init(init)
+    assert len(s.placement.parts) == 3  # "a" in two slices
+
+    def step(ctx, p, o):
+        u, o = tx.update({"a": jnp.asarray(g), "s": jnp.float32(0.0)}, o, p)
+        return optax.apply_updates(p, u), p
+
+    values = [rep.run(step, None, init, opt) for _ in range(5)]
+    rep.join()
+    p = {"a": a, "s": np.float32(-0.0)}
+    for v in values:
+        _same_bits(v.fetch(), (p, p))
+        p = {"a": p["a"] + np.float32(-0.25) * g, "s": p["s"]}
+    s.shutdown()
+
+
 # -- NumPy arrays handed to the library are read when given --------------------------------
 
 def _adam_job():
