@@ -303,6 +303,38 @@ def test_ps_per_replica_numpy_batch_is_read_when_scheduled():
     s.shutdown()
 
 
+@pytest.mark.xfail(strict=True, reason=(
+    "ParameterServerExecutor._nnx_arg keeps an NNX argument's NumPy-valued state "
+    "uncopied (np.asarray): refilling it before the scheduled step runs changes the "
+    "step's inputs"))
+def test_ps_nnx_numpy_state_is_read_when_scheduled():
+    """An NNX module whose state holds the caller's NumPy array (a BatchStat): the
+    scheduled step sees the values as of ``run``, as under MirroredStrategy."""
+    from flax import nnx
+
+    class Model(nnx.Module):
+        def __init__(self):
+            self.w = nnx.Param(jnp.ones(4))
+            self.stat = nnx.BatchStat(_aligned(np.full(64, 5.0, np.float32)))
+
+    s = jr.ParameterServerStrategy(num_ps=1, num_workers=1)
+    rep = jr.Replicator(s)
+    with rep.scope():
+        model = Model()
+        optimizer = nnx.Optimizer(model, jr.ps.pushable(optax.sgd(0.1)), wrt=nnx.Param)
+
+    def step(ctx, model, optimizer):
+        optimizer.update(model, nnx.grad(lambda m: jnp.sum(m.w[...]))(model))
+        return model.stat[...]
+
+    jrt.set_worker_delay(s, 0, 0.3)  # the step runs after the array is refilled
+    value = rep.run(step, None, model, optimizer)
+    model.stat.get_value()[...] = -1.0
+    rep.join()
+    np.testing.assert_array_equal(value.fetch(), 5.0)
+    s.shutdown()
+
+
 # -- Ray: outputs of aliased, pipelined steps ---------------------------------------------
 
 _G = np.array([0.0, 1.0, 0.0, 2.0, 3.0, 0.0, 1.0, 4.0], np.float32)
