@@ -346,7 +346,9 @@ class ParameterServerExecutor(Executor):
         if hit is None or hit[0] is not node:
             from flax import nnx
             graphdef, state = nnx.split(node)
-            hit = (node, NnxArg(graphdef, jax.tree.map(np.asarray, state)))
+            # (a NumPy value copied: the caller may refill it before the step runs)
+            hit = (node, NnxArg(graphdef, jax.tree.map(
+                lambda x: np.asarray(_read_now(x)), state)))
             self._nnx_cache[id(node)] = hit
         return hit[1]
 
