@@ -303,13 +303,10 @@ def test_ps_per_replica_numpy_batch_is_read_when_scheduled():
     s.shutdown()
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "ParameterServerExecutor.restore rebuilds the workers' optimizer state from the "
-    "caller's own state object (np.asarray), not the copy registered in rep.scope(): "
-    "a NumPy leaf refilled since changes what the steps read"))
 def test_workers_optimizer_state_after_restore_is_the_registered_one():
     """The optimizer state a PS worker passes to the step is the one registered in
-    ``rep.scope()`` (read then), before and after ``strategy.restore``."""
+    ``rep.scope()`` (read then), before and after ``strategy.restore`` (which rebuilt
+    the workers from the caller's state object as it was then)."""
     held = _aligned(np.full(64, 5.0, np.float32))
     base = optax.GradientTransformation(lambda p: {"k": held}, lambda u, s, p=None: (u, s))
     s = jr.ParameterServerStrategy(num_ps=1, num_workers=1)

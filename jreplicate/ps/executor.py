@@ -90,7 +90,9 @@ class ParameterServerExecutor(Executor):
         self._param_ids = tuple(id(x) for x in jax.tree.leaves(params))
         self._opt_ids = tuple(id(x) for x in jax.tree.leaves(opt_state))
         self._opt_keep = (params, opt_state)  # ids stay valid while held
-        self._build(self.placement.split(host), jax.tree.map(_read_now, opt_state))
+        # The workers' copy of the state, as registered (restore builds them from it).
+        self._opt_host = jax.tree.map(_read_now, opt_state)
+        self._build(self.placement.split(host), self._opt_host)
 
     def _build(self, pieces: list, opt_host: Any, restored: list | None = None) -> None:
         s = self.config
@@ -186,8 +188,7 @@ class ParameterServerExecutor(Executor):
         self._carrier.close()
         restored = [host_shard_state(sh) for sh in shards]
         self.next_id = int(np.asarray(state["next_step_id"]))
-        self._build([r["params"] for r in restored],
-                    jax.tree.map(np.asarray, self._opt_keep[1]), restored)
+        self._build([r["params"] for r in restored], self._opt_host, restored)
 
     def restart_shard(self, i: int, state: dict[str, Any]) -> ShardRestart:
         """Shard ``i`` back from ``state["shards"][i]`` (see
