@@ -151,6 +151,27 @@ def test_complex_parameters_come_back_bit_for_bit(group):
     s.shutdown()
 
 
+def test_a_per_replica_argument_plus_zeros_stays_per_replica():
+    """Over a sync group of 2, a PerReplica argument plus the zero updates (varying:
+    never forwarded to a replicated input) is each replica's own value, -0.0 kept."""
+    s = jr.ParameterServerStrategy(num_ps=1, num_workers=1, num_replicas_in_sync=2)
+    rep = jr.Replicator(s)
+    with rep.scope():
+        init = jnp.ones(4)
+        tx = jr.ps.pushable(optax.sgd(0.1))
+        opt = tx.init(init)
+    q = np.array([[-0.0, 1, 2, 3], [4, 5, -0.0, 7]], np.float32)
+
+    def step(ctx, p, o, q):
+        u, o = tx.update(jnp.ones(4), o, p)
+        return q + u, optax.apply_updates(q, u), p + u
+
+    value = rep.run(step, None, init, opt, jr.PerReplica(q))
+    rep.join()
+    _same_bits(value.fetch(), (q, q, np.ones(4, np.float32)))
+    s.shutdown()
+
+
 @pytest.mark.parametrize("group", [1, 2])
 def test_arguments_returned_unchanged_keep_the_steps_dtypes(group):
     """A step returning some of its arguments unchanged gives what the same step gives
