@@ -128,10 +128,10 @@ class Sink(list):
 
     def zero_updates(self, grads: Any) -> Any:
         """The updates a pushable update returns on a PS worker: ``-0.0`` everywhere (both
-        parts of a complex value), so
-        that ``params + updates`` is ``params`` bit for bit (``+0.0`` would turn a
-        ``-0.0`` parameter into ``+0.0``). Recorded, so that the worker can tell an
-        output that is a parameter plus them from a new value (``worker._forward``)."""
+        parts of a complex value), so that ``params + updates`` is ``params`` bit for bit
+        (``+0.0`` would turn a ``-0.0`` parameter into ``+0.0``). Recorded, so that the
+        worker can tell an output that is a parameter plus them from a new value
+        (``worker._forward``)."""
         updates = jax.tree.map(_negative_zeros, grads)
         self.zeros.update((id(u), u) for u in jax.tree.leaves(updates))
         return updates
