@@ -127,13 +127,20 @@ class Sink(list):
         self.zeros: dict[int, Any] = {}
 
     def zero_updates(self, grads: Any) -> Any:
-        """The updates a pushable update returns on a PS worker: ``-0.0`` everywhere, so
-        that ``params + updates`` is ``params`` bit for bit (``+0.0`` would turn a
-        ``-0.0`` parameter into ``+0.0``). Recorded, so that the worker can tell an
-        output that is a parameter plus them from a new value (``worker._forward``)."""
-        updates = jax.tree.map(lambda g: jnp.full_like(g, -0.0), grads)
+        """The updates a pushable update returns on a PS worker: ``-0.0`` everywhere (both
+        parts of a complex value), so that ``params + updates`` is ``params`` bit for bit
+        (``+0.0`` would turn a ``-0.0`` parameter into ``+0.0``). Recorded, so that the
+        worker can tell an output that is a parameter plus them from a new value
+        (``worker._forward``)."""
+        updates = jax.tree.map(_negative_zeros, grads)
         self.zeros.update((id(u), u) for u in jax.tree.leaves(updates))
         return updates
+
+
+def _negative_zeros(g: Any) -> Any:
+    """``-0.0`` shaped like ``g``: both parts of a complex value (``-0.0 + 0.0j`` would
+    turn a ``-0.0`` imaginary part into ``+0.0``); ``0`` for integers."""
+    return jnp.full_like(g, complex(-0.0, -0.0) if jnp.iscomplexobj(g) else -0.0)
 
 
 def active_sink() -> Sink | None:

@@ -94,7 +94,9 @@ class ParameterServerExecutor(Executor):
         for i, piece in enumerate(pieces):  # here, before any shard (or actor) is made
             check_transformation(i, tx, piece, [p.path for p in self.placement.parts
                                                 if p.shard == i])
-        self._build(pieces, jax.tree.map(_read_now, opt_state))
+        # The workers' copy of the state, as registered (restore builds them from it).
+        self._opt_host = jax.tree.map(_read_now, opt_state)
+        self._build(pieces, self._opt_host)
 
     def _build(self, pieces: list, opt_host: Any, restored: list | None = None) -> None:
         s = self.config
@@ -190,8 +192,7 @@ class ParameterServerExecutor(Executor):
         self._carrier.close()
         restored = [host_shard_state(sh) for sh in shards]
         self.next_id = int(np.asarray(state["next_step_id"]))
-        self._build([r["params"] for r in restored],
-                    jax.tree.map(np.asarray, self._opt_keep[1]), restored)
+        self._build([r["params"] for r in restored], self._opt_host, restored)
 
     def restart_shard(self, i: int, state: dict[str, Any]) -> ShardRestart:
         """Shard ``i`` back from ``state["shards"][i]`` (see
@@ -305,9 +306,9 @@ class ParameterServerExecutor(Executor):
         if isinstance(batch, (HostBatch, WorkerInput)) or batch is None:
             pass
         else:
-            batch = jax.tree.map(lambda x: np.asarray(x.array) if isinstance(
-                x, PerReplica) else np.array(x) if isinstance(x, np.ndarray)
-                else np.asarray(x), batch, is_leaf=lambda x: isinstance(x, PerReplica))
+            # (a PerReplica's array too: it may be the caller's NumPy array)
+            batch = jax.tree.map(lambda x: np.asarray(_read_now(x.array if isinstance(
+                x, PerReplica) else x)), batch, is_leaf=lambda x: isinstance(x, PerReplica))
         key = self._fn_keys.get(fn)
         if key is None:
             key = self._fn_keys[fn] = self._next_key
@@ -350,7 +351,9 @@ class ParameterServerExecutor(Executor):
         if hit is None or hit[0] is not node:
             from flax import nnx
             graphdef, state = nnx.split(node)
-            hit = (node, NnxArg(graphdef, jax.tree.map(np.asarray, state)))
+            # (a NumPy value copied: the caller may refill it before the step runs)
+            hit = (node, NnxArg(graphdef, jax.tree.map(
+                lambda x: np.asarray(_read_now(x)), state)))
             self._nnx_cache[id(node)] = hit
         return hit[1]
 

@@ -245,7 +245,7 @@ class PSWorker:
                 got, _ = self._execute(fn, c.has_batch, batch, args, donate)
             out, grads, _ = got
             if first is not None:
-                out = _unforward(out, args, self._plans)
+                out = _unforward(out, args, self._plans, self.layout.replicated)
             grads = jax.tree.map(np.asarray, grads)
         except WorkerLostError:
             raise
@@ -423,10 +423,13 @@ def _unclaimed(donated: Any, outputs: Any, axis: str) -> list:
     return kept
 
 
-def _unforward(out: Any, args: tuple, plans: dict) -> Any:
+def _unforward(out: Any, args: tuple, plans: dict, sharding: Any) -> Any:
     """After the step: each :class:`_Forwarded` output replaced by its input (a leaf of
-    ``args``, the step's arguments after the batch, as traced). ``plans`` caches, per
-    structure of ``out``, where each output comes from (:func:`_unforward_plan`)."""
+    ``args``, the step's arguments after the batch, as traced), placed with
+    ``sharding`` as the step took it where it is not a ``jax.Array`` (a Python scalar
+    or a float64 NumPy argument comes back as the step's float32, as under every
+    strategy). ``plans`` caches, per structure of ``out``, where each output comes from
+    (:func:`_unforward_plan`)."""
     leaves, treedef = jax.tree.flatten(out)  # (a _Forwarded has no leaves)
     if treedef not in plans:
         if len(plans) >= 64:  # (steps of many output structures: start again)
@@ -437,7 +440,9 @@ def _unforward(out: Any, args: tuple, plans: dict) -> Any:
         return out
     full, sources = plan
     inputs = jax.tree.leaves(args)
-    return jax.tree.unflatten(full, [inputs[i] if fwd else leaves[i] for fwd, i in sources])
+    return jax.tree.unflatten(full, [(x if isinstance(x := inputs[i], jax.Array) else
+                                      jax.device_put(x, sharding)) if fwd else leaves[i]
+                                     for fwd, i in sources])
 
 
 def _unforward_plan(treedef: Any) -> tuple[Any, list[tuple[bool, int]]] | None:
