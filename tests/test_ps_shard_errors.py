@@ -9,10 +9,6 @@ stay alive; no shard applies any piece of the failed push (every ledger records 
 A genuinely lost shard (``jrt.kill_shard``) is still a ParameterServerError.
 """
 
-import os
-import pathlib
-import shutil
-import tempfile
 
 import jax
 import jax.numpy as jnp
@@ -23,6 +19,7 @@ import pytest
 import jreplicate as jr
 import jreplicate.testing as jrt
 from tests._ps_helpers import bounded_test  # noqa: F401 (autouse: every test bounded)
+from tests.test_ps_ray import local_ray  # noqa: F401 (one Ray for the module)
 
 LR, MOMENTUM, LIMIT, BAD = 0.1, 0.9, 50.0, 99.0
 
@@ -114,9 +111,7 @@ def test_a_shard_update_error_is_the_steps_error_and_nothing_is_applied(num_ps,
                                      max_staleness=max_staleness)
     bad_key = _key_on(s, 0)
     bad = 3
-    xs = [((BAD, 1.0) if bad_key == "a" else (1.0, BAD)) if i == bad else (1.0, 1.0)
-          for i in range(8)]
-    values = [rep.run(step, np.array(x, np.float32), params, opt) for x in xs]
+    values = _schedule(rep, step, params, opt, 8, bad, bad_key)
     _assert_failed_once(s, rep, values, bad, applied=7)
     got = s.parameters()
     np.testing.assert_allclose(got["a"], np.full(3, _momentum_sgd(7)), rtol=1e-6)
@@ -135,9 +130,7 @@ def test_an_error_on_shard_1_leaves_shard_0_unchanged():
     s, rep, params, opt, step = _job(_checked_tx(), num_ps=2)
     key = _key_on(s, 1)
     bad = 2
-    xs = [((BAD, 1.0) if key == "a" else (1.0, BAD)) if i == bad else (1.0, 1.0)
-          for i in range(6)]
-    values = [rep.run(step, np.array(x, np.float32), params, opt) for x in xs]
+    values = _schedule(rep, step, params, opt, 6, bad, key)
     with pytest.raises(Exception, match="shard 1") as info:
         rep.join()
     assert "step 2" in str(info.value) and "too large: 99.0" in str(info.value)
@@ -163,9 +156,7 @@ def test_token_gated_a_failed_push_counts_for_no_step(num_ps):
     s, rep, params, opt, step = _job(tx, num_ps=num_ps)
     key = _key_on(s, 0)
     bad = 4
-    xs = [((BAD, 1.0) if key == "a" else (1.0, BAD)) if i == bad else (1.0, 1.0)
-          for i in range(9)]
-    values = [rep.run(step, np.array(x, np.float32), params, opt) for x in xs]
+    values = _schedule(rep, step, params, opt, 9, bad, key)
     _assert_failed_once(s, rep, values, bad, applied=None)
     led0, *others = s.ledger()
     assert all(led == led0 for led in others), (led0, others)
@@ -258,30 +249,17 @@ def test_a_killed_shard_is_still_a_parameter_server_error():
     s.shutdown()
 
 
+def _schedule(rep, step, params, opt, n, bad, key):
+    """``n`` steps, each pushing ones except step ``bad``: BAD for leaf ``key``."""
+    xs = [((BAD, 1.0) if key == "a" else (1.0, BAD)) if i == bad else (1.0, 1.0)
+          for i in range(n)]
+    return [rep.run(step, np.array(x, np.float32), params, opt) for x in xs]
+
+
 # -- Ray: the same error from a shard actor -------------------------------------------
 
-@pytest.fixture(scope="module")
-def local_ray():
-    """A private loopback Ray for this module (as tests/test_ps_ray.py starts one)."""
-    ray = pytest.importorskip("ray", reason="Ray is not installed: pip install 'jreplicate[ray]'")
-    from jreplicate.ps.ray_carrier import ensure_ray
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    tmp = pathlib.Path(tempfile.mkdtemp(prefix="jr-ray-"))
-    saved = {k: os.environ.pop(k, None) for k in ("RAY_ADDRESS", "RAY_TMPDIR")}
-    os.environ["RAY_TMPDIR"] = str(tmp)
-    try:
-        ensure_ray()
-    finally:
-        for k, v in saved.items():
-            os.environ.pop(k, None)
-            if v is not None:
-                os.environ[k] = v
-    yield ray
-    ray.shutdown()
-    shutil.rmtree(tmp, ignore_errors=True)
-
-
-def test_on_ray_a_shard_actors_update_error_is_the_steps_error(local_ray):
+@pytest.mark.usefixtures("local_ray")
+def test_on_ray_a_shard_actors_update_error_is_the_steps_error():
     """Ray, two shard actors, asynchronous: shard 0's update raises for step 3: the
     step's error names shard 0, step 3 and the ValueError; not retried, the worker
     actors alive, both ledgers record it failed, the parameters are those of the 5 other
@@ -290,9 +268,7 @@ def test_on_ray_a_shard_actors_update_error_is_the_steps_error(local_ray):
     s, rep, params, opt, step = _job(_checked_tx(), num_ps=2, carrier="ray")
     key = _key_on(s, 0)
     bad = 3
-    xs = [((BAD, 1.0) if key == "a" else (1.0, BAD)) if i == bad else (1.0, 1.0)
-          for i in range(6)]
-    values = [rep.run(step, np.array(x, np.float32), params, opt) for x in xs]
+    values = _schedule(rep, step, params, opt, 6, bad, key)
     _assert_failed_once(s, rep, values, bad, applied=5)
     got = s.parameters()
     for k, n in (("a", 3), ("b", 2)):
