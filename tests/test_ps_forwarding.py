@@ -212,3 +212,28 @@ def test_numpy_written_after_run_or_scope_changes_no_ps_value():
     np.testing.assert_array_equal(s.parameters()["v"], 1.0)
     np.testing.assert_array_equal(np.asarray(replicated), 3.0)
     s.shutdown()
+
+
+def test_donate_argnums_under_the_ps_warns_once_and_changes_nothing():
+    s = jr.ParameterServerStrategy(num_ps=1, num_workers=1)
+    rep = jr.Replicator(s)
+    with rep.scope():
+        params = {"w": jnp.ones(4)}
+        tx = jr.ps.pushable(optax.sgd(0.5))
+        opt = tx.init(params)
+
+    def step(ctx, p, o):
+        u, o = tx.update(jax.tree.map(jnp.ones_like, p), o, p)
+        return optax.apply_updates(p, u), o
+
+    with pytest.warns(UserWarning, match=r"donate_argnums=\(0, 1\)\) has no effect"):
+        first = rep.run(step, None, params, opt, donate_argnums=(0, 1))
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # once per strategy
+        rep.run(step, None, params, opt, donate_argnums=(0, 1))
+    rep.join()
+    assert not params["w"].is_deleted()  # the caller's arrays are not donated
+    np.testing.assert_array_equal(np.asarray(first.fetch()[0]["w"]), 1.0)
+    np.testing.assert_array_equal(s.parameters()["w"], 0.0)
+    s.shutdown()

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import sys
+import warnings
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -52,6 +53,7 @@ class ParameterServerExecutor(Executor):
         self._fn_keys = FunctionMap(on_drop=self._function_freed)
         self._next_key = 0
         self._nnx_cache: dict[int, tuple] = {}
+        self._warned_donation = False
 
     # -- registration (tx.init inside scope) -------------------------------------------
     @contextlib.contextmanager
@@ -282,6 +284,15 @@ class ParameterServerExecutor(Executor):
                 "ParameterServerStrategy: the parameters are not on the parameter servers "
                 "yet. Create them and the optimizer inside rep.scope(): tx = "
                 "jr.ps.pushable(optax.adam(...)); opt_state = tx.init(params).")
+        if donate_argnums and not self._warned_donation:
+            self._warned_donation = True
+            warnings.warn(
+                f"Replicator.run(..., donate_argnums={tuple(donate_argnums)}) has no effect "
+                "under ParameterServerStrategy: the step runs later on a worker, with the "
+                "parameters pulled from the shards and copies of the other arguments, so "
+                "nothing of the caller's is donated (the worker reuses its own buffers). "
+                "The step is run as given; drop donate_argnums here to silence this.",
+                UserWarning, stacklevel=4)
         p_idx = o_idx = None
         nnx_pos = self._nnx_positions(args)
         for i, a in enumerate(args):
