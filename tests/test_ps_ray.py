@@ -28,9 +28,9 @@ from tests._sockets import is_loopback, listening_sockets
 ray = pytest.importorskip("ray", reason="Ray is not installed: pip install 'jreplicate[ray]'")
 
 
-@pytest.fixture(scope="module")
-def local_ray():
-    """The Ray instance the library starts itself (no address given)."""
+def private_ray(**options):
+    """Starts the Ray instance the library starts itself (no address given; ``options``
+    for its ``ray.init``), yields its directory, and shuts it down."""
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # no token file in the home dir
     # A short directory of its own: Ray's socket paths under it must fit in 107 bytes
     # (pytest's temporary directories under pytest-xdist do not).
@@ -38,7 +38,7 @@ def local_ray():
     saved = {k: os.environ.pop(k, None) for k in ("RAY_ADDRESS", "RAY_TMPDIR")}
     os.environ["RAY_TMPDIR"] = str(tmp)
     try:
-        ensure_ray()
+        ensure_ray(**options)
     finally:
         for k, v in saved.items():
             os.environ.pop(k, None)
@@ -47,6 +47,12 @@ def local_ray():
     yield tmp
     ray.shutdown()
     shutil.rmtree(tmp, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def local_ray():
+    """The Ray instance the library starts itself (no address given)."""
+    yield from private_ray()
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")

@@ -58,10 +58,11 @@ from jreplicate.ps.worker import ApplicationError
 from jreplicate.ps.worker_input import InputEnded, WorkerInput
 
 
-def ensure_ray() -> Any:
+def ensure_ray(**options: Any) -> Any:
     """Ray, initialised: as the caller did, at ``RAY_ADDRESS`` if set (other than
     ``local``), else a private local instance (``address="local"``) whose processes
-    listen on 127.0.0.1 only, with no dashboard.
+    listen on 127.0.0.1 only, with no dashboard; ``options`` go to that instance's
+    ``ray.init`` (e.g. ``object_store_memory``).
 
     Ray turns a loopback ``_node_ip_address`` into the machine's network address unless
     its clusters are disabled (``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0``, read when Ray is
@@ -85,7 +86,7 @@ def ensure_ray() -> Any:
         ray_constants.ENABLE_RAY_CLUSTER = False
     try:
         ray.init(address="local", _node_ip_address="127.0.0.1", include_dashboard=False,
-                 log_to_driver=False)
+                 log_to_driver=False, **options)
     finally:
         if ray_constants is not None:
             ray_constants.ENABLE_RAY_CLUSTER = saved
