@@ -44,6 +44,7 @@ import collections
 import dataclasses
 import functools
 import os
+import threading
 import time
 from typing import Any
 
@@ -105,14 +106,20 @@ class HeldOutputs:
     (its RemoteValue is), the worker is told with its next step to let them go, so a
     loop that keeps no RemoteValue keeps no outputs."""
 
-    def __init__(self, actor: Any, worker: int, step_id: int, drops: collections.deque):
+    def __init__(self, actor: Any, worker: int, step_id: int, drops: collections.deque,
+                 closed: threading.Event | None = None):
         self.actor, self.worker, self.step_id, self._drops = actor, worker, step_id, drops
+        self._closed = closed  # set when the strategy shut down (its actors killed)
 
     def resolve(self, timeout: float | None = None) -> Any:
         ray = _ray()
         wait = 300.0 if timeout is None else max(timeout, 0.0)
         try:
-            found, out = ray.get(self.actor.fetch.remote(self.step_id), timeout=wait)
+            if self._closed is not None and self._closed.is_set():
+                # (ray.kill is asynchronous: the actor might still answer for a moment)
+                found, out = False, "the strategy was shut down"
+            else:
+                found, out = ray.get(self.actor.fetch.remote(self.step_id), timeout=wait)
         except ray.exceptions.GetTimeoutError:
             raise TimeoutError(
                 f"RemoteValue.fetch: the outputs of step {self.step_id} (finished) did not "
@@ -166,6 +173,7 @@ class RayCarrier:
         if self.depth > 1:
             ray.get([w.return_params.remote() for w in self.workers], timeout=300)
         self._drops = [collections.deque() for _ in self.workers]  # step ids let go
+        self._closed = threading.Event()  # close() ran: held outputs are gone
         #: Per worker: keys of step functions freed here, which its actor lets go.
         self._freed = [collections.deque() for _ in self.workers]
         self._incarnations = ray.get([w.incarnation.remote() for w in self.workers],
@@ -219,7 +227,7 @@ class RayCarrier:
                     sent_inputs.add(read.key)
                     if position is not None:
                         self._positions[w][read.key] = tuple(position)
-                return HeldOutputs(self.workers[w], w, closure.step_id, drops)
+                return HeldOutputs(self.workers[w], w, closure.step_id, drops, self._closed)
             except ray.exceptions.RayTaskError as e:
                 cause = getattr(e, "cause", None)
                 if isinstance(cause, _Forgotten):  # restarted while idle: did not run
@@ -403,6 +411,7 @@ class RayCarrier:
 
     def close(self) -> None:
         ray = _ray()
+        self._closed.set()
         for a in self.workers + self.shards:
             try:
                 ray.kill(a, no_restart=True)
