@@ -29,7 +29,6 @@ def _sgd_job(carrier="embedded", **kw):
     return s, rep, params, tx, opt
 
 
-@pytest.mark.xfail(strict=True, reason="stacklevel=4 points past the caller's line")
 def test_donation_warning_points_at_the_callers_run_line():
     s, rep, params, tx, opt = _sgd_job()
 

@@ -292,7 +292,7 @@ class ParameterServerExecutor(Executor):
                 "parameters pulled from the shards and copies of the other arguments, so "
                 "nothing of the caller's is donated (the worker reuses its own buffers). "
                 "The step is run as given; drop donate_argnums here to silence this.",
-                UserWarning, stacklevel=4)
+                UserWarning, stacklevel=3)  # the caller of Replicator.run
         p_idx = o_idx = None
         nnx_pos = self._nnx_positions(args)
         for i, a in enumerate(args):
