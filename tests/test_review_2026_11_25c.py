@@ -103,7 +103,6 @@ def test_old_held_outputs_fetch_exactly_as_recent_ones_on_a_sync_group_of_two():
     s.shutdown()
 
 
-@pytest.mark.xfail(strict=True, reason="the copy of a key raises in the later step's run")
 @pytest.mark.usefixtures("local_ray")
 def test_a_step_returning_a_prng_key_kept_past_the_store_window_keeps_training():
     """A step returning a typed PRNG key (``key, sub = jax.random.split(key)``) whose
