@@ -126,3 +126,25 @@ def test_a_step_returning_a_prng_key_kept_past_the_store_window_keeps_training()
     with pytest.raises(TypeError, match="PRNGKey"):  # as on the embedded carrier
         values[0].fetch()
     s.shutdown()
+
+
+@pytest.mark.xfail(strict=True, reason="the error says the strategy was shut down")
+@pytest.mark.usefixtures("local_ray")
+def test_fetch_after_restore_on_ray_says_the_workers_were_restarted_by_restore():
+    """strategy.restore replaces the Ray worker actors, so a step's outputs not fetched
+    before are gone (the embedded carrier keeps them): the error says restore did it
+    (it said the strategy was shut down) and how to keep them."""
+    s, rep, params, tx, opt = _sgd_job("ray")
+
+    def step(ctx, p, o):
+        u, o = tx.update(jax.tree.map(jnp.ones_like, p), o, p)
+        return optax.apply_updates(p, u), o, jnp.sum(p["w"])
+
+    kept, lost = rep.run(step, None, params, opt), rep.run(step, None, params, opt)
+    np.testing.assert_array_equal(kept.fetch()[2], 0.0)
+    rep.join()
+    s.restore(s.state())
+    np.testing.assert_array_equal(kept.fetch()[2], 0.0)  # fetched before: kept
+    with pytest.raises(jr.ps.WorkerLostError, match=r"strategy\.restore.*fetch"):
+        lost.fetch()
+    s.shutdown()
