@@ -128,7 +128,6 @@ def test_a_step_returning_a_prng_key_kept_past_the_store_window_keeps_training()
     s.shutdown()
 
 
-@pytest.mark.xfail(strict=True, reason="the error says the strategy was shut down")
 @pytest.mark.usefixtures("local_ray")
 def test_fetch_after_restore_on_ray_says_the_workers_were_restarted_by_restore():
     """strategy.restore replaces the Ray worker actors, so a step's outputs not fetched

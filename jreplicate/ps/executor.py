@@ -191,7 +191,8 @@ class ParameterServerExecutor(Executor):
             raise ValueError(f"restore: the state has {len(shards)} shards, this strategy "
                              f"{self.config.num_ps}; restore with the same num_ps.")
         self.coordinator.shutdown()
-        self._carrier.close()
+        self._carrier.close(why="strategy.restore replaced the worker actors; fetch the "
+                                "outputs you need before restoring")
         restored = [host_shard_state(sh) for sh in shards]
         self.next_id = int(np.asarray(state["next_step_id"]))
         self._build([r["params"] for r in restored], self._opt_host, restored)
