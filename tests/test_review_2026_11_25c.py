@@ -48,7 +48,6 @@ def test_donation_warning_points_at_the_callers_run_line():
 
 
 
-@pytest.mark.xfail(strict=True, reason="fetch reads self._value twice")
 def test_two_threads_fetching_one_held_remote_value_both_get_its_outputs():
     """On Ray a finished RemoteValue holds a HeldOutputs until fetched: a second thread
     whose fetch saw it just before the first stored the outputs must not fail (it raised
