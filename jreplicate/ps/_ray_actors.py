@@ -257,5 +257,14 @@ def _host(out, convert):
 
 
 def _host_copy(out):
-    """``out`` as NumPy copies in this process's memory (what ``fetch`` returns)."""
-    return _host(out, np.array)
+    """``out`` as NumPy copies in this process's memory (what ``fetch`` returns).
+
+    A leaf NumPy cannot hold (a typed PRNG key) stays as it is: ``fetch`` raises its
+    error when asked for it, as on the embedded carrier, instead of the later step whose
+    ``run`` copies it failing after its push (the worker was then lost)."""
+    def copy(x):
+        try:
+            return np.array(x)
+        except Exception:  # noqa: BLE001 (fetch's np.asarray raises it to the caller)
+            return x
+    return _host(out, copy)

@@ -96,7 +96,8 @@ class EmbeddedCarrier:
     def kill_shard(self, i: int) -> None:
         self.shards[i].close("lost (killed)")
 
-    def close(self) -> None:
+    def close(self, *, why: str = "the strategy was shut down") -> None:
+        """(``why``: the Ray carrier's reason; outputs here stay fetchable.)"""
         for sh in self.shards:
             sh.close("shut down")
 

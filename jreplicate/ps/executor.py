@@ -191,7 +191,8 @@ class ParameterServerExecutor(Executor):
             raise ValueError(f"restore: the state has {len(shards)} shards, this strategy "
                              f"{self.config.num_ps}; restore with the same num_ps.")
         self.coordinator.shutdown()
-        self._carrier.close()
+        self._carrier.close(why="strategy.restore replaced the worker actors; fetch the "
+                                "outputs you need before restoring")
         restored = [host_shard_state(sh) for sh in shards]
         self.next_id = int(np.asarray(state["next_step_id"]))
         self._build([r["params"] for r in restored], self._opt_host, restored)
@@ -292,7 +293,7 @@ class ParameterServerExecutor(Executor):
                 "parameters pulled from the shards and copies of the other arguments, so "
                 "nothing of the caller's is donated (the worker reuses its own buffers). "
                 "The step is run as given; drop donate_argnums here to silence this.",
-                UserWarning, stacklevel=4)
+                UserWarning, stacklevel=3)  # the caller of Replicator.run
         p_idx = o_idx = None
         nnx_pos = self._nnx_positions(args)
         for i, a in enumerate(args):

@@ -44,7 +44,6 @@ import collections
 import dataclasses
 import functools
 import os
-import threading
 import time
 from typing import Any
 
@@ -107,17 +106,17 @@ class HeldOutputs:
     loop that keeps no RemoteValue keeps no outputs."""
 
     def __init__(self, actor: Any, worker: int, step_id: int, drops: collections.deque,
-                 closed: threading.Event | None = None):
+                 closed: list[str] | None = None):
         self.actor, self.worker, self.step_id, self._drops = actor, worker, step_id, drops
-        self._closed = closed  # set when the strategy shut down (its actors killed)
+        self._closed = closed  # why the carrier closed (its actors killed), once it did
 
     def resolve(self, timeout: float | None = None) -> Any:
         ray = _ray()
         wait = 300.0 if timeout is None else max(timeout, 0.0)
         try:
-            if self._closed is not None and self._closed.is_set():
+            if self._closed:
                 # (ray.kill is asynchronous: the actor might still answer for a moment)
-                found, out = False, "the strategy was shut down"
+                found, out = False, self._closed[0]
             else:
                 found, out = ray.get(self.actor.fetch.remote(self.step_id), timeout=wait)
         except ray.exceptions.GetTimeoutError:
@@ -173,7 +172,7 @@ class RayCarrier:
         if self.depth > 1:
             ray.get([w.return_params.remote() for w in self.workers], timeout=300)
         self._drops = [collections.deque() for _ in self.workers]  # step ids let go
-        self._closed = threading.Event()  # close() ran: held outputs are gone
+        self._closed: list[str] = []  # why close() ran, once it did: held outputs gone
         #: Per worker: keys of step functions freed here, which its actor lets go.
         self._freed = [collections.deque() for _ in self.workers]
         self._incarnations = ray.get([w.incarnation.remote() for w in self.workers],
@@ -409,9 +408,9 @@ class RayCarrier:
                     "simulated devices unless its runtime_env sets XLA_FLAGS or "
                     "JAX_PLATFORMS otherwise.")
 
-    def close(self) -> None:
+    def close(self, *, why: str = "the strategy was shut down") -> None:
         ray = _ray()
-        self._closed.set()
+        self._closed.append(why)
         for a in self.workers + self.shards:
             try:
                 ray.kill(a, no_restart=True)

@@ -234,10 +234,11 @@ class RemoteValue:
                                f"within {timeout} s; call rep.join() to wait for all steps.")
         if self._error is not None:
             raise self._error
-        if hasattr(self._value, "resolve"):  # Ray: outputs still in the object store
+        value = self._value  # read once: another thread's fetch may replace it
+        if hasattr(value, "resolve"):  # Ray: outputs still held by the worker
             left = None if timeout is None else timeout - (time.monotonic() - start)
-            self._value = self._value.resolve(left)
-        return jax.tree.map(_to_numpy, self._value, is_leaf=lambda x: isinstance(x, PerReplica))
+            self._value = value = value.resolve(left)
+        return jax.tree.map(_to_numpy, value, is_leaf=lambda x: isinstance(x, PerReplica))
 
     get = fetch
 
