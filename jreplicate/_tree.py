@@ -146,3 +146,17 @@ def check_fits(x: np.ndarray, where: str | Callable[[], str]) -> None:
         f"it to a type that holds it ({fix}), or enable 64-bit types before any JAX work: "
         "jax.config.update('jax_enable_x64', True)."
     )
+
+
+def read_now(x: Any) -> Any:
+    """A NumPy leaf's values as of now: a copy, which nothing else writes (JAX on CPU
+    may place an aligned NumPy array without a copy, jax 0.12's ``device_put`` even with
+    ``may_alias=False``, so the caller refilling its array later would change what was
+    placed); any other leaf (a ``jax.Array`` is immutable) as it is."""
+    return np.array(x) if isinstance(x, np.ndarray) else x
+
+
+def host_copy(x: Any) -> np.ndarray:
+    """:func:`read_now` as a NumPy array (a ``jax.Array`` as a view of its immutable
+    buffer, a Python number as a 0-d array)."""
+    return np.asarray(read_now(x))

@@ -15,7 +15,15 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jreplicate._tree import check_fits, covers, is_array_like, map_checked, path_str, report
+from jreplicate._tree import (
+    check_fits,
+    covers,
+    is_array_like,
+    map_checked,
+    path_str,
+    read_now,
+    report,
+)
 from jreplicate.context import PerReplica
 from jreplicate.execution import donation, fast, nnx_args
 from jreplicate.execution.base import Executor
@@ -128,7 +136,7 @@ class SPMDExecutor(Executor):
 
     def place(self, tree: Any) -> Any:
         # (a NumPy leaf is read now: on CPU the device array may alias what it is given)
-        return jax.tree.map(lambda x: jax.device_put(_read_now(x), self._replicated), tree)
+        return jax.tree.map(lambda x: jax.device_put(read_now(x), self._replicated), tree)
 
     # -- input -----------------------------------------------------------------------
     def assemble(self, elements: Sequence[Sequence[np.ndarray]], treedef: Any) -> Any:
@@ -288,7 +296,7 @@ class SPMDExecutor(Executor):
                 elif is_array_like(x):
                     if isinstance(x, (np.ndarray, np.generic, int, float)):
                         check_fits(np.asarray(x), lambda i=i: f"Replicator.run: {where(i)}")
-                    x = jax.device_put(_read_now(x), replicated)
+                    x = jax.device_put(read_now(x), replicated)
                     kind = REPLICATED
                 else:
                     raise TypeError(
@@ -343,7 +351,7 @@ class SPMDExecutor(Executor):
         if isinstance(x.array, jax.Array) and not isinstance(x.array, jax.core.Tracer) \
                 and x.array.is_deleted():
             raise _deleted_error(where(i))
-        return _read_now(x.array)
+        return read_now(x.array)
 
     def _send_home(self, outs: list, homes: list[Home], treedef: Any,
                    program: Program) -> None:
@@ -436,14 +444,6 @@ def _spec_axes(spec: Any) -> set:
         elif part is not None:
             axes.add(part)
     return axes
-
-
-def _read_now(x: Any) -> Any:
-    """A NumPy argument's values as of the call: a copy, which the device array may
-    alias on CPU (zero-copy transfer) and which nothing else writes, so that refilling
-    the caller's array after run returns never changes the step (as the input path
-    copies each element it reads)."""
-    return np.array(x) if isinstance(x, np.ndarray) else x
 
 
 def _argument_leaves(treedef: Any, node_pos: tuple, donate_argnums: tuple[int, ...],

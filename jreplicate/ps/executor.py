@@ -13,6 +13,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from jreplicate._tree import host_copy, read_now
 from jreplicate.context import PerReplica
 from jreplicate.execution.base import Executor
 from jreplicate.execution.cache import FunctionMap
@@ -85,7 +86,7 @@ class ParameterServerExecutor(Executor):
                 params = nnx.as_pure(params)
         # Copies of NumPy leaves (a jax.Array's view is immutable): the shards may alias
         # what they are given on CPU, and the caller may write to its arrays later.
-        host = jax.tree.map(_read_now, params)
+        host = jax.tree.map(host_copy, params)
         self.placement = place_parameters(host, s.num_ps, s.placement_policy,
                                           min_slice_bytes=s.min_slice_bytes)
         self._tx = tx
@@ -97,7 +98,7 @@ class ParameterServerExecutor(Executor):
             check_transformation(i, tx, piece, [p.path for p in self.placement.parts
                                                 if p.shard == i])
         # The workers' copy of the state, as registered (restore builds them from it).
-        self._opt_host = jax.tree.map(_read_now, opt_state)
+        self._opt_host = jax.tree.map(host_copy, opt_state)
         self._build(pieces, self._opt_host)
 
     def _build(self, pieces: list, opt_host: Any, restored: list | None = None) -> None:
@@ -269,7 +270,7 @@ class ParameterServerExecutor(Executor):
 
     # -- the executor protocol ---------------------------------------------------------
     def place(self, tree: Any) -> Any:
-        return jax.tree.map(_copy_numpy, tree)  # (values as of now, as every strategy)
+        return jax.tree.map(read_now, tree)  # (values as of now, as every strategy)
 
     def assemble(self, elements: Sequence[Sequence[np.ndarray]], treedef: Any) -> Any:
         return HostBatch([list(e) for e in elements], treedef)
@@ -314,13 +315,13 @@ class ParameterServerExecutor(Executor):
         # The step runs later, on a worker: NumPy values are read now (copied), so that
         # refilling the caller's arrays after run returns never changes the step.
         args = tuple(self._nnx_arg(a) if i in nnx_pos else None if i in (p_idx, o_idx)
-                     else jax.tree.map(_copy_numpy, a) for i, a in enumerate(args))
+                     else jax.tree.map(read_now, a) for i, a in enumerate(args))
         if isinstance(batch, (HostBatch, WorkerInput)) or batch is None:
             pass
         else:
             # (a PerReplica's array too: it may be the caller's NumPy array)
-            batch = jax.tree.map(lambda x: np.asarray(_read_now(x.array if isinstance(
-                x, PerReplica) else x)), batch, is_leaf=lambda x: isinstance(x, PerReplica))
+            batch = jax.tree.map(lambda x: host_copy(x.array if isinstance(
+                x, PerReplica) else x), batch, is_leaf=lambda x: isinstance(x, PerReplica))
         key = self._fn_keys.get(fn)
         if key is None:
             key = self._fn_keys[fn] = self._next_key
@@ -364,8 +365,7 @@ class ParameterServerExecutor(Executor):
             from flax import nnx
             graphdef, state = nnx.split(node)
             # (a NumPy value copied: the caller may refill it before the step runs)
-            hit = (node, NnxArg(graphdef, jax.tree.map(
-                lambda x: np.asarray(_read_now(x)), state)))
+            hit = (node, NnxArg(graphdef, jax.tree.map(host_copy, state)))
             self._nnx_cache[id(node)] = hit
         return hit[1]
 
@@ -394,16 +394,3 @@ class ParameterServerExecutor(Executor):
         if self.coordinator is not None:
             self.coordinator.shutdown()
             self._carrier.close()
-
-
-def _read_now(x: Any) -> Any:
-    """A NumPy leaf's values as of now (a copy); a ``jax.Array`` (immutable) as a NumPy
-    view; anything else as it is."""
-    if isinstance(x, np.ndarray):
-        return np.array(x)
-    return np.asarray(x) if isinstance(x, jax.Array) else x
-
-
-def _copy_numpy(x: Any) -> Any:
-    """A copy of a NumPy leaf; any other leaf (a ``jax.Array`` is immutable) itself."""
-    return np.array(x) if isinstance(x, np.ndarray) else x

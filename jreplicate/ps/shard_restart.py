@@ -28,6 +28,7 @@ from typing import Any, NamedTuple
 import jax
 import numpy as np
 
+from jreplicate._tree import host_copy
 from jreplicate.ps.ledger import Ledger
 
 
@@ -50,17 +51,10 @@ class ShardRestart(NamedTuple):
 def host_shard_state(sh: dict[str, Any]) -> dict[str, Any]:
     """One shard's saved state (``strategy.state()["shards"][i]``) as the carriers
     build a shard from: numpy pytrees, the step as an int, the :class:`Ledger`."""
-    return {"params": jax.tree.map(_read_now, sh["params"]),
-            "opt_state": jax.tree.map(_read_now, sh["opt_state"]),
+    return {"params": jax.tree.map(host_copy, sh["params"]),
+            "opt_state": jax.tree.map(host_copy, sh["opt_state"]),
             "step": int(np.asarray(sh["step"])),
             "ledger": Ledger.from_arrays(sh["ledger"])}
-
-
-def _read_now(x: Any) -> np.ndarray:
-    """A NumPy leaf's values as of now (a copy: a shard's device array may alias what it
-    is given on CPU, and the caller may write to its array later); any other leaf (a
-    ``jax.Array`` is immutable) as a NumPy view."""
-    return np.array(x) if isinstance(x, np.ndarray) else np.asarray(x)
 
 
 def _decided(led: dict[str, Any], start: int, stop: int) -> set[int]:
