@@ -150,6 +150,16 @@ def _sync_update(tx: Any, params: Any, opt_state: Any, grads: Any,
     return optax.apply_updates(params, updates), opt_state
 
 
+def _state_first(fn: Callable) -> Callable:
+    """``fn`` returning ``(opt_state, params)`` for its ``(params, opt_state)``: see
+    where the shard jits it."""
+    def update(*args: Any) -> tuple[Any, Any]:
+        params, opt_state = fn(*args)
+        return opt_state, params
+
+    return update
+
+
 def _may_raise(fn: Callable, *args: Any) -> bool:
     """Whether ``fn(*args)`` jitted can raise once it runs: it calls back into Python
     (``jax.debug.callback``, ``pure_callback``, ``io_callback``), or JAX checks every
@@ -256,11 +266,23 @@ class PSShard:
         #: that raises after it started would leave deleted.
         self.may_raise = not self.empty and _may_raise(self._fn, self._params,
                                                        self._opt_state, *self._example())
-        self._update = jax.jit(self._fn, donate_argnums=() if self.may_raise else (1,))
+        # The jitted update returns the optimizer state first: jax.jit gives each
+        # donated buffer to the first output of its shape and dtype, so with the
+        # parameters first the new parameters took mu's buffers, mu nu's, and XLA
+        # copied every leaf twice to keep the old values readable (adam on a 4.4 MB
+        # model: 12 copies, 1.8 against 1.15 ms of CPU per update).
+        self._jitted = jax.jit(_state_first(self._fn),
+                               donate_argnums=() if self.may_raise else (1,))
         if self.token_gated:
             self._take = jax.jit(take_token)
             self._available = jax.jit(tokens_available)
         self._compile()
+
+    def _update(self, params: Any, opt_state: Any, *args: Any) -> tuple[Any, Any]:
+        """``(params, opt_state)`` after one jitted update (the state donated unless
+        the update may raise)."""
+        opt_state, params = self._jitted(params, opt_state, *args)
+        return params, opt_state
 
     def _apply_fn(self, params, opt_state, grads):
         return _apply_update(self._tx, params, opt_state, grads)
