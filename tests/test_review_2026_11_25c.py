@@ -141,8 +141,8 @@ def test_a_step_returning_a_prng_key_kept_past_the_store_window_keeps_training()
     """A step returning a typed PRNG key (``key, sub = jax.random.split(key)``) whose
     RemoteValues the caller keeps: copying the key out of the object store, HELD_IN_STORE
     steps later, must not fail the later step (the worker was lost and join raised
-    ParameterServerError: every worker died). Its other outputs fetch as on the
-    embedded carrier, where fetching the key itself is a TypeError."""
+    ParameterServerError: every worker died). The key fetches as a key, from the old
+    steps (copied out of the store) as from the latest."""
     s, rep, params, tx, opt = _sgd_job("ray")
 
     def step(ctx, p, o, key):
@@ -156,8 +156,11 @@ def test_a_step_returning_a_prng_key_kept_past_the_store_window_keeps_training()
     rep.join()
     assert s.ledger()[0]["applied"] == n
     np.testing.assert_array_equal(s.parameters()["w"], np.float32(-LR) * n)
-    with pytest.raises(TypeError, match="PRNGKey"):  # as on the embedded carrier
-        values[0].fetch()
+    want = np.asarray(jax.random.key_data(jax.random.split(key)[0]))
+    for v in (values[0], values[-1]):
+        got = v.fetch()[3]
+        assert jax.dtypes.issubdtype(got.dtype, jax.dtypes.prng_key)
+        np.testing.assert_array_equal(np.asarray(jax.random.key_data(got)), want)
     s.shutdown()
 
 

@@ -12,7 +12,6 @@ import time
 import uuid
 
 import jax
-import numpy as np
 
 from jreplicate.context import PerReplica
 from jreplicate.ps import wire
@@ -20,7 +19,7 @@ from jreplicate.ps._malloc import keep_freed_blocks
 from jreplicate.ps._ray_proxy import _Forgotten, _ShardProxy
 from jreplicate.ps.client import ShardClient
 from jreplicate.ps.ledger import Ledger
-from jreplicate.ps.remote import WorkerLostError
+from jreplicate.ps.remote import WorkerLostError, to_host
 from jreplicate.ps.shard import PSShard
 from jreplicate.ps.worker import PSWorker
 from jreplicate.ps.worker_input import WorkerInput
@@ -210,7 +209,7 @@ if ray is not None:
             out = self.held.get(step_id, _MISSING)
             if out is _MISSING:
                 return False, f"worker {self.worker.index} does not hold them"
-            return True, _host(out, np.asarray)
+            return True, _host(out, to_host)
 
         @ray.method(concurrency_group="control")
         def held_steps(self):
@@ -251,20 +250,21 @@ if ray is not None:
 
 
 def _host(out, convert):
-    """``out``'s leaves as NumPy arrays by ``convert`` (a PerReplica as its array)."""
+    """``out``'s leaves converted by ``convert`` (a PerReplica as its array)."""
     return jax.tree.map(lambda x: convert(x.array if isinstance(x, PerReplica) else x),
                         out, is_leaf=lambda x: isinstance(x, PerReplica))
 
 
 def _host_copy(out):
-    """``out`` as NumPy copies in this process's memory (what ``fetch`` returns).
+    """``out`` as copies in this process's memory, as ``fetch`` sends them (NumPy
+    arrays; a typed PRNG key as a :class:`jreplicate.ps.remote.HostKey`).
 
-    A leaf NumPy cannot hold (a typed PRNG key) stays as it is: ``fetch`` raises its
-    error when asked for it, as on the embedded carrier, instead of the later step whose
-    ``run`` copies it failing after its push (the worker was then lost)."""
+    A leaf that cannot be copied so stays as it is: ``fetch`` raises its error when
+    asked for it, instead of the later step whose ``run`` copies it failing after its
+    push (the worker was then lost)."""
     def copy(x):
         try:
-            return np.array(x)
-        except Exception:  # noqa: BLE001 (fetch's np.asarray raises it to the caller)
+            return to_host(x, copy=True)
+        except Exception:  # noqa: BLE001 (fetch raises it to the caller)
             return x
     return _host(out, copy)

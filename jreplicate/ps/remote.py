@@ -171,10 +171,44 @@ class StepCancelledError(RuntimeError):
     """
 
 
-def _to_numpy(x: Any) -> Any:
+class HostKey:
+    """A typed PRNG key array (``jax.random.key``) on the host: NumPy cannot hold the
+    key itself, so a worker sends its key data and implementation, and
+    :meth:`RemoteValue.fetch` makes the key again (:func:`fetched`)."""
+
+    __slots__ = ("data", "impl")
+
+    def __init__(self, data: np.ndarray, impl: Any):
+        self.data, self.impl = data, impl
+
+    def __reduce__(self):
+        return (HostKey, (self.data, self.impl))
+
+
+def _is_key(x: Any) -> bool:
+    return isinstance(x, jax.Array) and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
+
+
+def to_host(x: Any, *, copy: bool = False) -> Any:
+    """An output leaf on the host: a NumPy array (a copy with ``copy``), or a
+    :class:`HostKey` for a typed key array (its data always copied)."""
     if isinstance(x, PerReplica):
-        return np.asarray(x.array)
-    return np.asarray(x)
+        x = x.array
+    if isinstance(x, HostKey):  # (copied to the host before)
+        return x
+    if _is_key(x):
+        return HostKey(np.array(jax.random.key_data(x)), jax.random.key_impl(x))
+    return np.array(x) if copy else np.asarray(x)
+
+
+def fetched(x: Any) -> Any:
+    """What :meth:`RemoteValue.fetch` returns for an output leaf: a NumPy array, or a
+    typed key array (on JAX's default device) for a typed key."""
+    if not isinstance(x, HostKey):
+        x = to_host(x)
+    if isinstance(x, HostKey):
+        return jax.random.wrap_key_data(x.data, impl=x.impl)
+    return x
 
 
 class RemoteValue:
@@ -218,7 +252,9 @@ class RemoteValue:
 
     def fetch(self, timeout: float | None = None) -> Any:
         """Waits for the step and returns its outputs as numpy arrays (a
-        :class:`jreplicate.PerReplica` leaf of a sync group becomes ``[group, ...]``).
+        :class:`jreplicate.PerReplica` leaf of a sync group becomes ``[group, ...]``;
+        a typed PRNG key array, which NumPy cannot hold, comes back as a key array on
+        JAX's default device).
 
         Args:
           timeout: seconds to wait at most (None: until the step finishes, which the
@@ -238,7 +274,7 @@ class RemoteValue:
         if hasattr(value, "resolve"):  # Ray: outputs still held by the worker
             left = None if timeout is None else timeout - (time.monotonic() - start)
             self._value = value = value.resolve(left)
-        return jax.tree.map(_to_numpy, value, is_leaf=lambda x: isinstance(x, PerReplica))
+        return jax.tree.map(fetched, value, is_leaf=lambda x: isinstance(x, PerReplica))
 
     get = fetch
 
