@@ -24,7 +24,7 @@ from jreplicate.ps.coordinator import Coordinator
 from jreplicate.ps.embedded import EmbeddedCarrier
 from jreplicate.ps.handle import Carrier
 from jreplicate.ps.placement import Placement, place_parameters
-from jreplicate.ps.remote import RemoteValue
+from jreplicate.ps.remote import RemoteValue, is_key, to_host
 from jreplicate.ps.shard import _is_sync, check_transformation
 from jreplicate.ps.shard_restart import (
     ShardRestart,
@@ -364,8 +364,10 @@ class ParameterServerExecutor(Executor):
         if hit is None or hit[0] is not node:
             from flax import nnx
             graphdef, state = nnx.split(node)
-            # (a NumPy value copied: the caller may refill it before the step runs)
-            hit = (node, NnxArg(graphdef, jax.tree.map(host_copy, state)))
+            # (a NumPy value copied: the caller may refill it before the step runs; a
+            # typed PRNG key, as an nnx.Rngs holds, which NumPy cannot, as a HostKey)
+            hit = (node, NnxArg(graphdef, jax.tree.map(
+                lambda x: to_host(x) if is_key(x) else host_copy(x), state)))
             self._nnx_cache[id(node)] = hit
         return hit[1]
 

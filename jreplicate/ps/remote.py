@@ -185,7 +185,8 @@ class HostKey:
         return (HostKey, (self.data, self.impl))
 
 
-def _is_key(x: Any) -> bool:
+def is_key(x: Any) -> bool:
+    """Whether ``x`` is a typed PRNG key array (``jax.random.key``)."""
     return isinstance(x, jax.Array) and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
 
 
@@ -196,7 +197,7 @@ def to_host(x: Any, *, copy: bool = False) -> Any:
         x = x.array
     if isinstance(x, HostKey):  # (copied to the host before)
         return x
-    if _is_key(x):
+    if is_key(x):
         return HostKey(np.array(jax.random.key_data(x)), jax.random.key_impl(x))
     return np.array(x) if copy else np.asarray(x)
 

@@ -34,7 +34,13 @@ from jreplicate.execution.spmd import SPMDExecutor
 from jreplicate.layout import mesh_layout, replica_mesh
 from jreplicate.ps.capture import capturing
 from jreplicate.ps.client import ShardClient
-from jreplicate.ps.remote import ShardUpdateError, StepCancelledError, WorkerLostError
+from jreplicate.ps.remote import (
+    HostKey,
+    ShardUpdateError,
+    StepCancelledError,
+    WorkerLostError,
+    fetched,
+)
 from jreplicate.ps.shard import Decision, TokenTimeoutError, TokenWaitInterrupted
 from jreplicate.ps.worker_input import InputEnded, WorkerInput, WorkerPipelines
 
@@ -70,14 +76,16 @@ class Closure:
 @dataclasses.dataclass
 class NnxArg:
     """A Flax NNX argument (a model, an ``nnx.Optimizer``) shipped to a worker as its
-    graph definition and numpy state; each step runs on a fresh copy."""
+    graph definition and numpy state (a typed PRNG key as a
+    :class:`jreplicate.ps.remote.HostKey`); each step runs on a fresh copy."""
 
     graphdef: Any
     state: Any
 
     def build(self) -> Any:
         from flax import nnx
-        return nnx.merge(self.graphdef, self.state)
+        return nnx.merge(self.graphdef, jax.tree.map(
+            lambda x: fetched(x) if isinstance(x, HostKey) else x, self.state))
 
 
 class ApplicationError(Exception):
