@@ -19,16 +19,11 @@ import pytest
 import jreplicate as jr
 from jreplicate.ps.shard import PSShard
 from tests._ps_helpers import bounded_test  # noqa: F401 (autouse: every test bounded)
+from tests.test_ps_nnx_state import _folded
 
 pytest.importorskip("ray", reason="Ray is not installed: pip install 'jreplicate[ray]'")
 from tests.test_ps_ray import local_ray  # noqa: E402, F401 (the module's Ray instance)
-
-
-@pytest.fixture(params=["embedded", "ray"])
-def carrier(request):
-    if request.param == "ray":
-        request.getfixturevalue("local_ray")
-    return request.param
+from tests.test_ps_typed_keys import carrier  # noqa: E402, F401 (embedded, ray)
 
 
 def _dropout_model():
@@ -65,8 +60,9 @@ def test_an_nnx_model_with_rngs_runs_with_its_keys(carrier):
         optimizer.update(model, g)
         return loss, model.drop.rngs.key.value
 
-    want_loss = loss_fn(nnx.clone(model))  # (the same dropout key and count)
-    want_key = model.drop.rngs.key.value
+    ref = _folded(model, 0)  # step 0's own streams (tests/test_ps_nnx_state.py)
+    want_loss = loss_fn(ref)
+    want_key = ref.drop.rngs.key.value
     loss, key = rep.run(step, None, model, opt).fetch()
     rep.join()
     s.shutdown()
@@ -112,29 +108,3 @@ def test_the_state_first_update_keeps_every_state_leaf_in_place(tx, dtype):
     for k in params:  # (update and apply fused in one program here: within an ulp)
         np.testing.assert_allclose(np.asarray(got["params"][k], np.float32),
                                    np.asarray(ref_p[k], np.float32), rtol=1e-6, atol=1e-6)
-
-
-@pytest.mark.xfail(strict=True, reason="open: the PS runs every step on the coordinator's "
-                   "cached NNX state, so an nnx.Rngs never advances (the same dropout key "
-                   "every step; MirroredStrategy gives counts 1, 2, 3); needs a design "
-                   "decision on non-Param NNX state under the PS")
-def test_an_nnx_models_rng_count_advances_step_by_step():
-    from flax import nnx
-
-    Model = _dropout_model()
-    x = np.ones((3, 4), np.float32)
-
-    def step(ctx, model, optimizer):
-        _, g = nnx.value_and_grad(lambda m: jnp.mean(m(x) ** 2))(model)
-        optimizer.update(model, g)
-        return model.drop.rngs.count.value
-
-    s = jr.ParameterServerStrategy(num_ps=1, num_workers=1)
-    rep = jr.Replicator(s)
-    with rep.scope():
-        model = Model(nnx.Rngs(0, dropout=1))
-        opt = nnx.Optimizer(model, jr.ps.pushable(optax.sgd(0.1)), wrt=nnx.Param)
-    counts = [rep.run(step, None, model, opt) for _ in range(3)]
-    rep.join()
-    s.shutdown()
-    assert [int(c.fetch()) for c in counts] == [1, 2, 3]

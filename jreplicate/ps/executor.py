@@ -23,6 +23,7 @@ from jreplicate.ps.config import PSConfig
 from jreplicate.ps.coordinator import Coordinator
 from jreplicate.ps.embedded import EmbeddedCarrier
 from jreplicate.ps.handle import Carrier
+from jreplicate.ps.nnx_state import NnxArg
 from jreplicate.ps.placement import Placement, place_parameters
 from jreplicate.ps.remote import RemoteValue, is_key, to_host
 from jreplicate.ps.shard import _is_sync, check_transformation
@@ -32,7 +33,7 @@ from jreplicate.ps.shard_restart import (
     host_shard_state,
     lost_pushes,
 )
-from jreplicate.ps.worker import Closure, HostBatch, NnxArg
+from jreplicate.ps.worker import Closure, HostBatch
 from jreplicate.ps.worker_input import WorkerInput, WorkerInputIterator
 
 

@@ -34,12 +34,11 @@ from jreplicate.execution.spmd import SPMDExecutor
 from jreplicate.layout import mesh_layout, replica_mesh
 from jreplicate.ps.capture import capturing
 from jreplicate.ps.client import ShardClient
+from jreplicate.ps.nnx_state import NnxArg, check_nothing_lost
 from jreplicate.ps.remote import (
-    HostKey,
     ShardUpdateError,
     StepCancelledError,
     WorkerLostError,
-    fetched,
 )
 from jreplicate.ps.shard import Decision, TokenTimeoutError, TokenWaitInterrupted
 from jreplicate.ps.worker_input import InputEnded, WorkerInput, WorkerPipelines
@@ -71,21 +70,6 @@ class Closure:
     #: Start from the parameters the worker's previous push returned, if it has them
     #: (set by the Ray carrier for a step queued behind another on its worker).
     reuse: bool = False
-
-
-@dataclasses.dataclass
-class NnxArg:
-    """A Flax NNX argument (a model, an ``nnx.Optimizer``) shipped to a worker as its
-    graph definition and numpy state (a typed PRNG key as a
-    :class:`jreplicate.ps.remote.HostKey`); each step runs on a fresh copy."""
-
-    graphdef: Any
-    state: Any
-
-    def build(self) -> Any:
-        from flax import nnx
-        return nnx.merge(self.graphdef, jax.tree.map(
-            lambda x: fetched(x) if isinstance(x, HostKey) else x, self.state))
 
 
 class ApplicationError(Exception):
@@ -150,6 +134,7 @@ class PSWorker:
         self._place_both_jit = jax.jit(lambda p, b: (p, b), out_shardings=(
             self.layout.replicated, self.layout.per_replica))
         self._first_runs: set = set()  # step functions run here before (compiled)
+        self._nnx_checked: set = set()  # step functions whose NNX state was checked
         client.between_shards = self._between_shards
 
     def _between_shards(self, i: int) -> None:
@@ -213,7 +198,7 @@ class PSWorker:
             fetched = [min(token, *steps)]
         else:
             fetched = steps
-        args = [a.build() if isinstance(a, NnxArg) else a for a in c.args]
+        args = [a.build(c.step_id) if isinstance(a, NnxArg) else a for a in c.args]
         nnx_model = isinstance(c.args[c.param_index], NnxArg)
         if nnx_model:  # an NNX model: its params pulled
             from flax import nnx
@@ -252,6 +237,9 @@ class PSWorker:
                 args = tuple(args)
                 got, _ = self._execute(fn, c.has_batch, batch, args, donate)
             out, grads, _ = got
+            if first is None and c.fn_key not in self._nnx_checked:
+                check_nothing_lost(c.args, args)  # (once per step function here)
+                self._nnx_checked.add(c.fn_key)
             if first is not None:
                 out = _unforward(out, args, self._plans, self.layout.replicated)
             grads = jax.tree.map(np.asarray, grads)
