@@ -22,7 +22,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from jreplicate.ps.remote import HostKey, fetched
+from jreplicate.ps.remote import HostKey, fetched, is_key
 
 
 @dataclasses.dataclass
@@ -64,7 +64,7 @@ def check_nothing_lost(args: list, built: list) -> None:
     for i, (a, node) in enumerate(zip(args, built)):
         if not isinstance(a, NnxArg) or isinstance(node, nnx.Optimizer):
             continue  # (the optimizer's state is the shards': the worker's is a snapshot)
-        before = _flat(nnx.state(a.build(), lost))
+        before = _flat(a.state.filter(lost))  # (as shipped: no model built for it)
         for path, (kind, new) in _flat(nnx.state(node, lost)).items():
             old = before.get(path)
             if old is not None and not np.array_equal(np.asarray(old[1]), np.asarray(new)):
@@ -85,8 +85,9 @@ def _flat(state: Any) -> dict[tuple, tuple[str, Any]]:
     out = {}
     for path, var in nnx.to_flat_state(state):
         value = var.get_value() if hasattr(var, "get_value") else var
-        if isinstance(value, jax.Array) and \
-                jax.dtypes.issubdtype(value.dtype, jax.dtypes.prng_key):
+        if isinstance(value, HostKey):  # (a key as shipped: its data)
+            value = value.data
+        elif is_key(value):
             value = jax.random.key_data(value)
         out[tuple(path)] = (type(var).__name__, value)
     return out

@@ -35,11 +35,7 @@ from jreplicate.layout import mesh_layout, replica_mesh
 from jreplicate.ps.capture import capturing
 from jreplicate.ps.client import ShardClient
 from jreplicate.ps.nnx_state import NnxArg, check_nothing_lost
-from jreplicate.ps.remote import (
-    ShardUpdateError,
-    StepCancelledError,
-    WorkerLostError,
-)
+from jreplicate.ps.remote import ShardUpdateError, StepCancelledError, WorkerLostError
 from jreplicate.ps.shard import Decision, TokenTimeoutError, TokenWaitInterrupted
 from jreplicate.ps.worker_input import InputEnded, WorkerInput, WorkerPipelines
 
