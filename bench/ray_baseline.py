@@ -26,7 +26,8 @@ order rotated each round) of ``--updates`` applied updates; medians. Reported:
 updates/s and CPU milliseconds per update summed over the driver and every process of
 the Ray session (the driver's descendants: GCS, raylet, agents, actors), read with psutil
 before and after each timed run; "vs hand-written" is the median over rounds of each
-round's ratio to the tutorial (paired, so that drift between rounds cancels). Before
+round's ratio to the tutorial (paired, so that drift between rounds cancels), with the
+least and greatest of those ratios beside it. Before
 each timed run the session is left to go idle (:func:`quiesce`), so that no run pays
 for the previous one's clean-up.
 
@@ -267,16 +268,24 @@ def compare(n: int, hidden: int, num_ps: list[int], updates: int, rounds: int):
         for s in systems:
             s.close()
     # Each system's rate against the tutorial's in the same round (adjacent runs), so
-    # that the machine's drift between rounds cancels; the median of those ratios.
+    # that the machine's drift between rounds cancels; the median of those ratios, and
+    # their least and greatest (how far one round can stray).
     base = got[Tutorial.name]
-    return {name: (statistics.median(x[0] for x in v), statistics.median(x[1] for x in v),
-                   statistics.median(x[0] / b[0] for x, b in zip(v, base)))
-            for name, v in got.items()}
+    out = {}
+    for name, v in got.items():
+        ratios = [x[0] / b[0] for x, b in zip(v, base)]
+        out[name] = (statistics.median(x[0] for x in v), statistics.median(x[1] for x in v),
+                     statistics.median(ratios), min(ratios), max(ratios))
+    return out
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--updates", type=int, default=120)
+    ap.add_argument("--updates", type=int, default=120,
+                    help="applied updates per timed run, at every model size (a run of "
+                         "the compute-bound model then lasts about 2 s: shorter runs, "
+                         "such as the 40 used before 2026-11-26, moved its ratio by "
+                         "about 0.1 between runs)")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--workers", type=int, nargs="+", default=[1, 2, 4])
     ap.add_argument("--hidden", type=int, nargs="+", default=[256, 1024])
@@ -290,11 +299,10 @@ def main(argv=None) -> int:
           f"{os.cpu_count()} cores, load average {os.getloadavg()[0]:.2f} at start")
     rows = []
     for hidden in a.hidden:
-        upd = a.updates if hidden <= 256 else max(a.updates // 3, 20)
         for n in a.workers:
-            res = compare(n, hidden, a.num_ps, upd, a.rounds)
-            for name, (rate, cpu, paired) in res.items():
-                rows.append((hidden, n, name, rate, cpu, paired))
+            res = compare(n, hidden, a.num_ps, a.updates, a.rounds)
+            for name, (rate, cpu, paired, lo, hi) in res.items():
+                rows.append((hidden, n, name, rate, cpu, paired, lo, hi))
             if a.breakdown:
                 for system, procs in BREAKDOWN.items():
                     print(f"    {system}: " + ", ".join(
@@ -302,19 +310,21 @@ def main(argv=None) -> int:
                             procs.items(), key=lambda kv: -statistics.median(kv[1]))
                         if statistics.median(v) >= 0.05))
             BREAKDOWN.clear()
-            print(f"  done: hidden {hidden}, {n} workers ({upd} updates x {a.rounds} "
+            print(f"  done: hidden {hidden}, {n} workers ({a.updates} updates x {a.rounds} "
                   f"rounds; load {os.getloadavg()[0]:.2f})", flush=True)
-    print("\n| MLP | workers | system | updates/s | CPU ms/update | vs hand-written |")
+    print("\n| MLP | workers | system | updates/s | CPU ms/update | vs hand-written "
+          "(rounds: least-greatest) |")
     print("|---|---|---|---|---|---|")
-    for hidden, n, name, rate, cpu, ratio in rows:
+    for hidden, n, name, rate, cpu, ratio, lo, hi in rows:
         print(f"| 64-{hidden}-{hidden}-10 | {n} | {name} | {rate:.1f} | {cpu:.1f} | "
-              f"{ratio:.2f}x |")
+              f"{ratio:.2f}x ({lo:.2f}-{hi:.2f}) |")
     print(f"\nload average at the end: {os.getloadavg()}")
     _record.write(a.json, "ray_baseline",
                   "The Ray carrier against a parameter server written as Ray's docs teach",
                   ["hidden", "workers", "system", "updates/s", "CPU ms/update",
-                   "vs hand-written"], rows, updates=a.updates, rounds=a.rounds,
-                  num_ps=a.num_ps, load_average_end=os.getloadavg()[0])
+                   "vs hand-written", "least round", "greatest round"], rows,
+                  updates=a.updates, rounds=a.rounds, num_ps=a.num_ps,
+                  load_average_end=os.getloadavg()[0])
     ray.shutdown()
     return 0
 
