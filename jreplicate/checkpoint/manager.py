@@ -54,19 +54,19 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jreplicate import _wire
-from jreplicate._tree import map_checked, path_str
 from jreplicate.checkpoint.checks import mismatch, one_line, path_problem, quiet_orbax
 from jreplicate.checkpoint.dirlock import LOCK_NAME, DirectoryLock, LockHeldError
+from jreplicate.checkpoint.leaves import to_host, zeros_like
 from jreplicate.checkpoint.tree import (
     data_problem,
     metadata_problem,
+    name_clash,
     normalised,
     read_table,
     save_args,
     state_digest,
     template_leaves,
 )
-from jreplicate.context import PerReplica
 from jreplicate.strategies.base import Strategy
 
 logger = logging.getLogger("jreplicate")
@@ -243,7 +243,8 @@ class CheckpointManager:
         restored = None
         if step is not None:
             template = _abstract(init_fn)
-            host = _to_host(_zeros_like(template), "restore_or_initialize: init_fn() returned")
+            what = "restore_or_initialize: init_fn() returned"
+            host = to_host(zeros_like(template, what), what)
 
             def chief_reads():
                 nonlocal restored
@@ -262,7 +263,7 @@ class CheckpointManager:
                 raise CheckpointError(err)
         if step is None:
             template = init_fn()
-            host = _to_host(template, "restore_or_initialize: init_fn() returned")
+            host = to_host(template, "restore_or_initialize: init_fn() returned")
             restored = host
         self._check_same_state(host)
         state = self._broadcast(restored if self.is_chief else host)
@@ -308,7 +309,8 @@ class CheckpointManager:
         step = int(step)
         if not (force or self.should_save(step)):
             return False
-        host = _to_host(state, "CheckpointManager.save(state)")
+        host = to_host(state, "CheckpointManager.save(state)", saving=True)
+        name_clash(host, "CheckpointManager.save(state)")
         _, err = self._share(lambda: (None, self._write(step, host) if self.is_chief else None),
                              f"writing checkpoint {step}")
         if err:
@@ -539,54 +541,3 @@ def _abstract(init_fn: Callable[[], Any]) -> Any:
         return jax.eval_shape(init_fn)
     except Exception:  # not traceable (e.g. numpy code): evaluate it
         return init_fn()
-
-
-def _zeros_like(tree: Any) -> Any:
-    def leaf(path, x):
-        _check_not_key(x, path, "restore_or_initialize: init_fn() returned")
-        return np.zeros(np.shape(x), x.dtype)
-    return map_checked(leaf, tree, "restore_or_initialize: init_fn() returned")
-
-
-def _check_not_key(x: Any, path: Any, what: str) -> None:
-    if jax.dtypes.issubdtype(getattr(x, "dtype", None), jax.dtypes.prng_key):
-        raise TypeError(
-            f"{what}: {path_str(path) or 'the root'} is a PRNG key array ({x.dtype}); "
-            "checkpoints hold plain arrays. Keep jax.random.key_data(key) in the state "
-            "and rebuild the key with jax.random.wrap_key_data(...) after restoring."
-        )
-
-
-def _to_host(tree: Any, what: str) -> Any:
-    """Numpy copies of a pytree's leaves, read from this process's devices; raises for
-    every leaf that cannot be checkpointed at once."""
-    def leaf(path, x):
-        if isinstance(x, PerReplica):
-            raise ValueError(
-                f"{what}: {path_str(path) or 'the root'} is a PerReplica value (different on "
-                "each replica); checkpoints hold replicated state. Reduce it first "
-                "(Replicator.reduce or ctx.all_sum in the step), or leave it out."
-            )
-        _check_not_key(x, path, what)
-        if isinstance(x, jax.Array):
-            if x.is_fully_addressable:
-                return np.asarray(x)
-            if x.is_fully_replicated:
-                return np.asarray(x.addressable_data(0))
-            raise ValueError(
-                f"{what}: {path_str(path) or 'the root'} is sharded across processes "
-                f"({x.sharding}); checkpoints hold replicated state. Replicate it (e.g. "
-                "return it aggregated from the step) before saving."
-            )
-        if isinstance(x, np.ndarray):
-            return np.array(x)  # a copy: the caller may write to its array later
-        if isinstance(x, (np.generic, bool, int, float, complex)):
-            return np.asarray(x)
-        if hasattr(x, "shape") and hasattr(x, "dtype"):  # ShapeDtypeStruct
-            return np.zeros(x.shape, x.dtype)
-        raise TypeError(
-            f"{what}: {path_str(path) or 'the root'} is a {type(x).__name__}, not an array. "
-            "Checkpointed state must be a pytree of arrays (for a Flax NNX module, "
-            "checkpoint nnx.state(module))."
-        )
-    return map_checked(leaf, tree, what, is_leaf=lambda x: isinstance(x, PerReplica))
