@@ -246,3 +246,15 @@ def test_ps_restore_of_its_own_state_still_restores_exactly():
     s.restore(saved)
     assert _bits(s.state(), saved)
     s.shutdown()
+
+
+# -- across processes: the chief's bits, not a sum of them ----------------------------------
+def test_restore_across_processes_gives_the_bits_back_nan_included(tmp_path):
+    from tests.test_multi_worker_processes import SCRIPTS, _launch
+    r = _launch(["--nproc", "2", "--devices-per-proc", "2",
+                 str(SCRIPTS / "checkpoint_bits.py"), "--dir", str(tmp_path)])
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-5000:]
+    results = re.findall(r"\[p(\d)\] RESULT (\S+) (\w+)", r.stdout)
+    assert len(results) == 2 * 2 * 8, r.stdout[-3000:]
+    wrong = [(p, name) for p, name, same in results if same != "True"]
+    assert not wrong, wrong

@@ -267,11 +267,21 @@ class CheckpointManager:
             restored = host
         self._check_same_state(host)
         state = self._broadcast(restored if self.is_chief else host)
-        placed = jax.tree.map(lambda x, t: jax.device_put(x, self._placement(t)),
+        placed = jax.tree.map(lambda x, t: self._place(x, self._placement(t)),
                               state, template)
         logger.info("jreplicate: %s state at step %d", "restored" if step is not None
                     else "initialised", step or 0)
         return (step or 0), placed
+
+    def _place(self, x: np.ndarray, sharding: Any) -> jax.Array:
+        """``x`` on ``sharding``, unchanged. Across processes every process holds the same
+        ``x`` (the chief's, broadcast), so each builds its own shards from it: the check
+        ``device_put`` makes there (another gather, comparing values) fails on NaN."""
+        held = jax.dtypes.canonicalize_dtype(x.dtype)  # init_fn()'s 64-bit NumPy values
+        x = x if held == x.dtype else x.astype(held)
+        if self._strategy.num_processes == 1:
+            return jax.device_put(x, sharding)
+        return jax.make_array_from_callback(x.shape, sharding, lambda index: x[index])
 
     def _placement(self, template_leaf: Any) -> Any:
         """Where a restored leaf goes: where ``init_fn`` put it when that is on the
@@ -532,8 +542,13 @@ class CheckpointManager:
             return host
         from jax.experimental import multihost_utils
         leaves, treedef = jax.tree.flatten(host)
-        leaves = multihost_utils.broadcast_one_to_all(leaves)
-        return jax.tree.unflatten(treedef, [np.asarray(x) for x in leaves])
+        # As bytes: the broadcast sums the chief's values with the others' zeros, which
+        # would turn -0.0 into +0.0 (and may change a NaN's payload); bytes sum exactly.
+        raw = [np.ascontiguousarray(x).reshape(-1).view(np.uint8) for x in leaves]
+        raw = multihost_utils.broadcast_one_to_all(raw)
+        return jax.tree.unflatten(treedef, [
+            np.asarray(r, np.uint8).view(x.dtype).reshape(np.shape(x))
+            for r, x in zip(raw, leaves, strict=True)])
 
 
 def _abstract(init_fn: Callable[[], Any]) -> Any:
