@@ -22,6 +22,7 @@ Every restored value is compared bit for bit with what was saved.
 from __future__ import annotations
 
 import errno
+import os
 import re
 
 import jax
@@ -258,3 +259,158 @@ def test_restore_across_processes_gives_the_bits_back_nan_included(tmp_path):
     assert len(results) == 2 * 2 * 8, r.stdout[-3000:]
     wrong = [(p, name) for p, name, same in results if same != "True"]
     assert not wrong, wrong
+
+
+# -- NNX: a model with a Dropout stream and its nnx.Optimizer, interrupted and resumed -----
+def _nnx_job(rep):
+    from flax import nnx
+
+    class Model(nnx.Module):
+        def __init__(self, rngs):
+            self.lin = nnx.Linear(3, 4, rngs=rngs)
+            self.drop = nnx.Dropout(0.5, rngs=rngs)
+
+        def __call__(self, x):
+            return self.drop(self.lin(x))
+
+    with rep.scope():
+        model = Model(nnx.Rngs(0, dropout=1))
+        opt = nnx.Optimizer(model, optax.adam(0.05), wrt=nnx.Param)
+    x = jnp.arange(rep.num_replicas * 4 * 3, dtype=jnp.float32).reshape(
+        rep.num_replicas, 4, 3) / 50
+
+    def step(ctx, xb, model, opt):
+        loss, g = nnx.value_and_grad(lambda m: jr.compute_average_loss(
+            jnp.sum(m(xb) ** 2, -1), 4 * rep.num_replicas))(model)
+        opt.update(model, g)
+        return ctx.all_sum(loss)
+
+    return model, opt, lambda: float(rep.run(step, None, jr.PerReplica(x), model, opt))
+
+
+def test_nnx_model_with_dropout_and_optimizer_resume_bit_for_bit(tmp_path, rep):
+    """The key of an nnx.Rngs cannot be saved (the error says what to save instead); its
+    counts can, and restored into a model built with the same seeds the dropout stream
+    goes on where it was: the resumed losses are the uninterrupted run's, bit for bit."""
+    from flax import nnx
+    model, opt, step = _nnx_job(rep)
+    uninterrupted = [step() for _ in range(6)]
+
+    model, opt, step = _nnx_job(rep)
+    first = [step() for _ in range(3)]
+    with CheckpointManager(tmp_path, rep) as m:
+        with pytest.raises(TypeError, match=re.escape(
+                "save nnx.state(model, nnx.Not(nnx.RngKey))")):
+            m.save(3, {"model": nnx.state(model), "opt": nnx.state(opt)})
+        saved = {"model": nnx.state(model, nnx.Not(nnx.RngKey)), "opt": nnx.state(opt)}
+        m.save(3, saved)
+    model, opt, step = _nnx_job(rep)  # a restart: the same seeds
+    with CheckpointManager(tmp_path, rep) as m:
+        at, got = m.restore_or_initialize(lambda: {
+            "model": nnx.state(model, nnx.Not(nnx.RngKey)), "opt": nnx.state(opt)})
+    assert at == 3 and _bits(got, saved)
+    nnx.update(model, got["model"])
+    nnx.update(opt, got["opt"])
+    assert first + [step() for _ in range(3)] == uninterrupted
+
+
+# -- sync_replicas saved mid-accumulation, after a device loop ---------------------------
+def test_sync_replicas_state_mid_accumulation_resumes_exactly(tmp_path, rep):
+    """Host driver: one of two gradients of a step accumulated when saved; restored, the
+    second completes the step exactly as without the interruption."""
+    tx = jr.sync_replicas(optax.adam(0.1), replicas_to_aggregate=2, total_num_replicas=3)
+    params = {"w": jnp.arange(4.0)}
+    state = tx.init(params)
+    for g, s in ((1.0, 0), (2.0, 0), (3.0, 0), (4.0, 1)):  # a step, a backup, then one more
+        _, state = tx.update({"w": jnp.full(4, g)}, state, params, local_step=s)
+    assert int(state.num_accumulated) == 1 and int(state.global_step) == 1
+    with CheckpointManager(tmp_path, rep) as m:
+        m.save(1, (params, state))
+    with CheckpointManager(tmp_path, rep) as m:
+        _, (p2, s2) = m.restore_or_initialize(lambda: (params, tx.init(params)))
+    assert _bits((p2, s2), jax.tree.map(np.asarray, (params, state)))
+    assert type(s2) is type(state) and type(s2.tokens) is type(state.tokens)
+    want = tx.update({"w": jnp.full(4, 5.0)}, state, params, local_step=1)
+    got = tx.update({"w": jnp.full(4, 5.0)}, s2, p2, local_step=1)
+    assert _bits(got, want) and int(got[1].global_step) == 2
+
+
+def test_state_after_a_donating_device_loop_saves_and_resumes_exactly(tmp_path, rep):
+    tx = optax.adam(0.1)
+    x = np.arange(rep.num_replicas * 2 * 3, dtype=np.float32).reshape(-1, 3) / 10
+
+    def init():
+        p = {"w": jnp.ones(3)}
+        return p, tx.init(p)
+
+    def step(ctx, batch, p, o):
+        g = jax.grad(lambda p: jr.compute_average_loss(
+            (batch @ p["w"]) ** 2, x.shape[0]))(p)
+        u, o = tx.update(g, o, p)
+        return optax.apply_updates(p, u), o
+
+    def train(p, o, k):
+        def batches():
+            while True:
+                yield x.reshape(rep.num_replicas, -1, 3)[0]
+        it = rep.prepare_input(lambda ctx: batches())
+        return rep.run(step, it, p, o, steps=k, donate_argnums=(0, 1))
+
+    with rep.scope():
+        p, o = init()
+    p, o = train(p, o, 4)
+    want = jax.tree.map(np.asarray, train(*jax.tree.map(jnp.array, (p, o)), 3))
+    with CheckpointManager(tmp_path, rep) as m:
+        m.save(4, (p, o))
+    with CheckpointManager(tmp_path, rep) as m:
+        at, (p2, o2) = m.restore_or_initialize(init)
+    assert at == 4 and _bits((p2, o2), (p, o))
+    assert _bits(train(p2, o2, 3), want)
+
+
+# -- a save killed midway (SIGKILL: no handler runs) ----------------------------------------
+_KILLED_MID_SAVE = """
+import os, signal, sys
+import numpy as np
+from etils import epath
+import jreplicate as jr
+directory, target, nth = sys.argv[1], sys.argv[2], int(sys.argv[3])
+m = jr.CheckpointManager(directory, jr.MirroredStrategy(), max_to_keep=2)
+for s in (1, 2):
+    m.save(s, {"w": np.full(3, s, np.float32), "n": np.array(s, np.int32)})
+cls = type(epath.Path(directory))
+orig, calls = getattr(cls, target), [0]
+def hook(self, *a, **k):
+    calls[0] += 1
+    if calls[0] == nth:
+        print("DYING", self, flush=True)
+        os.kill(os.getpid(), signal.SIGKILL)
+    return orig(self, *a, **k)
+setattr(cls, target, hook)
+m.save(3, {"w": np.full(3, 3, np.float32), "n": np.array(3, np.int32)})
+print("SURVIVED", flush=True)
+"""
+
+
+@pytest.mark.parametrize("target,nth", [("write_text", 1), ("rename", 1), ("rename", 2)])
+def test_a_save_killed_midway_loses_nothing_committed(tmp_path, rep, target, nth):
+    import subprocess
+    import sys
+
+    from tests.test_multi_worker_processes import ROOT
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("JAX_", "XLA_"))}
+    env.update(PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu")
+    r = subprocess.run([sys.executable, "-c", _KILLED_MID_SAVE, str(tmp_path), target,
+                        str(nth)], cwd=ROOT, env=env, capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == -9 and "DYING" in r.stdout, r.stdout + r.stderr[-3000:]
+    with CheckpointManager(tmp_path, rep, max_to_keep=2) as m:
+        assert m.complete_steps() == [1, 2]
+        step, got = m.restore_or_initialize(
+            lambda: {"w": np.zeros(3, np.float32), "n": np.array(0, np.int32)})
+        assert step == 2 and _bits(got, {"w": np.full(3, 2, np.float32),
+                                         "n": np.array(2, np.int32)})
+        for s in (3, 4):
+            m.save(s, {"w": np.full(3, s, np.float32), "n": np.array(s, np.int32)})
+    names = sorted(os.listdir(tmp_path))
+    assert names == ["3", "4"], names  # the debris went; max_to_keep kept the newest two
