@@ -414,3 +414,19 @@ def test_a_save_killed_midway_loses_nothing_committed(tmp_path, rep, target, nth
             m.save(s, {"w": np.full(3, s, np.float32), "n": np.array(s, np.int32)})
     names = sorted(os.listdir(tmp_path))
     assert names == ["3", "4"], names  # the debris went; max_to_keep kept the newest two
+
+
+def test_a_step_older_than_the_newest_is_an_error_that_deletes_nothing(tmp_path, rep):
+    """A run whose step count went back (it ignored the step restore_or_initialize
+    returned): Orbax wrote the old step and deleted an older checkpoint for it under
+    max_to_keep, and every restart restored the newest step, not the run's."""
+    with CheckpointManager(tmp_path, rep, max_to_keep=2) as m:
+        m.save(5, {"w": jnp.ones(2) * 5})
+        m.save(6, {"w": jnp.ones(2) * 6})
+        with pytest.raises(CheckpointError, match=re.escape(
+                "checkpoint 1 is older than checkpoint 6 in")) as e:
+            m.save(1, {"w": jnp.ones(2)})
+        assert "Count steps on from the step restore_or_initialize returns" in str(e.value)
+        assert m.complete_steps() == [5, 6]
+        m.save(7, {"w": jnp.ones(2) * 7})
+        assert m.complete_steps() == [6, 7]

@@ -500,9 +500,17 @@ class CheckpointManager:
     def _write(self, step: int, host: Any) -> str | None:
         try:
             mngr = self._manager()
-            if step in mngr.all_steps():
+            steps = mngr.all_steps()
+            if step in steps:
                 return (f"checkpoint {step} already exists in {self._dir}; save each step "
                         "once, or restore it with restore_or_initialize before training on.")
+            if steps and step < max(steps):
+                # Restore takes the newest step, so this one would never be restored, and
+                # max_to_keep would delete older checkpoints for it.
+                return (f"checkpoint {step} is older than checkpoint {max(steps)} in "
+                        f"{self._dir}, which restore_or_initialize would restore instead of "
+                        "it. Count steps on from the step restore_or_initialize returns, or "
+                        "give a new directory to start a new run.")
             with quiet_orbax():
                 mngr.save(step, args=save_args(host), force=True)
                 mngr.wait_until_finished()
