@@ -430,3 +430,20 @@ def test_a_step_older_than_the_newest_is_an_error_that_deletes_nothing(tmp_path,
         assert m.complete_steps() == [5, 6]
         m.save(7, {"w": jnp.ones(2) * 7})
         assert m.complete_steps() == [6, 7]
+
+
+def test_an_init_fn_that_cannot_be_traced_restores_what_it_initialised(tmp_path, rep):
+    """Not traceable, returning NumPy float64: initialised as float32 (as JAX holds it),
+    and its own checkpoint was then refused as "float32 in the checkpoint but init_fn()
+    gives float64"."""
+    def init():
+        w = jnp.zeros(3)
+        return {"w": np.asarray(w).astype(np.float64) + float(w.sum()), "lr": 0.5}
+
+    with CheckpointManager(tmp_path, rep) as m:
+        step, state = m.restore_or_initialize(init)
+        assert step == 0 and state["w"].dtype == jnp.float32
+        m.save(1, {"w": state["w"] + 1, "lr": state["lr"]})
+    with CheckpointManager(tmp_path, rep) as m:
+        step, got = m.restore_or_initialize(init)
+    assert step == 1 and _bits(got, {"w": np.ones(3, np.float32), "lr": np.float32(0.5)})

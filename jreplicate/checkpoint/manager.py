@@ -563,4 +563,13 @@ def _abstract(init_fn: Callable[[], Any]) -> Any:
     try:
         return jax.eval_shape(init_fn)
     except Exception:  # not traceable (e.g. numpy code): evaluate it
-        return init_fn()
+        return jax.tree.map(_as_held, init_fn())
+
+
+def _as_held(x: Any) -> Any:
+    """A host leaf as JAX holds it (the dtypes ``jax.eval_shape`` gives, those the state
+    ``init_fn`` initialises is placed with: a NumPy float64 is float32 with x64 off)."""
+    if isinstance(x, (np.ndarray, np.generic, bool, int, float, complex)):
+        a = np.asarray(x)
+        return jax.ShapeDtypeStruct(a.shape, jax.dtypes.canonicalize_dtype(a.dtype))
+    return x
