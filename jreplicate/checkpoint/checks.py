@@ -5,6 +5,7 @@ Orbax's noise off the output."""
 from __future__ import annotations
 
 import contextlib
+import errno
 import gc
 import logging
 import os
@@ -40,6 +41,10 @@ def path_problem(directory: str, e: OSError) -> str:
         why = f"{directory} is a file, not a directory"
     elif isinstance(e, PermissionError):
         why = f"no permission to write {where}"
+    elif e.errno in (errno.ENOSPC, errno.EDQUOT):
+        return (f"cannot write to {directory}: the disk is full ({e.strerror}: {where}). "
+                "Nothing older was deleted for it. Free space on that disk (or raise the "
+                "quota), or give a directory on another disk.")
     else:
         why = f"{e.strerror or one_line(e)}: {where}"
     return (f"cannot use {directory} as the checkpoint directory: {why}. Give a directory "
@@ -85,6 +90,12 @@ def mismatch(stored: Any, template: Any, what: str) -> str | None:
     for n, (p, i) in want.items():
         m = have[n][1] if n in have else None
         if m is not None and spec(m) != spec(specs[i]):
+            if jax.dtypes.canonicalize_dtype(m.dtype) != np.dtype(m.dtype):
+                differ.append(
+                    f"{p} is {spec(m)} in the checkpoint, which JAX holds only with "
+                    "jax_enable_x64 on: enable it before any JAX work "
+                    "(jax.config.update('jax_enable_x64', True)) to restore it")
+                continue
             cast = tuple(m.shape) == tuple(np.shape(specs[i]))
             differ.append(f"{p} is {spec(m)} in the checkpoint but init_fn() gives "
                           f"{spec(specs[i])}" + (", and restoring would cast it" * cast))

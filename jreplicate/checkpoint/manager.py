@@ -54,19 +54,19 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jreplicate import _wire
-from jreplicate._tree import map_checked, path_str
 from jreplicate.checkpoint.checks import mismatch, one_line, path_problem, quiet_orbax
 from jreplicate.checkpoint.dirlock import LOCK_NAME, DirectoryLock, LockHeldError
+from jreplicate.checkpoint.leaves import to_host, zeros_like
 from jreplicate.checkpoint.tree import (
     data_problem,
     metadata_problem,
+    name_clash,
     normalised,
     read_table,
     save_args,
     state_digest,
     template_leaves,
 )
-from jreplicate.context import PerReplica
 from jreplicate.strategies.base import Strategy
 
 logger = logging.getLogger("jreplicate")
@@ -243,7 +243,8 @@ class CheckpointManager:
         restored = None
         if step is not None:
             template = _abstract(init_fn)
-            host = _to_host(_zeros_like(template), "restore_or_initialize: init_fn() returned")
+            what = "restore_or_initialize: init_fn() returned"
+            host = to_host(zeros_like(template, what), what)
 
             def chief_reads():
                 nonlocal restored
@@ -262,15 +263,25 @@ class CheckpointManager:
                 raise CheckpointError(err)
         if step is None:
             template = init_fn()
-            host = _to_host(template, "restore_or_initialize: init_fn() returned")
+            host = to_host(template, "restore_or_initialize: init_fn() returned")
             restored = host
         self._check_same_state(host)
         state = self._broadcast(restored if self.is_chief else host)
-        placed = jax.tree.map(lambda x, t: jax.device_put(x, self._placement(t)),
+        placed = jax.tree.map(lambda x, t: self._place(x, self._placement(t)),
                               state, template)
         logger.info("jreplicate: %s state at step %d", "restored" if step is not None
                     else "initialised", step or 0)
         return (step or 0), placed
+
+    def _place(self, x: np.ndarray, sharding: Any) -> jax.Array:
+        """``x`` on ``sharding``, unchanged. Across processes every process holds the same
+        ``x`` (the chief's, broadcast), so each builds its own shards from it: the check
+        ``device_put`` makes there (another gather, comparing values) fails on NaN."""
+        held = jax.dtypes.canonicalize_dtype(x.dtype)  # init_fn()'s 64-bit NumPy values
+        x = x if held == x.dtype else x.astype(held)
+        if self._strategy.num_processes == 1:
+            return jax.device_put(x, sharding)
+        return jax.make_array_from_callback(x.shape, sharding, lambda index: x[index])
 
     def _placement(self, template_leaf: Any) -> Any:
         """Where a restored leaf goes: where ``init_fn`` put it when that is on the
@@ -308,7 +319,8 @@ class CheckpointManager:
         step = int(step)
         if not (force or self.should_save(step)):
             return False
-        host = _to_host(state, "CheckpointManager.save(state)")
+        host = to_host(state, "CheckpointManager.save(state)", saving=True)
+        name_clash(host, "CheckpointManager.save(state)")
         _, err = self._share(lambda: (None, self._write(step, host) if self.is_chief else None),
                              f"writing checkpoint {step}")
         if err:
@@ -488,9 +500,17 @@ class CheckpointManager:
     def _write(self, step: int, host: Any) -> str | None:
         try:
             mngr = self._manager()
-            if step in mngr.all_steps():
+            steps = mngr.all_steps()
+            if step in steps:
                 return (f"checkpoint {step} already exists in {self._dir}; save each step "
                         "once, or restore it with restore_or_initialize before training on.")
+            if steps and step < max(steps):
+                # Restore takes the newest step, so this one would never be restored, and
+                # max_to_keep would delete older checkpoints for it.
+                return (f"checkpoint {step} is older than checkpoint {max(steps)} in "
+                        f"{self._dir}, which restore_or_initialize would restore instead of "
+                        "it. Count steps on from the step restore_or_initialize returns, or "
+                        "give a new directory to start a new run.")
             with quiet_orbax():
                 mngr.save(step, args=save_args(host), force=True)
                 mngr.wait_until_finished()
@@ -530,63 +550,26 @@ class CheckpointManager:
             return host
         from jax.experimental import multihost_utils
         leaves, treedef = jax.tree.flatten(host)
-        leaves = multihost_utils.broadcast_one_to_all(leaves)
-        return jax.tree.unflatten(treedef, [np.asarray(x) for x in leaves])
+        # As bytes: the broadcast sums the chief's values with the others' zeros, which
+        # would turn -0.0 into +0.0 (and may change a NaN's payload); bytes sum exactly.
+        raw = [np.ascontiguousarray(x).reshape(-1).view(np.uint8) for x in leaves]
+        raw = multihost_utils.broadcast_one_to_all(raw)
+        return jax.tree.unflatten(treedef, [
+            np.asarray(r, np.uint8).view(x.dtype).reshape(np.shape(x))
+            for r, x in zip(raw, leaves, strict=True)])
 
 
 def _abstract(init_fn: Callable[[], Any]) -> Any:
     try:
         return jax.eval_shape(init_fn)
     except Exception:  # not traceable (e.g. numpy code): evaluate it
-        return init_fn()
+        return jax.tree.map(_as_held, init_fn())
 
 
-def _zeros_like(tree: Any) -> Any:
-    def leaf(path, x):
-        _check_not_key(x, path, "restore_or_initialize: init_fn() returned")
-        return np.zeros(np.shape(x), x.dtype)
-    return map_checked(leaf, tree, "restore_or_initialize: init_fn() returned")
-
-
-def _check_not_key(x: Any, path: Any, what: str) -> None:
-    if jax.dtypes.issubdtype(getattr(x, "dtype", None), jax.dtypes.prng_key):
-        raise TypeError(
-            f"{what}: {path_str(path) or 'the root'} is a PRNG key array ({x.dtype}); "
-            "checkpoints hold plain arrays. Keep jax.random.key_data(key) in the state "
-            "and rebuild the key with jax.random.wrap_key_data(...) after restoring."
-        )
-
-
-def _to_host(tree: Any, what: str) -> Any:
-    """Numpy copies of a pytree's leaves, read from this process's devices; raises for
-    every leaf that cannot be checkpointed at once."""
-    def leaf(path, x):
-        if isinstance(x, PerReplica):
-            raise ValueError(
-                f"{what}: {path_str(path) or 'the root'} is a PerReplica value (different on "
-                "each replica); checkpoints hold replicated state. Reduce it first "
-                "(Replicator.reduce or ctx.all_sum in the step), or leave it out."
-            )
-        _check_not_key(x, path, what)
-        if isinstance(x, jax.Array):
-            if x.is_fully_addressable:
-                return np.asarray(x)
-            if x.is_fully_replicated:
-                return np.asarray(x.addressable_data(0))
-            raise ValueError(
-                f"{what}: {path_str(path) or 'the root'} is sharded across processes "
-                f"({x.sharding}); checkpoints hold replicated state. Replicate it (e.g. "
-                "return it aggregated from the step) before saving."
-            )
-        if isinstance(x, np.ndarray):
-            return np.array(x)  # a copy: the caller may write to its array later
-        if isinstance(x, (np.generic, bool, int, float, complex)):
-            return np.asarray(x)
-        if hasattr(x, "shape") and hasattr(x, "dtype"):  # ShapeDtypeStruct
-            return np.zeros(x.shape, x.dtype)
-        raise TypeError(
-            f"{what}: {path_str(path) or 'the root'} is a {type(x).__name__}, not an array. "
-            "Checkpointed state must be a pytree of arrays (for a Flax NNX module, "
-            "checkpoint nnx.state(module))."
-        )
-    return map_checked(leaf, tree, what, is_leaf=lambda x: isinstance(x, PerReplica))
+def _as_held(x: Any) -> Any:
+    """A host leaf as JAX holds it (the dtypes ``jax.eval_shape`` gives, those the state
+    ``init_fn`` initialises is placed with: a NumPy float64 is float32 with x64 off)."""
+    if isinstance(x, (np.ndarray, np.generic, bool, int, float, complex)):
+        a = np.asarray(x)
+        return jax.ShapeDtypeStruct(a.shape, jax.dtypes.canonicalize_dtype(a.dtype))
+    return x

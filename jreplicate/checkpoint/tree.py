@@ -134,6 +134,25 @@ def checksum_table(host: Any) -> dict:
     return {"jreplicate": {"format": FORMAT, "arrays": rows}}
 
 
+def name_clash(host: Any, what: str) -> None:
+    """Raises ValueError when two arrays of ``host`` would be stored under one name:
+    Orbax names an array by its keys joined with ``"."``, so ``{"a.b": x}`` and
+    ``{"a": {"b": y}}`` are one file, and one array would overwrite the other."""
+    import orbax.checkpoint as ocp
+    serial = ocp.tree.serialize_tree(host, keep_empty_nodes=True)
+    seen: dict[str, str] = {}
+    for path, _ in jax.tree_util.tree_leaves_with_path(serial):
+        name, here = ".".join(_tokens(path)), path_str(path) or "the root"
+        if name in seen:
+            a, b = sorted((seen[name], here))
+            raise ValueError(
+                f"{what}: {a} and {b} would be stored under one name, {name!r} (Orbax "
+                "names an array by its keys joined with '.'), and one would overwrite the "
+                "other. Rename a key so that the joined names differ (e.g. replace the "
+                "'.' in dict keys).")
+        seen[name] = here
+
+
 def save_args(host: Any) -> Any:
     """Orbax's save arguments for ``host`` with its checksum table (where this Orbax
     takes custom metadata; an older one saves without, and restores read unchecked)."""

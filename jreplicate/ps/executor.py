@@ -188,15 +188,27 @@ class ParameterServerExecutor(Executor):
         if self.coordinator is None:
             raise ValueError("restore: create the optimizer state inside rep.scope() first.")
         self.coordinator.join()
-        shards = state["shards"]
-        if len(shards) != self.config.num_ps:
-            raise ValueError(f"restore: the state has {len(shards)} shards, this strategy "
-                             f"{self.config.num_ps}; restore with the same num_ps.")
+        try:
+            shards, next_id = state["shards"], int(np.asarray(state["next_step_id"]))
+            if len(shards) != self.config.num_ps:
+                raise ValueError(f"restore: the state has {len(shards)} shards, this "
+                                 f"strategy {self.config.num_ps}; restore with the same "
+                                 "num_ps.")
+            restored = [host_shard_state(sh) for sh in shards]
+        except (KeyError, TypeError, IndexError) as e:
+            raise ValueError(
+                f"restore(state): the state is not a strategy.state() ({type(e).__name__}: "
+                f"{e}); pass what ParameterServerStrategy.state() returned (e.g. restored "
+                "by a CheckpointManager).") from None
+        # Checked before anything is replaced: a refused state leaves the shards as they are.
+        here = self.placement.split(jax.tree.map(np.asarray, self._opt_keep[0]))
+        for i, r in enumerate(restored):
+            check_shard_state(i, r, here[i], jax.eval_shape(self._tx.init, here[i])
+                              if here[i] else None, caller="restore(state)")
         self.coordinator.shutdown()
         self._carrier.close(why="strategy.restore replaced the worker actors; fetch the "
                                 "outputs you need before restoring")
-        restored = [host_shard_state(sh) for sh in shards]
-        self.next_id = int(np.asarray(state["next_step_id"]))
+        self.next_id = next_id
         self._build([r["params"] for r in restored], self._opt_host, restored)
 
     def restart_shard(self, i: int, state: dict[str, Any]) -> ShardRestart:

@@ -78,25 +78,29 @@ def lost_pushes(restored: dict[str, Any], others: list[dict[str, Any]]) -> tuple
 
 
 def check_shard_state(i: int, saved: dict[str, Any], expected: dict[str, Any],
-                      opt_spec: Any = None) -> None:
+                      opt_spec: Any = None, caller: str | None = None) -> None:
     """The saved pieces of shard ``i`` have the keys, shapes and dtypes it holds, and
     its optimizer state the structure, shapes and dtypes of ``opt_spec`` (the
     transformation's ``init`` of those pieces, as ``jax.eval_shape`` gives it).
 
+    Args:
+      caller: what the messages start with (default ``restart_shard(i, state)``).
+
     Raises:
       ValueError: naming the piece or the optimizer state's leaf, and the fix.
     """
+    who = caller or f"restart_shard({i}, state)"
     got = saved["params"]
     if set(got) != set(expected):
         raise ValueError(
-            f"restart_shard({i}, state): the state's shard {i} holds {sorted(got)}, this "
+            f"{who}: the state's shard {i} holds {sorted(got)}, this "
             f"strategy's shard {i} {sorted(expected)}; pass a state saved by this job "
             "(strategy.state(), same num_ps and placement).")
     for k, v in expected.items():
         a = np.asarray(got[k])
         if a.shape != v.shape or a.dtype != v.dtype:
             raise ValueError(
-                f"restart_shard({i}, state): piece {k!r} is {a.dtype}{list(a.shape)} in the "
+                f"{who}: piece {k!r} is {a.dtype}{list(a.shape)} in the "
                 f"state, {v.dtype}{list(v.shape)} here; pass a state saved by this job.")
     if opt_spec is None:
         return
@@ -104,13 +108,13 @@ def check_shard_state(i: int, saved: dict[str, Any], expected: dict[str, Any],
     got, got_def = jax.tree_util.tree_flatten(saved["opt_state"])
     if want_def != got_def:
         raise ValueError(
-            f"restart_shard({i}, state): the state's opt_state of shard {i} is {got_def}, "
+            f"{who}: the state's opt_state of shard {i} is {got_def}, "
             f"this strategy's optimizer makes {want_def}; pass a state saved by this job "
             "(same optimizer).")
     for (path, spec), leaf in zip(want, got):
         a = np.asarray(leaf)
         if a.shape != spec.shape or a.dtype != spec.dtype:
             raise ValueError(
-                f"restart_shard({i}, state): opt_state{jax.tree_util.keystr(path)} is "
+                f"{who}: opt_state{jax.tree_util.keystr(path)} of shard {i} is "
                 f"{a.dtype}{list(a.shape)} in the state, {spec.dtype}{list(spec.shape)} "
                 "here; pass a state saved by this job (same optimizer and dtypes).")
