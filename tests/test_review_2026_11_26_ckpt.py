@@ -449,13 +449,6 @@ def test_an_init_fn_that_cannot_be_traced_restores_what_it_initialised(tmp_path,
     assert step == 1 and _bits(got, {"w": np.ones(3, np.float32), "lr": np.float32(0.5)})
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "ParameterServerStrategy.restore takes a token-gated state of another sync_replicas "
-    "configuration (the SyncReplicasState has the same structure, shapes and dtypes): "
-    "the saved TokenQueue.per_step (2) is kept in a job aggregating 3, and training "
-    "stops later with a StepCancelledError blaming the schedule. Fix: compare the saved "
-    "tokens.per_step (and the configuration it implies) with the job's transform before "
-    "replacing the shards."))
 def test_ps_restore_of_a_token_gated_state_of_another_configuration_is_an_error():
     def job(k):
         s = jr.ParameterServerStrategy(num_ps=2, num_workers=k, token_timeout=5)
@@ -476,9 +469,24 @@ def test_ps_restore_of_a_token_gated_state_of_another_configuration_is_an_error(
     rep.join()
     saved = s.state()
     s.shutdown()
-    s2, *_ = job(3)
+    s2, rep2, w2, opt2, step2 = job(3)
     try:
+        # (The saved job handed out 2 tokens per step, this one 3: its queue would run dry.)
         with pytest.raises(ValueError, match="replicas_to_aggregate"):
             s2.restore(saved)
+        for _ in range(3):  # refused: the job's own shards go on
+            rep2.run(step2, None, w2, opt2)
+        rep2.join()
+        assert s2.global_step == 1
     finally:
         s2.shutdown()
+    s3, rep3, w3, opt3, step3 = job(2)  # the same configuration restores and goes on
+    try:
+        s3.restore(saved)
+        g = s3.global_step
+        for _ in range(2):
+            rep3.run(step3, None, w3, opt3)
+        rep3.join()
+        assert s3.global_step == g + 1
+    finally:
+        s3.shutdown()

@@ -29,6 +29,7 @@ from jreplicate.ps.remote import RemoteValue, is_key, to_host
 from jreplicate.ps.shard import _is_sync, check_transformation
 from jreplicate.ps.shard_restart import (
     ShardRestart,
+    check_same_aggregation,
     check_shard_state,
     host_shard_state,
     lost_pushes,
@@ -205,6 +206,8 @@ class ParameterServerExecutor(Executor):
         for i, r in enumerate(restored):
             check_shard_state(i, r, here[i], jax.eval_shape(self._tx.init, here[i])
                               if here[i] else None, caller="restore(state)")
+            if here[i]:
+                check_same_aggregation(i, r["opt_state"], self._opt_host, "restore(state)")
         self.coordinator.shutdown()
         self._carrier.close(why="strategy.restore replaced the worker actors; fetch the "
                                 "outputs you need before restoring")

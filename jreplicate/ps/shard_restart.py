@@ -30,6 +30,7 @@ import numpy as np
 
 from jreplicate._tree import host_copy
 from jreplicate.ps.ledger import Ledger
+from jreplicate.sync.state import SyncReplicasState
 
 
 class ShardRestart(NamedTuple):
@@ -75,6 +76,42 @@ def lost_pushes(restored: dict[str, Any], others: list[dict[str, Any]]) -> tuple
     for o in others:
         lost |= _decided(o, start, stop)
     return tuple(sorted(i for i in lost - mine if i >= start))
+
+
+def check_same_aggregation(i: int, saved_opt: Any, job_opt: Any, who: str) -> None:
+    """A token-gated state (``jr.sync_replicas``) was saved by a job that hands out as
+    many tokens per step as this one. ``TokenQueue.per_step`` is
+    ``max(total_num_replicas, replicas_to_aggregate)`` of the job that made it; restored
+    into a job aggregating more, its token queue would run dry (training stopped later
+    with a StepCancelledError that blamed the schedule), into one aggregating fewer it
+    would hand out tokens no step needs.
+
+    Args:
+      i: the shard whose saved optimizer state is ``saved_opt``.
+      job_opt: the optimizer state this job's transformation made (concrete).
+      who: what the message starts with.
+
+    Raises:
+      ValueError: naming both counts and the fix.
+    """
+    mine, theirs = _tokens_per_step(job_opt), _tokens_per_step(saved_opt)
+    if mine is None or theirs is None or mine == theirs:
+        return
+    raise ValueError(
+        f"{who}: shard {i}'s state was saved by a job whose jr.sync_replicas hands out "
+        f"{theirs} tokens per step (max(total_num_replicas, replicas_to_aggregate)), this "
+        f"job's {mine}: its token queue would not match this job's aggregation. Restore "
+        "into a job with the replicas_to_aggregate and total_num_replicas it was saved "
+        "with.")
+
+
+def _tokens_per_step(opt_state: Any) -> int | None:
+    """``TokenQueue.per_step`` of the first ``SyncReplicasState`` in ``opt_state`` (None:
+    none there)."""
+    for s in jax.tree.leaves(opt_state, is_leaf=lambda x: isinstance(x, SyncReplicasState)):
+        if isinstance(s, SyncReplicasState):
+            return int(np.asarray(s.tokens.per_step))
+    return None
 
 
 def check_shard_state(i: int, saved: dict[str, Any], expected: dict[str, Any],
