@@ -160,3 +160,42 @@ def host_copy(x: Any) -> np.ndarray:
     """:func:`read_now` as a NumPy array (a ``jax.Array`` as a view of its immutable
     buffer, a Python number as a 0-d array)."""
     return np.asarray(read_now(x))
+
+
+def put_host_value(x: Any, sharding: Any, where: str | Callable[[], str]) -> jax.Array:
+    """Host data ``x`` (NumPy, a Python number; a ``jax.Array`` goes to
+    ``jax.device_put``) placed on ``sharding``, read now.
+
+    Across processes every process passes its own copy, which must be the same:
+    ``jax.device_put`` gathers the copies and compares them with ``==`` (jax 0.12), so a
+    value holding a NaN failed with an AssertionError saying that the copies differ, and
+    copies that do differ got that message without the argument's name. Here each
+    process hashes its copy (dtype, shape and bytes) and the digests are compared on
+    every process (each raises alike, naming ``where``; one small gather, whatever the
+    size), then each process builds its own shards from its copy.
+
+    Raises:
+      ValueError: the processes passed different values.
+    """
+    x = read_now(x)
+    if isinstance(x, jax.Array) or sharding.is_fully_addressable:
+        return jax.device_put(x, sharding)
+    import hashlib
+
+    from jax.experimental import multihost_utils
+    a = np.asarray(x)
+    # (np.array keeps a 0-d array 0-d; np.ascontiguousarray would make it 1-d)
+    a = np.array(a, dtype=jax.dtypes.canonicalize_dtype(a.dtype), order="C")
+    h = hashlib.blake2b(f"{a.dtype.str}{a.shape}".encode(), digest_size=32)
+    h.update(a.reshape(-1).view(np.uint8))
+    try:
+        multihost_utils.assert_equal(np.frombuffer(h.digest(), np.uint8))
+    except AssertionError:
+        where = where if isinstance(where, str) else where()
+        raise ValueError(
+            f"{where} differs between the processes ({a.dtype.name}{list(a.shape)} on this "
+            "one): a replicated argument must be the same value on every process. Compute "
+            "it identically everywhere (the same seed), pass it as a per-replica batch, or "
+            "broadcast it from one process (jax.experimental.multihost_utils."
+            "broadcast_one_to_all).") from None
+    return jax.make_array_from_callback(a.shape, sharding, lambda index: a[index])

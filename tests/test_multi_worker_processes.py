@@ -259,7 +259,7 @@ def test_validation_is_identical_on_every_process():
     for rank, name, kind, msg in re.findall(r"\[p(\d)\] RESULT (\w+) (\w+) ?(.*)", r.stdout):
         results.setdefault(name, {})[int(rank)] = (kind, msg)
     assert set(results) == {"batch_differs", "input_error", "shorter", "indivisible",
-                            "single_shape", "save_per_replica"}
+                            "single_shape", "save_per_replica", "arg_bits", "arg_differs"}
     for name, by_rank in results.items():
         assert set(by_rank) == {0, 1}, name
         assert by_rank[0][0] == by_rank[1][0], (name, by_rank)  # same outcome everywhere
@@ -275,6 +275,12 @@ def test_validation_is_identical_on_every_process():
     assert "not divisible by the 4 replicas" in results["indivisible"][0][1]
     assert results["single_shape"][0][0] == "ValueError"
     assert "on process 0 failed" in results["single_shape"][1][1]
+    # A replicated NumPy argument holding NaN and -0.0 (jax.device_put compares copies
+    # with ==: NaN failed as "not the same on each process"), and a 0-d one, placed as is.
+    assert results["arg_bits"][0] == results["arg_bits"][1] == ("ok", "True/True/()")
+    # Copies that do differ: the same ValueError on every process, naming the argument.
+    assert results["arg_differs"][0][0] == results["arg_differs"][1][0] == "ValueError"
+    assert "argument [0] differs between the processes" in results["arg_differs"][0][1]
     assert results["save_per_replica"][0] == results["save_per_replica"][1]
     assert "PerReplica" in results["save_per_replica"][0][1]
 

@@ -21,6 +21,7 @@ from jreplicate._tree import (
     is_array_like,
     map_checked,
     path_str,
+    put_host_value,
     read_now,
     report,
 )
@@ -136,7 +137,8 @@ class SPMDExecutor(Executor):
 
     def place(self, tree: Any) -> Any:
         # (a NumPy leaf is read now: on CPU the device array may alias what it is given)
-        return jax.tree.map(lambda x: jax.device_put(read_now(x), self._replicated), tree)
+        return jax.tree_util.tree_map_with_path(lambda p, x: put_host_value(
+            x, self._replicated, lambda: f"state {path_str(p) or 'the root'}"), tree)
 
     # -- input -----------------------------------------------------------------------
     def assemble(self, elements: Sequence[Sequence[np.ndarray]], treedef: Any) -> Any:
@@ -296,7 +298,7 @@ class SPMDExecutor(Executor):
                 elif is_array_like(x):
                     if isinstance(x, (np.ndarray, np.generic, int, float)):
                         check_fits(np.asarray(x), lambda i=i: f"Replicator.run: {where(i)}")
-                    x = jax.device_put(read_now(x), replicated)
+                    x = put_host_value(x, replicated, lambda i=i: f"Replicator.run: {where(i)}")
                     kind = REPLICATED
                 else:
                     raise TypeError(

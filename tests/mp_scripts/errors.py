@@ -78,6 +78,28 @@ def main() -> None:
         except Exception as e:  # report, and carry on with the next scenario
             print(f"RESULT {name} {type(e).__name__} {str(e).splitlines()[0]}", flush=True)
 
+    def echo(ctx, x, s):
+        return x * 1.0, s * 1.0
+
+    def arg_bits():  # the same NaN / -0.0 / 0-d arguments everywhere: placed, bit for bit
+        x = np.array([np.nan, -0.0, 1.0], np.float32)
+        got, s = rep.run(echo, None, x, np.float32(-0.0))
+        out = np.asarray(got.addressable_data(0))
+        return (f"{out.tobytes() == x.tobytes()}"
+                f"/{np.asarray(s.addressable_data(0)).tobytes() == np.float32(-0.0).tobytes()}"
+                f"/{s.shape}")
+
+    def arg_differs():  # each process passes its own value as a replicated argument
+        return rep.run(echo, None, np.full(2, me, np.float32), np.float32(0))
+
+    scenarios = [("arg_bits", arg_bits), ("arg_differs", arg_differs)]
+    for name, fn in scenarios:
+        try:
+            fn_out = fn()
+            print(f"RESULT {name} ok {fn_out}", flush=True)
+        except Exception as e:
+            print(f"RESULT {name} {type(e).__name__} {str(e).splitlines()[0]}", flush=True)
+
     per_replica = rep.run(lambda ctx: ctx.replica_id * 1.0)
     with tempfile.TemporaryDirectory() as d:
         mngr = CheckpointManager(os.path.join(d, f"ck{me}"), rep)
