@@ -1,0 +1,485 @@
+"""Review of 2026-11-26: ParameterServerStrategy where its features meet, under faults.
+
+A hypothesis state machine drives random interleavings of ``rep.run`` (kept and dropped
+RemoteValues, a step that raises), ``join``, ``kill_worker`` at "compute" / "push",
+``set_worker_delay``, ``state()`` / ``restore()`` and ``fetch`` for each mode
+(asynchronous, bounded staleness, token-gated with backup workers) on the embedded
+carrier with 1-3 shards and 2-4 workers, against a reference in NumPy: SGD or Adam fed
+exactly the pushes each shard's ledger applied, in the order it applied them (token-gated:
+the mean of each completed global step's accepted gradients). The gradients do not
+depend on the parameters, so every run of a step pushes the same gradient and the
+reference is exact up to float rounding. Then targeted attacks where features meet.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from hypothesis import HealthCheck, event, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    initialize,
+    invariant,
+    precondition,
+    rule,
+)
+
+import jreplicate as jr
+import jreplicate.testing as jrt
+from jreplicate.ps.remote import ParameterServerError, StepCancelledError, WorkerLostError
+from tests._ps_helpers import bounded_test  # noqa: F401 (autouse: every test bounded)
+
+LR = 0.25
+SIZES = {"a": 2, "b": 3, "c": 2}  # round robin: 3 shards hold one leaf each
+BOUND_S = 30.0  # no join or fetch here may take longer
+
+
+# -- the reference ---------------------------------------------------------------------
+
+def _sgd(grads: list[dict]) -> dict:
+    out = {k: np.zeros(n) for k, n in SIZES.items()}
+    for g in grads:
+        for k in out:
+            out[k] = out[k] - LR * np.asarray(g[k], np.float64)
+    return out
+
+
+def _adam(grads: list[dict], b1=0.9, b2=0.999, eps=1e-8) -> dict:
+    p = {k: np.zeros(n) for k, n in SIZES.items()}
+    mu = {k: np.zeros(n) for k, n in SIZES.items()}
+    nu = {k: np.zeros(n) for k, n in SIZES.items()}
+    for t, g in enumerate(grads, 1):
+        for k in p:
+            x = np.asarray(g[k], np.float64)
+            mu[k] = b1 * mu[k] + (1 - b1) * x
+            nu[k] = b2 * nu[k] + (1 - b2) * x * x
+            m_hat, v_hat = mu[k] / (1 - b1 ** t), nu[k] / (1 - b2 ** t)
+            p[k] = p[k] - LR * m_hat / (np.sqrt(v_hat) + eps)
+    return p
+
+
+def _instrument(strategy, log: list) -> None:
+    """Every shard's ledger logs ``(shard, push id, kind)`` as it records a push, in
+    the order the shard decided them (under its lock)."""
+    for i, sh in enumerate(strategy._ex()._carrier.shards):
+        led = sh.ledger
+        if getattr(led, "_review_wrapped", False):
+            continue
+        orig = led.record
+
+        def record(push_id, kind, staleness=None, orig=orig, i=i):
+            orig(push_id, kind, staleness)
+            log.append((i, int(push_id), kind))
+
+        led.record = record
+        led._review_wrapped = True
+
+
+def _step(tx):
+    def step(ctx, batch, p, o):
+        g = {k: batch[k] + 0.0 * p[k] for k in SIZES}  # the same whatever was pulled
+        u, o = tx.update(g, o, p)
+        return batch["tag"], optax.apply_updates(p, u)
+    return step
+
+
+def _bad_step(tx):
+    def bad(ctx, batch, p, o):
+        raise ValueError("review: this step raises")
+    return bad
+
+
+class _Sched:
+    """A scheduled step as the machine knows it."""
+
+    def __init__(self, rv, grads, tag, bad):
+        self.rv, self.step_id, self.grads, self.tag, self.bad = rv, rv.step_id, grads, tag, bad
+
+
+# -- the state machine -----------------------------------------------------------------
+
+class PSMachine(RuleBasedStateMachine):
+    mode = "async"
+
+    @initialize(num_ps=st.integers(1, 3), workers=st.integers(2, 4),
+                adam=st.booleans(), tau=st.integers(0, 2), k=st.integers(1, 3),
+                backups=st.integers(0, 1))
+    def build(self, num_ps, workers, adam, tau, k, backups):
+        self.num_ps, self.workers = num_ps, workers
+        kw = {}
+        if self.mode == "tau":
+            kw["max_staleness"] = tau
+            adam = False
+        self.tau = tau if self.mode == "tau" else None
+        self.k = min(k, workers)
+        self.adam = adam and self.mode == "async"
+        s = jr.ParameterServerStrategy(num_ps=num_ps, num_workers=workers,
+                                       placement="round_robin", token_timeout=BOUND_S,
+                                       **kw)
+        rep = jr.Replicator(s)
+        with rep.scope():
+            params = {k_: jnp.zeros(n) for k_, n in SIZES.items()}
+            if self.mode == "token":
+                inner = jr.sync_replicas(optax.sgd(LR), self.k, workers + backups)
+            else:
+                inner = optax.adam(LR) if self.adam else optax.sgd(LR)
+            tx = jr.ps.pushable(inner)
+            opt = tx.init(params)
+        self.s, self.rep, self.params, self.opt = s, rep, params, opt
+        self.step, self.bad = _step(tx), _bad_step(tx)
+        self.log: list = []
+        _instrument(s, self.log)
+        self.rng = np.random.default_rng(num_ps * 100 + workers)
+        self.kept: list[_Sched] = []
+        self.sched: list[_Sched] = []  # every step scheduled since the last join
+        self.done: list[_Sched] = []  # ended (checked), this timeline
+        self.grads: dict[int, dict] = {}  # step id -> gradient, this timeline
+        # Per shard, the ids applied this timeline in the order applied (token-gated
+        # shard 0: (id, global step it counts for)).
+        self.history: list[list] = [[] for _ in range(num_ps)]
+        self.armed: set[int] = set()
+        self.saved = None
+        self.dead_all = False
+        self.shut = False
+
+    def teardown(self):
+        if hasattr(self, "s"):
+            self.s.shutdown()
+
+    # -- rules ---------------------------------------------------------------------------
+    @precondition(lambda self: not self.dead_all and not self.shut)
+    @rule(n=st.integers(1, 8), keep=st.booleans(), bad=st.integers(0, 15))
+    def run(self, n, keep, bad):
+        for _ in range(n):
+            g = {k_: (self.rng.integers(-4, 5, m) / 4).astype(np.float32)
+                 for k_, m in SIZES.items()}
+            tag = np.int32(self.rng.integers(1 << 20))
+            batch = {**g, "tag": tag}
+            is_bad = bad == 0
+            rv = self.rep.run(self.bad if is_bad else self.step, batch, self.params,
+                              self.opt)
+            sc = _Sched(rv, g, tag, is_bad)
+            self.grads[sc.step_id] = g
+            self.sched.append(sc)
+            if keep:
+                self.kept.append(sc)
+
+    @precondition(lambda self: not self.dead_all and not self.shut)
+    @rule(w=st.integers(0, 3), when=st.sampled_from(["compute", "push"]))
+    def kill(self, w, when):
+        w %= self.workers
+        if w not in self.armed and len(self.armed) >= self.workers - 1:
+            return  # one worker always survives
+        self.armed.add(w)
+        jrt.kill_worker(self.s, w, when=when)
+
+    @precondition(lambda self: not self.dead_all and not self.shut)
+    @rule(w=st.integers(0, 3), seconds=st.sampled_from([0.0, 0.01, 0.05]))
+    def delay(self, w, seconds):
+        jrt.set_worker_delay(self.s, w % self.workers, seconds)
+
+    @rule()
+    def join(self):
+        if not self.shut:
+            self._join()
+            return
+        t0 = time.monotonic()  # after shutdown: join returns at once, raises nothing new
+        try:
+            self.rep.join()
+        except Exception as e:  # noqa: BLE001 - the first error of the steps, once
+            assert isinstance(e, (StepCancelledError, ValueError, WorkerLostError,
+                                  ParameterServerError, RuntimeError)), e
+        assert time.monotonic() - t0 < BOUND_S
+
+    @precondition(lambda self: not self.dead_all and not self.shut)
+    @rule()
+    def save(self):
+        self._join()
+        state = self.s.state()
+        self.saved = (state, [list(h) for h in self.history], dict(self.grads),
+                      list(self.done))
+
+    @precondition(lambda self: self.saved is not None and not self.shut)
+    @rule()
+    def restore(self):
+        self._join()
+        state, history, grads, done = self.saved
+        self.s.restore(state)
+        _instrument(self.s, self.log)
+        self.history = [list(h) for h in history]
+        self.grads, self.done = dict(grads), list(done)
+        self.armed.clear()  # new workers
+        self.dead_all = False
+        event("restored")
+        self._check_params()
+
+    @precondition(lambda self: self.kept)
+    @rule(i=st.integers(0, 100))
+    def fetch(self, i):
+        sc = self.kept[i % len(self.kept)]
+        self._check_fetch(sc)
+
+    @precondition(lambda self: self.kept)
+    @rule()
+    def drop(self):
+        self.kept.pop(0)
+
+    @precondition(lambda self: not self.shut and self.sched)
+    @rule(dice=st.integers(0, 5))
+    def shutdown_pending(self, dice):
+        """Shutdown with steps pending: every step ends within the bound, with its
+        value or a named error; later runs are refused, naming the fix."""
+        if dice:
+            return
+        t0 = time.monotonic()
+        self.s.shutdown()
+        self.shut = True
+        for sc in self.sched:
+            try:
+                sc.rv.fetch(timeout=BOUND_S)
+            except (StepCancelledError, ValueError, WorkerLostError,
+                    ParameterServerError, RuntimeError):
+                pass
+        assert time.monotonic() - t0 < BOUND_S
+        with pytest.raises(RuntimeError, match="shut down"):
+            self.rep.run(self.step, {**self.grads.get(0, {k_: np.zeros(n, np.float32)
+                                                          for k_, n in SIZES.items()}),
+                                     "tag": np.int32(0)}, self.params, self.opt)
+        self.sched = []
+
+    # -- checks --------------------------------------------------------------------------
+    def _join(self):
+        t0 = time.monotonic()
+        try:
+            self.s._ex().coordinator.join(timeout=BOUND_S)
+        except TimeoutError:
+            raise AssertionError(f"join did not end within {BOUND_S} s") from None
+        except ValueError as e:
+            assert "review: this step raises" in str(e)
+        except StepCancelledError:
+            assert self.mode == "token", "only token waits are cancelled"
+        except WorkerLostError:
+            pass  # a step failed on max_attempts workers
+        except ParameterServerError as e:
+            assert "every worker died" in str(e), e
+            self.dead_all = True
+        assert time.monotonic() - t0 < BOUND_S
+        # Every step scheduled ended, with its value or a named error.
+        for sc in self.sched:
+            assert sc.rv.done(), f"step {sc.step_id} still pending after join"
+            self._check_fetch(sc)
+        self._absorb_log()
+        st_ = self.s.stats()
+        event(f"rescheduled: {min(st_['rescheduled'], 3)}")
+        event(f"alive: {sum(st_['alive'])}/{self.workers}")
+        event(f"errors: {sorted({type(sc.rv._error).__name__ for sc in self.sched})}")
+        if self.mode == "token":
+            event(f"global step > 0: {self.s.global_step > 0}")
+        self.done += self.sched
+        self.sched = []
+        self._check_ledgers()
+        self._check_params()
+
+    def _check_fetch(self, sc: _Sched):
+        try:
+            tag, _ = sc.rv.fetch(timeout=BOUND_S)
+        except TimeoutError:
+            assert not sc.rv.done()
+            raise AssertionError(f"fetch of step {sc.step_id} did not end") from None
+        except ValueError as e:
+            assert sc.bad and "review: this step raises" in str(e)
+            return
+        except (StepCancelledError, WorkerLostError, ParameterServerError):
+            return
+        except RuntimeError as e:  # a step that ran into the shards shut down
+            assert self.shut and "shut down" in str(e), e
+            return
+        assert not sc.bad
+        assert int(tag) == int(sc.tag), (sc.step_id, int(tag), int(sc.tag))
+
+    def _absorb_log(self):
+        log, self.log[:] = list(self.log), []
+        shard0 = self.s._ex()._carrier.shards[0]
+        for i, push_id, kind in log:
+            if kind != "applied":
+                continue
+            if self.mode == "token" and i == 0:
+                d = shard0.ledger.decisions[push_id]
+                self.history[0].append((push_id, d.step))
+            else:
+                self.history[i].append(push_id)
+
+    def _check_ledgers(self):
+        ex = self.s._ex()
+        for i, led in enumerate(self.s.ledger()):
+            assert led["pushes"] == led["applied"] + led["stale"] + led["backup"] + \
+                led["duplicate"] + led["failed"], (i, led)
+            if self.tau is not None and led["staleness"]:
+                assert max(led["staleness"]) <= self.tau, led["staleness"]
+        ids = [h if self.mode != "token" or i else [x for x, _ in h]
+               for i, h in enumerate(self.history)]
+        for i, h in enumerate(ids):
+            assert len(h) == len(set(h)), f"shard {i} applied a push twice: {h}"
+        if self.mode != "token":
+            # Exactly once: every shard applied the same set, the steps that returned
+            # a value; a failed step on none.
+            ok = {sc.step_id for sc in self.done if sc.rv._error is None}
+            for i, h in enumerate(ids):
+                assert set(h) == ok, (i, sorted(set(h) ^ ok))
+        else:
+            gs = ex.shard_step(0)
+            assert [ex.shard_step(i) for i in range(self.num_ps)] == [gs] * self.num_ps
+
+    def _check_params(self):
+        got = self.s.parameters()
+        if self.mode == "token":
+            gs = self.s.global_step
+            per_step: dict[int, list] = {}
+            for push_id, step in self.history[0]:
+                per_step.setdefault(step, []).append(self.grads[push_id])
+            assert all(s_ < gs or s_ == gs for s_ in per_step), (per_step.keys(), gs)
+            means = [{k: np.mean([g[k] for g in per_step[s_]], 0) for k in SIZES}
+                     for s_ in range(gs)]
+            want = _sgd(means)
+            for k in SIZES:
+                np.testing.assert_allclose(got[k], want[k], rtol=1e-5, atol=1e-5)
+            return
+        placement = self.s.placement
+        for k in SIZES:
+            i = placement.shard_of(f"['{k}']")
+            seq = [self.grads[j] for j in self.history[i]]
+            want = (_adam if self.adam else _sgd)(seq)[k]
+            np.testing.assert_allclose(got[k], want, rtol=1e-4, atol=1e-5,
+                                       err_msg=f"leaf {k} on shard {i}")
+
+    @invariant()
+    def nothing_stuck(self):
+        if hasattr(self, "s") and not self.shut:
+            assert self.s._ex().coordinator.pending <= len(self.sched)
+
+
+#: REVIEW_PS_EXAMPLES=200 REVIEW_PS_RANDOM=1 explores further (the suite's run is fixed).
+_SETTINGS = settings(max_examples=int(os.environ.get("REVIEW_PS_EXAMPLES", 6)),
+                     stateful_step_count=20, deadline=None,
+                     suppress_health_check=list(HealthCheck),
+                     derandomize=not os.environ.get("REVIEW_PS_RANDOM"))
+
+
+class AsyncMachine(PSMachine):
+    mode = "async"
+
+
+class TauMachine(PSMachine):
+    mode = "tau"
+
+
+class TokenMachine(PSMachine):
+    mode = "token"
+
+
+TestAsyncMachine = AsyncMachine.TestCase
+TestAsyncMachine.settings = _SETTINGS
+TestTauMachine = TauMachine.TestCase
+TestTauMachine.settings = _SETTINGS
+TestTokenMachine = TokenMachine.TestCase
+TestTokenMachine.settings = _SETTINGS
+
+
+# -- targeted attacks ---------------------------------------------------------------------
+
+def _sgd_job(num_ps=1, workers=2, **kw):
+    s = jr.ParameterServerStrategy(num_ps=num_ps, num_workers=workers,
+                                   placement="round_robin", **kw)
+    rep = jr.Replicator(s)
+    with rep.scope():
+        params = {k: jnp.zeros(n) for k, n in SIZES.items()}
+        tx = jr.ps.pushable(optax.sgd(LR))
+        opt = tx.init(params)
+    return s, rep, params, opt, _step(tx)
+
+
+def _batch(tag=0, value=1.0):
+    return {**{k: np.full(n, value, np.float32) for k, n in SIZES.items()},
+            "tag": np.int32(tag)}
+
+
+@pytest.mark.parametrize("token_gated", [False, True])
+def test_a_step_whose_worker_dies_during_shutdown_ends_and_join_returns(token_gated):
+    """Shutdown while worker 0 computes a step it will die in: the step used to go
+    back into the stopped queue, pending for ever (fetch and join never returned)."""
+    s = jr.ParameterServerStrategy(num_ps=1, num_workers=2)
+    rep = jr.Replicator(s)
+    with rep.scope():
+        params = {k: jnp.zeros(n) for k, n in SIZES.items()}
+        inner = jr.sync_replicas(optax.sgd(LR), 1, 2) if token_gated else optax.sgd(LR)
+        tx = jr.ps.pushable(inner)
+        opt = tx.init(params)
+    step = _step(tx)
+    rep.run(step, _batch(), params, opt).fetch(timeout=BOUND_S)  # both compiled
+    rep.run(step, _batch(), params, opt)
+    rep.join()
+    for w in range(2):
+        jrt.set_worker_delay(s, w, 0.3)
+    jrt.kill_worker(s, 0, when="compute")
+    values = [rep.run(step, _batch(i), params, opt) for i in range(2)]
+    time.sleep(0.1)  # both running
+    s.shutdown()
+    t0 = time.monotonic()
+    for v in values:
+        try:
+            v.fetch(timeout=5.0)
+        except TimeoutError:
+            raise AssertionError(f"step {v.step_id} never ended after shutdown") from None
+        except (StepCancelledError, RuntimeError):
+            pass
+    done = threading.Event()
+
+    def join():
+        try:
+            rep.join()
+        except RuntimeError:  # (a step that ran into the closed shards)
+            pass
+        done.set()
+
+    threading.Thread(target=join, daemon=True).start()
+    assert done.wait(5.0), "join after shutdown did not return"
+    assert time.monotonic() - t0 < 10.0
+
+
+def test_an_nnx_model_changed_between_runs_is_read_as_of_each_run():
+    """The executor cached an NNX argument's graph and state at its first run: a model
+    switched to eval() (dropout off) or a variable set anew between two runs still ran
+    as at the first run, silently (MirroredStrategy reads it as of each run)."""
+    nnx = pytest.importorskip("flax.nnx")
+
+    class Model(nnx.Module):
+        def __init__(self, rngs):
+            self.lin = nnx.Linear(4, 4, rngs=rngs)
+            self.drop = nnx.Dropout(0.5, rngs=rngs)
+            self.scale = nnx.Variable(jnp.array(1.0))
+
+    s = jr.ParameterServerStrategy(num_ps=1, num_workers=1)
+    rep = jr.Replicator(s)
+    with rep.scope():
+        model = Model(nnx.Rngs(0))
+        opt = nnx.Optimizer(model, jr.ps.pushable(optax.sgd(0.0)), wrt=nnx.Param)
+
+    def step(ctx, model, opt):
+        g = nnx.grad(lambda m: jnp.sum(m.lin(jnp.ones((2, 4)))))(model)
+        opt.update(model, g)
+        return model.drop(jnp.ones(8)) * model.scale[...]
+
+    first = rep.run(step, None, model, opt).fetch(timeout=BOUND_S)
+    assert set(np.unique(first)) <= {0.0, 2.0} and 0.0 in first  # dropout, scale 1
+    model.scale.set_value(jnp.array(3.0))
+    model.eval()
+    second = rep.run(step, None, model, opt).fetch(timeout=BOUND_S)
+    np.testing.assert_array_equal(second, np.full(8, 3.0, np.float32))
+    s.shutdown()
