@@ -54,7 +54,6 @@ class ParameterServerExecutor(Executor):
         self._carrier: Carrier | None = None
         self._fn_keys = FunctionMap(on_drop=self._function_freed)
         self._next_key = 0
-        self._nnx_cache: dict[int, tuple] = {}
         self._warned_donation = False
 
     # -- registration (tx.init inside scope) -------------------------------------------
@@ -359,18 +358,16 @@ class ParameterServerExecutor(Executor):
         return out
 
     def _nnx_arg(self, node: Any) -> NnxArg:
-        """The node's graph and numpy state (cached: on the coordinator an NNX argument
-        does not change, the shards hold the training state)."""
-        hit = self._nnx_cache.get(id(node))
-        if hit is None or hit[0] is not node:
-            from flax import nnx
-            graphdef, state = nnx.split(node)
-            # (a NumPy value copied: the caller may refill it before the step runs; a
-            # typed PRNG key, as an nnx.Rngs holds, which NumPy cannot, as a HostKey)
-            hit = (node, NnxArg(graphdef, jax.tree.map(
-                lambda x: to_host(x) if is_key(x) else host_copy(x), state)))
-            self._nnx_cache[id(node)] = hit
-        return hit[1]
+        """The node's graph and numpy state as of this call, as every strategy reads its
+        arguments when ``run`` is called: the caller may have changed the node since
+        the last step (``model.eval()``, a variable set anew), and the scheduled step
+        sees that (the parameters are the shards' all the same)."""
+        from flax import nnx
+        graphdef, state = nnx.split(node)
+        # (a NumPy value copied: the caller may refill it before the step runs; a
+        # typed PRNG key, as an nnx.Rngs holds, which NumPy cannot, as a HostKey)
+        return NnxArg(graphdef, jax.tree.map(
+            lambda x: to_host(x) if is_key(x) else host_copy(x), state))
 
     def reduce(self, reduce_op: str, value: Any) -> Any:
         if isinstance(value, RemoteValue):
