@@ -483,3 +483,22 @@ def test_an_nnx_model_changed_between_runs_is_read_as_of_each_run():
     second = rep.run(step, None, model, opt).fetch(timeout=BOUND_S)
     np.testing.assert_array_equal(second, np.full(8, 3.0, np.float32))
     s.shutdown()
+
+
+def test_kill_worker_at_push_with_one_shard_kills_the_worker_after_its_push():
+    """``kill_worker(when="push")`` with one shard did nothing (there is no second
+    shard to die before): the worker never died and the fault was silently not
+    injected. With one shard the worker now dies right after its push; the push is
+    applied once and the rerun's is a duplicate."""
+    s, rep, params, opt, step = _sgd_job(num_ps=1, workers=2)
+    jrt.set_worker_delay(s, 1, 0.1)
+    jrt.kill_worker(s, 0, when="push")
+    for i in range(6):
+        rep.run(step, _batch(i), params, opt)
+    rep.join()
+    assert s.stats()["alive"] == [False, True]
+    assert s.stats()["rescheduled"] == 1
+    led = s.ledger()[0]
+    assert (led["applied"], led["duplicate"], led["pushes"]) == (6, 1, 7)
+    np.testing.assert_allclose(s.parameters()["a"], -LR * 6)
+    s.shutdown()
