@@ -751,3 +751,77 @@ def test_restart_shard_names_every_lost_update_after_a_step_that_raised(monkeypa
     report = s.restart_shard(lost_shard, saved)
     s.shutdown()
     assert report.lost == tuple(after), report.lost
+
+
+# -- the same on Ray (a few bounded cases) -----------------------------------------------
+
+@pytest.fixture(scope="module")
+def review_ray():
+    pytest.importorskip("ray", reason="Ray is not installed: pip install 'jreplicate[ray]'")
+    from tests.test_ps_ray import private_ray
+
+    yield from private_ray()
+
+
+def test_on_ray_kill_at_push_with_one_shard_and_nnx_read_as_of_each_run(review_ray):
+    """On Ray (the worker actors import this checkout's client): a worker killed at
+    "push" with one shard dies after its push (the rerun's push a duplicate, every step
+    applied once), and an NNX variable set between two runs is read as of each run."""
+    nnx = pytest.importorskip("flax.nnx")
+
+    class Model(nnx.Module):
+        def __init__(self, rngs):
+            self.lin = nnx.Linear(2, 2, rngs=rngs)
+            self.scale = nnx.Variable(jnp.array(1.0))
+
+    s = jr.ParameterServerStrategy(num_ps=1, num_workers=2, carrier="ray")
+    rep = jr.Replicator(s)
+    with rep.scope():
+        model = Model(nnx.Rngs(0))
+        opt = nnx.Optimizer(model, jr.ps.pushable(optax.sgd(0.1)), wrt=nnx.Param)
+
+    def step(ctx, model, opt):
+        opt.update(model, nnx.grad(lambda m: jnp.sum(m.lin(jnp.ones((1, 2)))))(model))
+        return model.scale[...]
+
+    try:
+        assert float(rep.run(step, None, model, opt).fetch(timeout=120)) == 1.0
+        model.scale.set_value(jnp.array(3.0))
+        assert float(rep.run(step, None, model, opt).fetch(timeout=120)) == 3.0
+        rep.join()
+        jrt.kill_worker(s, 0, when="push")
+        for _ in range(4):
+            rep.run(step, None, model, opt)
+        rep.join()
+        led, stats = s.ledger()[0], s.stats()
+        assert stats["rescheduled"] >= 1 and stats["alive"][1], stats
+        assert (led["applied"], led["duplicate"], led["pushes"]) == (6, 1, 7), led
+    finally:
+        s.shutdown()
+
+
+def test_on_ray_shutdown_while_a_worker_dies_ends_every_step(review_ray):
+    s = jr.ParameterServerStrategy(num_ps=1, num_workers=2, carrier="ray")
+    rep = jr.Replicator(s)
+    with rep.scope():
+        params = {k: jnp.zeros(n) for k, n in SIZES.items()}
+        tx = jr.ps.pushable(optax.sgd(LR))
+        opt = tx.init(params)
+    step = _step(tx)
+    try:
+        for v in [rep.run(step, _batch(i), params, opt) for i in range(2)]:
+            v.fetch(timeout=120)
+        for w in range(2):
+            jrt.set_worker_delay(s, w, 0.5)
+        jrt.kill_worker(s, 0, when="compute")
+        values = [rep.run(step, _batch(i), params, opt) for i in range(4)]
+        time.sleep(0.2)
+    finally:
+        s.shutdown()
+    for v in values:
+        try:
+            v.fetch(timeout=20.0)
+        except TimeoutError:
+            raise AssertionError(f"step {v.step_id} never ended after shutdown") from None
+        except (StepCancelledError, RuntimeError):
+            pass
