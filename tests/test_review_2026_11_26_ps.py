@@ -825,3 +825,30 @@ def test_on_ray_shutdown_while_a_worker_dies_ends_every_step(review_ray):
             raise AssertionError(f"step {v.step_id} never ended after shutdown") from None
         except (StepCancelledError, RuntimeError):
             pass
+
+
+def test_restore_after_a_lost_shard_restores_as_the_error_says():
+    """A lost shard's ParameterServerError says "Restore the last checkpoint
+    (strategy.restore(...))", but restore() joined first and re-raised that same error,
+    every time: the job could not be restored (only restart_shard worked)."""
+    s, rep, params, opt, step = _sgd_job(num_ps=2, workers=2)
+    for i in range(3):
+        rep.run(step, _batch(i), params, opt)
+    rep.join()
+    saved = s.state()
+    jrt.kill_shard(s, 1)
+    lost = rep.run(step, _batch(9), params, opt)
+    with pytest.raises(ParameterServerError, match=r"strategy\.restore"):
+        rep.join()
+    s.restore(saved)
+    with pytest.raises(ParameterServerError):
+        lost.fetch(timeout=BOUND_S)  # (the failed step keeps its error)
+    for k in SIZES:
+        np.testing.assert_allclose(s.parameters()[k], -LR * 3)
+    for i in range(2):
+        rep.run(step, _batch(i), params, opt)
+    rep.join()
+    assert [led["applied"] for led in s.ledger()] == [5, 5]
+    for k in SIZES:
+        np.testing.assert_allclose(s.parameters()[k], -LR * 5)
+    s.shutdown()

@@ -25,7 +25,7 @@ from jreplicate.ps.embedded import EmbeddedCarrier
 from jreplicate.ps.handle import Carrier
 from jreplicate.ps.nnx_state import NnxArg
 from jreplicate.ps.placement import Placement, place_parameters
-from jreplicate.ps.remote import RemoteValue, is_key, to_host
+from jreplicate.ps.remote import ParameterServerError, RemoteValue, is_key, to_host
 from jreplicate.ps.shard import _is_sync, check_transformation
 from jreplicate.ps.shard_restart import (
     ShardRestart,
@@ -186,7 +186,12 @@ class ParameterServerExecutor(Executor):
     def restore(self, state: dict[str, Any]) -> None:
         if self.coordinator is None:
             raise ValueError("restore: create the optimizer state inside rep.scope() first.")
-        self.coordinator.join()
+        try:
+            self.coordinator.join()
+        except ParameterServerError:
+            # A lost shard stopped training, and restoring every shard is the fix its
+            # error names: join ended the steps (their RemoteValues hold the error).
+            pass
         shards = state["shards"]
         if len(shards) != self.config.num_ps:
             raise ValueError(f"restore: the state has {len(shards)} shards, this strategy "
