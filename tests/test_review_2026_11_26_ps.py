@@ -211,8 +211,33 @@ class PSMachine(RuleBasedStateMachine):
     @rule()
     def restore(self):
         self._join()
+        self._restore()
+
+    @precondition(lambda self: not self.shut and not self.dead_all)
+    @rule(i=st.integers(0, 2), dice=st.integers(0, 1))
+    def lose_shard_then_restore(self, i, dice):
+        """A shard is lost: the steps fail with ParameterServerError within the bound,
+        and restoring the saved state (the fix the error names) trains on."""
+        if dice:
+            return
+        if self.saved is None:
+            self.save()
+        else:
+            self._join()
+        jrt.kill_shard(self.s, i % self.num_ps)
+        g = {k_: np.ones(m, np.float32) for k_, m in SIZES.items()}
+        rv = self.rep.run(self.step, {**g, "tag": np.int32(7)}, self.params, self.opt)
+        with pytest.raises(ParameterServerError, match="restore"):
+            self.s._ex().coordinator.join(timeout=BOUND_S)
+        with pytest.raises(ParameterServerError):
+            rv.fetch(timeout=BOUND_S)
+        event("lost a shard")
+        self._restore()
+
+    def _restore(self):
         state, history, grads, done = self.saved
         self.s.restore(state)
+        self.log[:] = []
         _instrument(self.s, self.log)
         self.history = [list(h) for h in history]
         self.grads, self.done = dict(grads), list(done)
@@ -386,9 +411,9 @@ class TokenMachine(PSMachine):
 
 
 TestAsyncMachine = AsyncMachine.TestCase
-TestAsyncMachine.settings = _SETTINGS
+TestAsyncMachine.settings = settings(_SETTINGS, max_examples=2 * _SETTINGS.max_examples)
 TestTauMachine = TauMachine.TestCase
-TestTauMachine.settings = _SETTINGS
+TestTauMachine.settings = settings(_SETTINGS, max_examples=2 * _SETTINGS.max_examples)
 TestTokenMachine = TokenMachine.TestCase
 TestTokenMachine.settings = _SETTINGS
 
