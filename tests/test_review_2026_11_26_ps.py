@@ -877,3 +877,32 @@ def test_restore_after_a_lost_shard_restores_as_the_error_says():
     for k in SIZES:
         np.testing.assert_allclose(s.parameters()[k], -LR * 5)
     s.shutdown()
+
+
+def test_on_ray_restore_after_a_lost_shard_actor(review_ray):
+    s = jr.ParameterServerStrategy(num_ps=2, num_workers=2, carrier="ray",
+                                   placement="round_robin")
+    rep = jr.Replicator(s)
+    with rep.scope():
+        params = {k: jnp.zeros(n) for k, n in SIZES.items()}
+        tx = jr.ps.pushable(optax.sgd(LR))
+        opt = tx.init(params)
+    step = _step(tx)
+    try:
+        for i in range(3):
+            rep.run(step, _batch(i), params, opt)
+        rep.join()
+        saved = s.state()
+        jrt.kill_shard(s, 1)
+        rep.run(step, _batch(9), params, opt)
+        with pytest.raises(ParameterServerError, match=r"strategy\.restore"):
+            s._ex().coordinator.join(timeout=60)
+        s.restore(saved)
+        for i in range(2):
+            rep.run(step, _batch(i), params, opt)
+        rep.join()
+        assert [led["applied"] for led in s.ledger()] == [5, 5]
+        for k in SIZES:
+            np.testing.assert_allclose(s.parameters()[k], -LR * 5)
+    finally:
+        s.shutdown()
