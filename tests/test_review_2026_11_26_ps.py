@@ -508,6 +508,12 @@ def test_an_nnx_model_changed_between_runs_is_read_as_of_each_run():
     model.eval()
     second = rep.run(step, None, model, opt).fetch(timeout=BOUND_S)
     np.testing.assert_array_equal(second, np.full(8, 3.0, np.float32))
+    third = rep.run(step, None, model, opt).fetch(timeout=BOUND_S)  # (unchanged)
+    np.testing.assert_array_equal(third, np.full(8, 3.0, np.float32))
+    model.scale.set_value(np.array(5.0, np.float32))  # a NumPy value, refilled in place
+    assert float(rep.run(step, None, model, opt).fetch(timeout=BOUND_S)[0]) == 5.0
+    model.scale.get_value()[...] = 7.0
+    assert float(rep.run(step, None, model, opt).fetch(timeout=BOUND_S)[0]) == 7.0
     s.shutdown()
 
 
