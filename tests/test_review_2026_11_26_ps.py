@@ -545,8 +545,8 @@ def test_kill_worker_at_push_with_one_shard_kills_the_worker_after_its_push():
     "the half-applied step"))
 def test_a_step_given_up_mid_push_is_applied_by_every_shard_or_named():
     s, rep, params, opt, step = _sgd_job(num_ps=2, workers=2, max_attempts=1)
-    jrt.set_worker_delay(s, 1, 0.2)  # worker 0 takes step 0
-    jrt.kill_worker(s, 0, when="push")
+    for w in range(2):  # whichever takes step 0 dies mid-push
+        jrt.kill_worker(s, w, when="push")
     value = rep.run(step, _batch(0), params, opt)
     try:
         rep.join()
