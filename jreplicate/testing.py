@@ -43,8 +43,9 @@ def kill_worker(strategy: ParameterServerStrategy, worker: int, *,
       strategy: the :class:`jreplicate.ParameterServerStrategy` (its parameters created).
       worker: the worker index, in ``[0, strategy.num_workers)``.
       when: ``"compute"`` (after computing its gradients), ``"push"`` (between its pushes
-        to shard 0 and shard 1), or with ``carrier="ray"``: ``"process"`` (its actor is
-        killed now with ``ray.kill``, for good) or ``"crash"`` (its process is killed
+        to shard 0 and shard 1; with one shard, right after its push), or with
+        ``carrier="ray"``: ``"process"`` (its actor is killed now with ``ray.kill``,
+        for good) or ``"crash"`` (its process is killed
         now, as by a crash or the OOM killer; Ray restarts the actor, up to
         ``max_restarts`` of ``ray_worker_options``, and it takes steps again).
 

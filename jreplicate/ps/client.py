@@ -37,8 +37,8 @@ class ShardClient:
       shards: one :class:`ShardHandle` per shard.
       placement: how the parameters are split over the shards.
       token_gated: whether shard 0 decides which pushes count (token-gated mode).
-      between_shards: called with 1 after shard 0's push, before the others' (a test
-        hook to simulate a worker dying mid-push).
+      between_shards: called with 1 after shard 0's push, before the others' (with one
+        shard: after its push): a test hook to simulate a worker dying mid-push.
       guarded: a shard's update can raise once it runs (see the module docstring).
     """
 
@@ -94,7 +94,7 @@ class ShardClient:
             self._fan(lambda i, s: s.stage(push_id, attempt, pieces[i]), first=1)
         first = self._first(push_id, lambda s: s.push(
             push_id, worker, int(fetched[0]), pieces[0], None, attempt))
-        if self.shards[1:] and self.between_shards is not None:
+        if self.between_shards is not None:
             self.between_shards(1)
         if self.token_gated:
             self.settle(push_id, first)

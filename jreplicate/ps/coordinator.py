@@ -436,6 +436,10 @@ class Coordinator:
             self._starvation.moved()
             self._values[c.step_id].attempts -= 1
             self._input_ended.setdefault(_input_key(c), set()).add(w)
+            if self._queue.stopped:
+                self._give_up(c, StepCancelledError(
+                    "the strategy shut down before this step ran"))
+                return
             self._queue.put_back(c)
             self._end_exhausted_inputs()
 
@@ -479,7 +483,11 @@ class Coordinator:
             if self._replace is not None and not self._queue.stopped:
                 self._replacing.add(w)
             rv = self._values[c.step_id]
-            if rv.attempts >= self._max_attempts:
+            if self._queue.stopped:  # shut down: nothing takes it again
+                self._give_up(c, StepCancelledError(
+                    f"the strategy shut down while step {c.step_id} ran; its worker was "
+                    f"lost ({type(e).__name__}: {e}) and it was not run again"))
+            elif rv.attempts >= self._max_attempts:
                 self._give_up(c, WorkerLostError(
                     f"step {c.step_id} failed on {rv.attempts} workers; the last error: "
                     f"{type(e).__name__}: {e}"))
@@ -539,7 +547,10 @@ class Coordinator:
         (behind the lost step) without counting as an attempt."""
         with self._queue.lock:
             self._values[c.step_id].attempts -= 1
-            if not self._any_live():
+            if self._queue.stopped:
+                self._give_up(c, StepCancelledError(
+                    "the strategy shut down before this step ran"))
+            elif not self._any_live():
                 self._give_up(c, ParameterServerError(
                     f"every worker died (the last: {type(e).__name__}: {e})"))
             else:

@@ -25,7 +25,7 @@ from jreplicate.ps.embedded import EmbeddedCarrier
 from jreplicate.ps.handle import Carrier
 from jreplicate.ps.nnx_state import NnxArg
 from jreplicate.ps.placement import Placement, place_parameters
-from jreplicate.ps.remote import RemoteValue, is_key, to_host
+from jreplicate.ps.remote import ParameterServerError, RemoteValue, is_key, to_host
 from jreplicate.ps.shard import _is_sync, check_transformation
 from jreplicate.ps.shard_restart import (
     ShardRestart,
@@ -54,8 +54,8 @@ class ParameterServerExecutor(Executor):
         self._tx = None
         self._carrier: Carrier | None = None
         self._fn_keys = FunctionMap(on_drop=self._function_freed)
+        self._nnx_cache: dict[int, tuple] = {}  # id -> (node, treedef, leaves, NnxArg)
         self._next_key = 0
-        self._nnx_cache: dict[int, tuple] = {}
         self._warned_donation = False
 
     # -- registration (tx.init inside scope) -------------------------------------------
@@ -188,7 +188,12 @@ class ParameterServerExecutor(Executor):
     def restore(self, state: dict[str, Any]) -> None:
         if self.coordinator is None:
             raise ValueError("restore: create the optimizer state inside rep.scope() first.")
-        self.coordinator.join()
+        try:
+            self.coordinator.join()
+        except ParameterServerError:
+            # A lost shard stopped training, and restoring every shard is the fix its
+            # error names: join ended the steps (their RemoteValues hold the error).
+            pass
         try:
             shards, next_id = state["shards"], int(np.asarray(state["next_step_id"]))
             if len(shards) != self.config.num_ps:
@@ -374,18 +379,33 @@ class ParameterServerExecutor(Executor):
         return out
 
     def _nnx_arg(self, node: Any) -> NnxArg:
-        """The node's graph and numpy state (cached: on the coordinator an NNX argument
-        does not change, the shards hold the training state)."""
+        """The node's graph and numpy state as of this call, as every strategy reads its
+        arguments when ``run`` is called: the caller may have changed the node since
+        the last step (``model.eval()``, a variable set anew), and the scheduled step
+        sees that (the parameters are the shards' all the same).
+
+        The last call's result is reused while the node flattens (flax modules are
+        pytrees: several times cheaper than ``nnx.split``) to the same structure and
+        the same leaf objects, none of them a NumPy array (which may be refilled in
+        place)."""
+        leaves, treedef = jax.tree_util.tree_flatten(node)
         hit = self._nnx_cache.get(id(node))
-        if hit is None or hit[0] is not node:
-            from flax import nnx
-            graphdef, state = nnx.split(node)
-            # (a NumPy value copied: the caller may refill it before the step runs; a
-            # typed PRNG key, as an nnx.Rngs holds, which NumPy cannot, as a HostKey)
-            hit = (node, NnxArg(graphdef, jax.tree.map(
-                lambda x: to_host(x) if is_key(x) else host_copy(x), state)))
-            self._nnx_cache[id(node)] = hit
-        return hit[1]
+        if hit is not None and hit[0] is node and hit[1] == treedef and \
+                len(hit[2]) == len(leaves) and all(a is b for a, b in zip(hit[2], leaves)):
+            return hit[3]
+        from flax import nnx
+        graphdef, state = nnx.split(node)
+        # (a NumPy value copied: the caller may refill it before the step runs; a
+        # typed PRNG key, as an nnx.Rngs holds, which NumPy cannot, as a HostKey)
+        arg = NnxArg(graphdef, jax.tree.map(
+            lambda x: to_host(x) if is_key(x) else host_copy(x), state))
+        reusable = not (len(leaves) == 1 and leaves[0] is node) and not any(
+            isinstance(x, np.ndarray) for x in leaves)
+        if reusable:
+            self._nnx_cache[id(node)] = (node, treedef, leaves, arg)
+        else:
+            self._nnx_cache.pop(id(node), None)
+        return arg
 
     def reduce(self, reduce_op: str, value: Any) -> Any:
         if isinstance(value, RemoteValue):

@@ -302,7 +302,8 @@ class ParameterServerStrategy(Strategy):
         return self._ex().snapshot()
 
     def restore(self, state: dict[str, Any]) -> None:
-        """Loads :meth:`state`'s output (e.g. from a checkpoint) into the shards."""
+        """Loads :meth:`state`'s output (e.g. from a checkpoint) into the shards (new
+        shards and workers; also after a lost shard stopped training)."""
         self._ex().restore(state)
 
     def restart_shard(self, shard: int, state: dict[str, Any]) -> ShardRestart:
