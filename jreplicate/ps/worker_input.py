@@ -15,9 +15,13 @@ Semantics:
   per step; with no faults every element is used exactly once;
 * at-least-once execution: a step rerun after its worker died reads the next element of
   the new worker's pipeline; what the dead worker's pipeline still held is never read
-  (as in TensorFlow). The push ledger stays exact (one application per step id): if
-  the dead worker's push was applied before it died (killed mid-push), the rerun's push
-  is a duplicate, so the element the rerun read is consumed but not applied;
+  (as in TensorFlow). The push ledger stays exact (one application per step id): on
+  the shards the dead worker's push reached before it died (killed mid-push), the
+  rerun's push is a duplicate, so there the element the rerun read is consumed but not
+  applied; in asynchronous mode with several shards, the shards the push had not
+  reached apply the rerun's gradient, computed from that element (a push is not atomic
+  across shards there; token-gated mode stages the pieces and applies the first run's
+  everywhere);
 * end of input: a worker whose pipeline is exhausted hands the step back (it runs on a
   worker that still has input) and takes no more steps of this iterator; once every
   live worker's pipeline is exhausted, the steps still queued are not run (their
