@@ -107,3 +107,42 @@ def test_ps_per_worker_steps_of_an_ended_sweep_do_not_end_the_next_sweep():
     finally:
         gate.set()
         s.shutdown()
+
+
+# -- adversarial leaves ----------------------------------------------------------------
+def _rep(n: int = 2, **kw) -> jr.Replicator:
+    return jr.Replicator(jr.MirroredStrategy(devices=jax.local_devices()[:n], **kw))
+
+
+def _first_step(elements, **kw):
+    rep = _rep()
+    it = rep.prepare_input(lambda ctx: iter(elements), prefetch_on_device=False, **kw)
+    return rep, it
+
+
+def test_complex128_values_beyond_complex64_are_an_error_not_inf():
+    """Found 2026-11-26: a complex128 leaf of 1e300 arrived as inf (complex64) with no
+    error, where an int64 or float64 that does not fit is an error."""
+    _, it = _first_step([{"z": np.array([1e300 + 1j])}] * 2)
+    with pytest.raises(ValueError, match=r"\['z'\].*complex64"):
+        it.get_next()
+    _, it = _first_step([{"z": np.array([1.0 - 1e300j])}] * 2)
+    with pytest.raises(ValueError, match=r"\['z'\].*complex64"):
+        it.get_next()
+    _, it = _first_step([np.array([1.5 + 2j])] * 2)  # fits: arrives as complex64
+    np.testing.assert_array_equal(np.asarray(it.get_next().array), [[1.5 + 2j]] * 2)
+
+
+@pytest.mark.parametrize("leaf, kind", [
+    (np.str_("a"), "<U1"), (np.array(["ab", "cd"]), "<U2"),
+    (np.array([1, "a"], dtype=object), "object"),
+    (np.array(["2020-01-01"], dtype="datetime64[D]"), "datetime64"),
+    (2 ** 70, "object"),  # a Python int no integer dtype holds
+])
+def test_a_leaf_jax_cannot_hold_is_named_with_its_path(leaf, kind):
+    """Found 2026-11-26: strings, objects, datetimes (and Python ints beyond int64)
+    passed the element check and failed in the transfer with JAX's "Dtype <U1 is not a
+    valid JAX array type", naming neither the replica nor the leaf."""
+    _, it = _first_step([{"x": np.zeros(2, np.float32), "bad": leaf}] * 2)
+    with pytest.raises(TypeError, match=r"replica 0 at \['bad'\].*" + kind):
+        it.get_next()

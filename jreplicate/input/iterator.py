@@ -439,8 +439,8 @@ def _flatten(element: Any, replica_id: int) -> tuple[list[np.ndarray], Any, tupl
     paths = _paths_of(treedef)
     out, problems = [], []
     for x, path in zip(leaves, paths):
-        if type(x) is np.ndarray and x.dtype.itemsize < 8:  # the common case, at once
-            out.append(x.copy())
+        if type(x) is np.ndarray and x.dtype.itemsize < 8 and x.dtype.kind in "biuf":
+            out.append(x.copy())  # the common case, at once
             continue
         if not is_array_like(x):
             problems.append(TypeError(
@@ -449,6 +449,13 @@ def _flatten(element: Any, replica_id: int) -> tuple[list[np.ndarray], Any, tupl
                 "(numpy arrays or Python numbers). Convert it, or drop it in input_fn."))
             continue
         x = np.array(x)
+        if not _numeric(x.dtype):
+            problems.append(TypeError(
+                f"input element of replica {replica_id} at {path_str(path) or 'the root'} "
+                f"has dtype {x.dtype}, which JAX arrays cannot hold (only numbers and "
+                "booleans). Encode it as numbers in input_fn (e.g. token ids for text), "
+                "or drop it."))
+            continue
         try:
             check_fits(x, lambda path=path: f"input element of replica {replica_id} at "
                        f"{path_str(path) or 'the root'}")
@@ -457,6 +464,14 @@ def _flatten(element: Any, replica_id: int) -> tuple[list[np.ndarray], Any, tupl
         out.append(x)
     report(problems, f"input element of replica {replica_id}")
     return out, treedef, paths
+
+
+@functools.lru_cache(maxsize=64)
+def _numeric(dtype: np.dtype) -> bool:
+    """Whether JAX arrays can hold ``dtype``: booleans and numbers, ml_dtypes' among
+    them (bfloat16, float8, int4), but not strings, objects, records or datetimes."""
+    return dtype.kind not in "mM" and (
+        dtype == np.bool_ or bool(jax.dtypes.issubdtype(dtype, np.number)))
 
 
 @functools.lru_cache(maxsize=256)
