@@ -8,16 +8,23 @@ of which examples each step must see.
 
 from __future__ import annotations
 
+import collections
+import os
 import threading
 import time
+import warnings
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from hypothesis import HealthCheck, Phase, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, precondition, rule
 
 import jreplicate as jr
+from jreplicate.input import auto
 
 M = jr.InputReplicationMode
 
@@ -146,3 +153,310 @@ def test_a_leaf_jax_cannot_hold_is_named_with_its_path(leaf, kind):
     _, it = _first_step([{"x": np.zeros(2, np.float32), "bad": leaf}] * 2)
     with pytest.raises(TypeError, match=r"replica 0 at \['bad'\].*" + kind):
         it.get_next()
+
+
+# -- a stateful model of the input where its features meet ---------------------------
+B = 2  # rows of a per-replica element
+DIM = 3
+LR = 0.125
+_REPS: dict[str, jr.Replicator] = {}  # one per layout: compiled programs are reused
+
+
+def _layout_rep(layout: str) -> jr.Replicator:
+    if layout not in _REPS:
+        _REPS[layout] = _rep(2) if layout == "2" else \
+            jr.Replicator(jr.MirroredStrategy(logical_devices_per_replica=2))  # 4 x 2
+    return _REPS[layout]
+
+
+def _features(ids) -> np.ndarray:
+    """The features of examples ``ids`` (float32 ``[len(ids), DIM]``)."""
+    ids = np.asarray(ids, np.float64).reshape(-1, 1)
+    return np.sin(0.37 * ids * np.arange(1, DIM + 1) + 0.5).astype(np.float32)
+
+
+class _Examples:
+    """Pipeline ``p``'s examples ``p * 1000 + j`` for j < ``n``, in elements of ``B``
+    rows (the last one shorter where ``B`` does not divide ``n``), each a dict
+    ``{"id": int32 [rows], "x": float32 [rows, DIM]}``. Reading element ``i`` in ``bad``
+    raises OSError (the next read goes on with element ``i + 1``); re-iterable, so
+    ``reinitialize()`` restarts it, with the same bad elements."""
+
+    def __init__(self, p: int, n: int, bad: frozenset):
+        self.p, self.n, self.bad = p, n, bad
+
+    def elements(self) -> list[list[int]]:
+        ids = [self.p * 1000 + j for j in range(self.n)]
+        return [ids[i:i + B] for i in range(0, self.n, B)]
+
+    def __iter__(self):
+        for i, ids in enumerate(self.elements()):
+            if i in self.bad:
+                yield _Raise(OSError(f"bad element {self.p}:{i}"))
+            else:
+                yield {"id": np.asarray(ids, np.int32), "x": _features(ids)}
+
+
+class _Raise:
+    def __init__(self, error):
+        self.error = error
+
+
+class _Reading:
+    """An iterator over ``_Examples`` that raises where it holds a ``_Raise`` (and
+    reads on afterwards), and keeps raising StopIteration at its end."""
+
+    def __init__(self, source: _Examples):
+        self.it = iter(source)
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        got = next(self.it)
+        if isinstance(got, _Raise):
+            raise got.error
+        return got
+
+
+class _ReIterable:
+    def __init__(self, source: _Examples):
+        self.source = source
+
+    def __iter__(self):
+        return _Reading(self.source)
+
+
+class _ExampleModel:
+    """What in-line reading (K separate runs) gives, step by step: ``("ok", ids)`` with
+    ``ids[r]`` the ``B`` example ids replica r sees (-1 for padding), ``("error",
+    (pipeline, element))`` or ``("end",)``."""
+
+    def __init__(self, sources: list[_Examples], replicas: int, pad: bool):
+        self.elements = [s.elements() for s in sources]
+        self.bad = [s.bad for s in sources]
+        self.replicas, self.pad = replicas, pad
+        # The rows of the first step's (first real) element: every later element must
+        # have as many, or fewer (a partial batch). Kept across sweeps, as the shapes.
+        self.rows: int | None = None
+        self.reinitialize()
+
+    def reinitialize(self):
+        self.pos, self.ended = 0, False
+        self.front: collections.deque = collections.deque()
+
+    def _event(self):
+        if self.ended:
+            return ("end",)
+        if len(self.elements) == 1:  # one pipeline: a step reads `replicas` elements
+            (els,), (bad,) = self.elements, self.bad
+            got = []
+            for _ in range(self.replicas):
+                i, self.pos = self.pos, self.pos + 1
+                if i < len(els) and i in bad:
+                    return ("error", (0, i))  # the step's elements read before are gone
+                if i >= len(els) and not self.pad:
+                    return self._end()  # what the step read is dropped
+                got.append(els[i] if i < len(els) else None)
+            return self._outcome(got)
+        s, self.pos = self.pos, self.pos + 1
+        errors = [r for r, (els, bad) in enumerate(zip(self.elements, self.bad))
+                  if s < len(els) and s in bad]
+        if errors:
+            return ("error", (errors[0], s))
+        return self._outcome([els[s] if s < len(els) else None for els in self.elements])
+
+    def _end(self):
+        self.ended = True
+        return ("end",)
+
+    def _outcome(self, got):
+        if all(g is None for g in got) or (not self.pad and None in got):
+            return self._end()
+        real = [g for g in got if g is not None]
+        if self.rows is None:
+            self.rows = len(real[0])
+        for g in real:  # the first element of another length decides, as the check does
+            if len(g) > self.rows:
+                return ("error", "shape")  # more rows than the first step: an error
+            if len(g) < self.rows and not self.pad:
+                return self._end()  # a final partial batch, dropped
+        return ("ok", [(g or []) + [-1] * (self.rows - len(g or [])) for g in got])
+
+    def _at(self, idx):
+        while len(self.front) <= idx:
+            self.front.append(self._event())
+        return self.front[idx]
+
+    def take(self, k, fails=False):
+        """What ``run(..., steps=k)`` gives: ``("ok", steps)``, ``("error", element)``
+        or ``("end",)``; a call that ``fails`` after taking its steps consumes nothing."""
+        steps = []
+        while len(steps) < (k or 1):
+            event = self._at(len(steps))
+            if event[0] == "ok":
+                steps.append(event[1])
+                continue
+            if event[0] == "error" and not steps:
+                self.front.popleft()  # raised by this call, so consumed
+                return event
+            break  # the end stays; an error after a step is raised by the next call
+        if not steps:
+            return ("end",)
+        if not fails:
+            for _ in steps:
+                self.front.popleft()
+        return ("ok", steps)
+
+
+def _train(ctx, batch, state, mask):
+    """One SGD step on the masked global mean of ``|x - w|^2``; the ids it saw."""
+    def loss_fn(w):
+        per_example = jnp.sum((batch["x"] - w) ** 2, axis=-1)
+        return jr.compute_average_loss(per_example, ctx.all_sum(jnp.sum(mask)),
+                                       sample_weight=mask)
+
+    loss, g = jax.value_and_grad(loss_fn)(state["w"])
+    state = {"w": state["w"] - LR * g, "seen": state["seen"] + ctx.all_sum(jnp.sum(mask)),
+             "steps": state["steps"] + 1}
+    return state, ctx.all_sum(loss), jnp.where(mask > 0, batch["id"], -1)
+
+
+def _train_padded(ctx, batch, state):
+    return _train(ctx, batch, state, ctx.batch_mask)
+
+
+def _train_full(ctx, batch, state):
+    return _train(ctx, batch, state, jnp.ones(batch["id"].shape, jnp.float32))
+
+
+def _trace_fails(ctx, batch, state):
+    raise RuntimeError("the step failed")
+
+
+class _Reference:
+    """The same training in NumPy (float64), one step per global batch of ids."""
+
+    def __init__(self):
+        self.w, self.seen, self.steps = np.zeros(DIM), 0, 0
+
+    def step(self, ids_per_replica) -> float:
+        ids = [i for ids in ids_per_replica for i in ids if i >= 0]
+        x = _features(ids).astype(np.float64)
+        loss = np.mean(np.sum((x - self.w) ** 2, -1))
+        self.w = self.w - LR * np.mean(2 * (self.w - x), axis=0)
+        self.seen, self.steps = self.seen + len(ids), self.steps + 1
+        return float(loss)
+
+
+FAST_AUTO = {"WARMUP": 0, "WINDOW": 1, "SHARE": 0.0}
+
+
+class ComposedInputMachine(RuleBasedStateMachine):
+    """One training run (SGD on a masked global-mean loss, state donated or not) driven
+    through random single steps, device loops of changing K, steps that raise after
+    taking their batch, and re-initialisations, over examples that do not fill the last
+    element, with sources that raise at chosen elements, on 2 replicas or 4 replicas of
+    2 logical devices. Every step must see the ids the model says (each example once per
+    sweep, padding masked), and the state must equal the NumPy reference."""
+
+    @initialize(layout=st.sampled_from(["2", "4x2"]),
+                per_replica=st.booleans(),
+                sizes=st.lists(st.integers(B, 7 * B + 1), min_size=4, max_size=4),
+                bads=st.lists(st.sets(st.integers(0, 7), max_size=2), min_size=4,
+                              max_size=4),
+                pad=st.booleans(), donate=st.booleans(),
+                prefetch=st.sampled_from([False, True, None, "switching"]),
+                single=st.booleans())
+    def setup(self, layout, per_replica, sizes, bads, pad, donate, prefetch, single):
+        self.saved = {name: getattr(auto, name) for name in FAST_AUTO}
+        if prefetch == "switching":  # the default, with a prefetch trial every few steps
+            for name, value in FAST_AUTO.items():
+                setattr(auto, name, value)
+            prefetch = None
+        self.rep = rep = _layout_rep(layout)
+        r = rep.num_replicas
+        n = r if per_replica else 1
+        sources = [_Examples(p, sizes[p], frozenset(bads[p])) for p in range(n)]
+        self.model = _ExampleModel(sources, r, pad)
+        mode = M.PER_REPLICA if per_replica else (M.SINGLE if single else M.PER_WORKER)
+        self.it = rep.prepare_input(
+            lambda ctx: _ReIterable(sources[ctx.input_pipeline_id]), mode,
+            prefetch_on_device=prefetch, partial_batch="pad" if pad else "drop")
+        self.step = _train_padded if pad else _train_full
+        self.donate = (0,) if donate else ()
+        self.ref = _Reference()
+        self.state = rep.replicate({"w": jnp.zeros(DIM), "seen": jnp.float32(0),
+                                    "steps": jnp.int32(0)})
+
+    def teardown(self):
+        if hasattr(self, "it"):
+            self.it.close()
+            for name, value in self.saved.items():
+                setattr(auto, name, value)
+
+    def _call(self, fn, k, state):
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # the dropped partial batch's warning
+                out = self.rep.run(fn, self.it, state, steps=k, donate_argnums=self.donate)
+        except StopIteration:
+            return ("end",), None
+        except OSError as e:
+            pipeline, element = str(e).rsplit(" ", 1)[1].split(":")
+            return ("error", (int(pipeline), int(element))), None
+        except (RuntimeError, ValueError) as e:
+            if "the first step's elements had" in str(e):
+                return ("error", "shape"), None
+            if "the step failed" in str(e) or "donated to an earlier step" in str(e) \
+                    or "deleted" in str(e):
+                return ("failed",), None
+            raise
+        state, losses, ids = out
+        ids = np.asarray(ids.array)  # [replicas, rows] or [replicas, k, rows]
+        ids = ids[:, None] if k is None else ids
+        steps = [ids[:, s].tolist() for s in range(ids.shape[1])]
+        return ("ok", steps), (state, np.asarray(losses).reshape(-1))
+
+    @rule(k=st.sampled_from([None, 1, 2, 3]))
+    def run(self, k):
+        got, out = self._call(self.step, k, self.state)
+        want = self.model.take(k)
+        assert got == want, f"run(steps={k}) gave {got}, the model {want}"
+        if want[0] != "ok":
+            return
+        self.state, losses = out
+        ref_losses = [self.ref.step(ids) for ids in want[1]]
+        np.testing.assert_allclose(losses, ref_losses, rtol=2e-5, atol=1e-6)
+        np.testing.assert_allclose(np.asarray(self.state["w"]), self.ref.w,
+                                   rtol=2e-5, atol=2e-6)
+        assert float(self.state["seen"]) == self.ref.seen  # no padded row counted
+        assert int(self.state["steps"]) == self.ref.steps
+
+    @rule(k=st.sampled_from([None, 1, 2, 3]), how=st.sampled_from(["trace", "deleted"]))
+    def failing_run(self, k, how):
+        if how == "trace":
+            got, _ = self._call(_trace_fails, k, self.state)
+        else:  # a state whose arrays were deleted: rejected when the program is called
+            gone = self.rep.replicate({"w": jnp.zeros(DIM), "seen": jnp.float32(0),
+                                       "steps": jnp.int32(0)})
+            jax.tree.map(lambda a: a.delete(), gone)
+            got, _ = self._call(self.step, k, gone)
+        want = self.model.take(k, fails=True)
+        if want[0] == "ok":
+            want = ("failed",)
+        assert got == want, f"a failing run(steps={k}, {how}) gave {got}, the model {want}"
+
+    @precondition(lambda self: hasattr(self, "it"))
+    @rule()
+    def reinitialize(self):
+        assert self.it.reinitialize() == []
+        self.model.reinitialize()
+
+
+ComposedInputMachine.TestCase.settings = settings(
+    max_examples=int(os.environ.get("JR_REVIEW_EXAMPLES", "20")),
+    stateful_step_count=int(os.environ.get("JR_REVIEW_STEPS", "12")), deadline=None,
+    database=None, phases=[Phase.explicit, Phase.generate, Phase.shrink],
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+TestComposedInputMachine = ComposedInputMachine.TestCase
