@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from hypothesis import HealthCheck, Phase, settings
+from hypothesis import HealthCheck, Phase, example, given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, precondition, rule
 
@@ -460,3 +460,95 @@ ComposedInputMachine.TestCase.settings = settings(
     database=None, phases=[Phase.explicit, Phase.generate, Phase.shrink],
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 TestComposedInputMachine = ComposedInputMachine.TestCase
+
+
+# -- ParameterServerStrategy PER_WORKER: random epochs --------------------------------
+@pytest.mark.filterwarnings("ignore::UserWarning")  # a dropped final partial step
+@settings(max_examples=int(os.environ.get("JR_REVIEW_PS_EXAMPLES", "6")), deadline=None,
+          database=None, phases=[Phase.explicit, Phase.generate, Phase.shrink],
+          suppress_health_check=[HealthCheck.too_slow])
+@example(workers=2, g=1, sizes=[3, 3, 0],
+         epochs=[("held", 10, False), ("until_stop", 0, False)])
+@example(workers=3, g=2, sizes=[5, 2, 3],
+         epochs=[("held", 9, False), ("until_stop", 0, True), ("held", 2, True)])
+@given(workers=st.integers(1, 3), g=st.integers(1, 2),
+       sizes=st.lists(st.integers(0, 5), min_size=3, max_size=3),
+       epochs=st.lists(st.tuples(st.sampled_from(["until_stop", "fixed", "held"]),
+                                 st.integers(0, 8), st.booleans()),
+                       min_size=1, max_size=3))
+def test_ps_per_worker_sweeps_against_a_model(workers, g, sizes, epochs):
+    """Each worker w reads pipeline w (``sizes[w]`` elements, ``g`` a step: a final
+    partial step is dropped) through epochs that run to StopIteration or schedule a
+    fixed number of steps, joined or not before ``reinitialize()`` ("held": the workers
+    read nothing until the driver has called ``reinitialize()``, so the fixed number of
+    steps are still queued then). Every epoch run to
+    its end sees each element of the sweep exactly once (whatever earlier sweeps left
+    queued), no sweep reads an element twice, and the parameters are the sum of what
+    the steps that ran read."""
+    s = jr.ParameterServerStrategy(num_ps=1, num_workers=workers, num_replicas_in_sync=g)
+    rep = jr.Replicator(s)
+    with rep.scope():
+        w = jnp.zeros(3)
+        tx = jr.ps.pushable(optax.sgd(1.0))
+        opt = tx.init(w)
+    opened = collections.Counter()  # pipeline -> sweeps opened (the element's sweep)
+    gate = threading.Event()
+    gate.set()
+
+    class Sweep:
+        def __init__(self, p):
+            self.p = p
+
+        def __iter__(self):
+            opened[self.p] += 1
+            for i in range(sizes[self.p]):
+                assert gate.wait(30), "the test never opened the gate"
+                yield np.array([self.p, i, opened[self.p]], np.float32)
+
+    def step(ctx, x, w, opt):
+        u, opt = tx.update(jax.grad(lambda w: jnp.sum(w * x))(w), opt, w)
+        return optax.apply_updates(w, u), opt, x
+
+    full = sorted((p, i) for p in range(workers) for i in range(sizes[p] // g * g))
+    applied = []
+    try:
+        it = rep.prepare_input(lambda ctx: Sweep(ctx.input_pipeline_id))
+        for how, n, join in epochs:
+            values = []
+            if how == "held":
+                gate.clear()
+            for _ in range(400 if how == "until_stop" else n):
+                try:
+                    values.append(rep.run(step, it, w, opt))
+                except StopIteration:
+                    break
+                if len(values) > 8:
+                    time.sleep(0.005)  # the driver learns the end from the workers
+            else:
+                assert how != "until_stop", "the epoch never ended"
+            if how == "held":
+                it.reinitialize()
+                gate.set()
+            if join:
+                rep.join()
+            read = []
+            for v in values:
+                try:
+                    read += [tuple(int(a) for a in x)
+                             for x in np.asarray(v.fetch()[2]).reshape(-1, 3)]
+                except StopIteration:
+                    pass  # scheduled after the end of its sweep: not run
+            applied += read
+            if how == "until_stop":
+                assert sorted(x[:2] for x in read) == full
+            if how != "held":
+                it.reinitialize()
+        rep.join()
+        # (pipeline, element, sweep of that pipeline): none read twice, ever.
+        assert len(set(applied)) == len(applied), f"read twice: {sorted(applied)}"
+        assert s.ledger()[0]["applied"] * g == len(applied)
+        np.testing.assert_allclose(s.parameters(), -np.sum(applied, axis=0)
+                                   if applied else np.zeros(3), rtol=1e-6, atol=1e-6)
+    finally:
+        gate.set()
+        s.shutdown()
