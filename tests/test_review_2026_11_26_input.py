@@ -274,8 +274,8 @@ class _ExampleModel:
         if all(g is None for g in got) or (not self.pad and None in got):
             return self._end()
         real = [g for g in got if g is not None]
-        if self.rows is None:
-            self.rows = len(real[0])
+        if self.rows is None:  # padded: the largest element's; else replica 0's
+            self.rows = max(map(len, real)) if self.pad else len(real[0])
         for g in real:  # the first element of another length decides, as the check does
             if len(g) > self.rows:
                 return ("error", "shape")  # more rows than the first step: an error
@@ -552,3 +552,77 @@ def test_ps_per_worker_sweeps_against_a_model(workers, g, sizes, epochs):
     finally:
         gate.set()
         s.shutdown()
+
+
+def test_a_padded_first_step_whose_replica_0_element_is_short_pads_it():
+    """Found 2026-11-26: the first step's element spec was replica 0's element; where
+    replica 0's shard held fewer examples than a per-replica batch (uneven PER_REPLICA
+    shards) with partial_batch="pad", every full element of the other replicas was
+    rejected ("the first step's elements had (1,)") instead of replica 0's being
+    padded. (With "drop" a first step of two lengths stays an error.)"""
+    rep = _rep(2)
+
+    def shards(ctx):
+        ids = np.arange(1 if ctx.input_pipeline_id == 0 else 5, dtype=np.float32) + 1
+        return [ids[i:i + 2] for i in range(0, len(ids), 2)]
+
+    it = rep.prepare_input(shards, M.PER_REPLICA, prefetch_on_device=False,
+                           partial_batch="pad")
+    seen = []
+    for _ in range(4):
+        try:
+            x, m = rep.run(lambda ctx, x: (x, ctx.batch_mask), it)
+        except StopIteration:
+            break
+        seen.append((np.asarray(x.array).tolist(), np.asarray(m.array).tolist()))
+    assert seen == [([[1, 0], [1, 2]], [[1, 0], [1, 1]]),
+                    ([[0, 0], [3, 4]], [[0, 0], [1, 1]]),
+                    ([[0, 0], [5, 0]], [[0, 0], [1, 0]])]
+    dropping = rep.prepare_input(shards, M.PER_REPLICA, prefetch_on_device=False)
+    with pytest.raises(ValueError, match="replica 1 at the root has shape"):
+        rep.run(lambda ctx, x: x, dropping)
+
+
+_GOOD = {"a": np.zeros(2, np.float32), "n": np.zeros(2, np.int64)}
+_BAD = {
+    "a key renamed": ({"b": np.zeros(2, np.float32), "n": np.zeros(2, np.int64)},
+                      ValueError, r"missing \['a'\]; new \['b'\]"),
+    "float32 -> float64": ({"a": np.zeros(2), "n": np.zeros(2, np.int64)},
+                           ValueError, r"\['a'\] has shape \(2,\) and dtype float64"),
+    "an int64 beyond int32": ({"a": np.zeros(2, np.float32),
+                               "n": np.array([0, 2 ** 40], np.int64)},
+                              ValueError, r"\['n'\] holds 1099511627776"),
+    "a longer leaf": ({"a": np.zeros(3, np.float32), "n": np.zeros(2, np.int64)},
+                      ValueError, r"\['a'\] has shape \(3,\)"),
+    "a leaf added": ({"a": np.zeros(2, np.float32), "n": np.zeros(2, np.int64),
+                          "c": np.zeros(1)}, ValueError, r"new \['c'\]"),
+}
+
+
+@pytest.mark.parametrize("what", sorted(_BAD))
+@pytest.mark.parametrize("prefetch", [False, True])
+@pytest.mark.parametrize("steps", [None, 3])
+def test_a_bad_element_mid_stream_fails_its_step_only(what, prefetch, steps):
+    """Element 5 of 12 (2 replicas, PER_WORKER: step 2) is wrong: steps 0 and 1 run
+    (a loop of 3 runs them and the next call raises), the error names the leaf, and
+    the steps after it read on, in order: nothing skipped, nothing cast."""
+    bad, error, match = _BAD[what]
+    elements = [dict(_GOOD, a=np.full(2, i, np.float32)) for i in range(12)]
+    elements[5] = bad
+    rep = _rep(2)
+    it = rep.prepare_input(lambda ctx: iter(elements), prefetch_on_device=prefetch)
+    got = []
+    for _ in range(1 if steps else 2):  # a loop of 3 stops before the error
+        out = rep.run(lambda ctx, x: x["a"][0], it, steps=steps)
+        got += np.asarray(out.array).reshape(2, -1).T.ravel().tolist()
+    assert got == [0, 1, 2, 3]  # steps 0 and 1
+    with pytest.raises(error, match=match):
+        rep.run(lambda ctx, x: x["a"][0], it, steps=steps)
+    rest = []
+    while True:
+        try:
+            out = rep.run(lambda ctx, x: x["a"][0], it, steps=steps)
+        except StopIteration:
+            break
+        rest += np.asarray(out.array).reshape(2, -1).T.ravel().tolist()
+    assert rest == [6, 7, 8, 9, 10, 11]  # element 4 went with its failed step

@@ -275,16 +275,24 @@ class InputIterator:
         """The common structure of one step's elements (the first step's for later
         steps); records the first step's element spec."""
         treedef = flat[0][1]
-        for k, (_, td, _) in enumerate(flat):
+        for k, (_, td, paths) in enumerate(flat):
             if td != treedef:
+                what = _difference((treedef, [path_str(p) or "the root" for p in flat[0][2]]),
+                                   td, paths)
                 raise ValueError(
-                    f"input element of replica {ids[k]} has "
-                    f"structure {td}, but replica {ids[0]}'s "
-                    f"has {treedef}. Every pipeline must yield elements of one structure."
+                    f"input element of replica {ids[k]} has another structure than replica "
+                    f"{ids[0]}'s in the same step: {what}. Every element of a step must "
+                    "have one structure (same keys, same containers); fix input_fn."
                 )
         if self._spec is None:  # the first step's element spec, kept for every step
-            self._spec = [(x.shape, x.dtype) for x in flat[0][0]]
-            self._first = (treedef, [path_str(p) or "the root" for p in flat[0][2]])
+            # Padded, from its largest element: a replica whose shard is shorter than a
+            # batch (uneven PER_REPLICA shards) has a partial element even in the first
+            # step. (Without padding a first step of two lengths stays an error: a drop
+            # there would end the input at its start.)
+            leaves, _, paths = max(flat, key=lambda f: sum(
+                x.shape[0] for x in f[0] if x.ndim)) if self._pad else flat[0]
+            self._spec = [(x.shape, x.dtype) for x in leaves]
+            self._first = (treedef, [path_str(p) or "the root" for p in paths])
         elif treedef != self._first[0]:
             raise _structure_changed(self._first, treedef, flat[0][2], ids[0])
         return treedef
@@ -408,15 +416,22 @@ class _PartialBatch(Exception):
     pass
 
 
-def _structure_changed(first: tuple, treedef: Any, paths: list, rid: int) -> ValueError:
+def _difference(first: tuple, treedef: Any, paths: list) -> str:
+    """How structure ``treedef`` (leaf ``paths``) differs from ``first``'s
+    ``(treedef, rendered leaf paths)``: the leaf paths missing and new, or else the
+    containers."""
     first_def, first_paths = first
     now = [path_str(p) or "the root" for p in paths]
     missing = [p for p in first_paths if p not in now]
     added = [p for p in now if p not in first_paths]
-    what = "; ".join(part for part in (
+    return "; ".join(part for part in (
         f"missing {', '.join(missing)}" if missing else "",
         f"new {', '.join(added)}" if added else "") if part) or (
         f"the containers changed from {first_def} to {treedef}")
+
+
+def _structure_changed(first: tuple, treedef: Any, paths: list, rid: int) -> ValueError:
+    what = _difference(first, treedef, paths)
     return ValueError(
         f"input element of replica {rid} changed structure since the first step: {what}. "
         "Every element must keep the first step's structure (same keys, same containers); "
