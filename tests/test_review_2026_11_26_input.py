@@ -9,6 +9,7 @@ of which examples each step must see.
 from __future__ import annotations
 
 import collections
+import faulthandler
 import os
 import threading
 import time
@@ -25,8 +26,18 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, precondition,
 
 import jreplicate as jr
 from jreplicate.input import auto
+from tests._ps_helpers import TEST_BOUND_S
 
 M = jr.InputReplicationMode
+
+
+@pytest.fixture
+def bounded():
+    """A test that could wait on workers ends the process, with every thread's
+    traceback, after ``TEST_BOUND_S`` seconds (as the PS suites do)."""
+    faulthandler.dump_traceback_later(TEST_BOUND_S, exit=True)
+    yield
+    faulthandler.cancel_dump_traceback_later()
 
 
 # -- ParameterServerStrategy, PER_WORKER input, epochs --------------------------------
@@ -79,6 +90,7 @@ def _ps_epoch(rep, it, step, w, opt) -> list[tuple[int, int]]:
     return _ps_seen(values)
 
 
+@pytest.mark.usefixtures("bounded")
 def test_ps_per_worker_epochs_each_see_every_element_once():
     s, rep, w, opt, step, input_fn = _ps_job(2, 3)
     try:
@@ -93,6 +105,7 @@ def test_ps_per_worker_epochs_each_see_every_element_once():
         s.shutdown()
 
 
+@pytest.mark.usefixtures("bounded")
 def test_ps_per_worker_steps_of_an_ended_sweep_do_not_end_the_next_sweep():
     """Found 2026-11-26. An epoch scheduled with more steps than elements, then
     ``reinitialize()`` while those steps were still queued: the old sweep's surplus
@@ -463,6 +476,7 @@ TestComposedInputMachine = ComposedInputMachine.TestCase
 
 
 # -- ParameterServerStrategy PER_WORKER: random epochs --------------------------------
+@pytest.mark.usefixtures("bounded")
 @pytest.mark.filterwarnings("ignore::UserWarning")  # a dropped final partial step
 @settings(max_examples=int(os.environ.get("JR_REVIEW_PS_EXAMPLES", "6")), deadline=None,
           database=None, phases=[Phase.explicit, Phase.generate, Phase.shrink],
@@ -626,3 +640,49 @@ def test_a_bad_element_mid_stream_fails_its_step_only(what, prefetch, steps):
             break
         rest += np.asarray(out.array).reshape(2, -1).T.ravel().tolist()
     assert rest == [6, 7, 8, 9, 10, 11]  # element 4 went with its failed step
+
+
+@pytest.mark.usefixtures("bounded")
+def test_ps_ray_steps_of_an_ended_sweep_do_not_end_the_next_sweep(tmp_path):
+    """As the embedded test above, on the Ray carrier: the sweep of an end found in a
+    worker actor crosses Ray with it."""
+    pytest.importorskip("ray")
+    from tests.test_ps_ray import private_ray
+
+    gate = tmp_path / "open"
+    ray_dir = private_ray()
+    next(ray_dir)
+    s = jr.ParameterServerStrategy(num_ps=1, num_workers=2, carrier="ray")
+    try:
+        rep = jr.Replicator(s)
+        with rep.scope():
+            w = jnp.zeros(2)
+            tx = jr.ps.pushable(optax.sgd(1.0))
+            opt = tx.init(w)
+
+        def input_fn(ctx, gate=str(gate)):
+            import os
+            import time
+            for i in range(3):
+                deadline = time.monotonic() + 60
+                while not os.path.exists(gate) and time.monotonic() < deadline:
+                    time.sleep(0.01)
+                yield np.array([ctx.input_pipeline_id, i], np.float32)
+
+        def step(ctx, x, w, opt):
+            u, opt = tx.update(jax.grad(lambda w: jnp.sum(w * x))(w), opt, w)
+            return optax.apply_updates(w, u), opt, x
+
+        it = rep.prepare_input(input_fn)
+        want = [(p, i) for p in range(2) for i in range(3)]
+        first = [rep.run(step, it, w, opt) for _ in range(10)]
+        it.reinitialize()
+        gate.touch()
+        assert _ps_seen(first) == want
+        assert _ps_epoch(rep, it, step, w, opt) == want
+        rep.join()
+        assert s.ledger()[0]["applied"] == 2 * len(want)
+    finally:
+        gate.touch()
+        s.shutdown()
+        next(ray_dir, None)
