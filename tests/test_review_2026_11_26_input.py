@@ -380,8 +380,9 @@ class ComposedInputMachine(RuleBasedStateMachine):
                               max_size=4),
                 pad=st.booleans(), donate=st.booleans(),
                 prefetch=st.sampled_from([False, True, None, "switching"]),
-                single=st.booleans())
-    def setup(self, layout, per_replica, sizes, bads, pad, donate, prefetch, single):
+                single=st.booleans(), ordered=st.booleans())
+    def setup(self, layout, per_replica, sizes, bads, pad, donate, prefetch, single,
+              ordered):
         self.saved = {name: getattr(auto, name) for name in FAST_AUTO}
         if prefetch == "switching":  # the default, with a prefetch trial every few steps
             for name, value in FAST_AUTO.items():
@@ -395,7 +396,8 @@ class ComposedInputMachine(RuleBasedStateMachine):
         mode = M.PER_REPLICA if per_replica else (M.SINGLE if single else M.PER_WORKER)
         self.it = rep.prepare_input(
             lambda ctx: _ReIterable(sources[ctx.input_pipeline_id]), mode,
-            prefetch_on_device=prefetch, partial_batch="pad" if pad else "drop")
+            prefetch_on_device=prefetch, partial_batch="pad" if pad else "drop",
+            enforce_ordering=ordered)
         self.step = _train_padded if pad else _train_full
         self.donate = (0,) if donate else ()
         self.ref = _Reference()
@@ -686,3 +688,43 @@ def test_ps_ray_steps_of_an_ended_sweep_do_not_end_the_next_sweep(tmp_path):
         gate.touch()
         s.shutdown()
         next(ray_dir, None)
+
+
+class _Counting:
+    """Pipeline ``p``'s elements ``10 * p + i`` for i < 4; pipeline 1 raises at its
+    element 1 (and reads on)."""
+
+    def __init__(self, p):
+        self.p, self.i = p, 0
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        i, self.i = self.i, self.i + 1
+        if i >= 4:
+            raise StopIteration
+        if self.p == 1 and i == 1:
+            raise OSError("bad 1:1")
+        return np.full((1,), 10 * self.p + i, np.float32)
+
+
+@pytest.mark.parametrize("enforce_ordering", [False, True])
+def test_an_error_in_one_pipeline_keeps_the_per_replica_pipelines_in_step(enforce_ordering):
+    """Found 2026-11-26: with enforce_ordering=True, an error in pipeline 1 stopped the
+    step's reads there, so pipelines 2 and 3 fell one element behind 0 and 1 for the
+    rest of the sweep (steps mixed element s with element s - 1) and their last
+    elements were dropped at the end; the concurrent reads (the default) read every
+    pipeline of the failing step."""
+    rep = _rep(4)
+    it = rep.prepare_input(lambda ctx: _Counting(ctx.input_pipeline_id), M.PER_REPLICA,
+                           enforce_ordering=enforce_ordering, prefetch_on_device=False)
+    out = []
+    for _ in range(6):
+        try:
+            out.append(np.asarray(rep.run(lambda ctx, x: x[0], it).array).tolist())
+        except StopIteration:
+            break
+        except OSError as e:
+            out.append(str(e))
+    assert out == [[0, 10, 20, 30], "bad 1:1", [2, 12, 22, 32], [3, 13, 23, 33]]

@@ -15,6 +15,7 @@ from jreplicate.input import padding
 from jreplicate.input.context import InputContext, InputReplicationMode
 from jreplicate.input.prefetch import ReaderPool
 from jreplicate.input.protocol import Action, ReadOutcome, decide
+from jreplicate.input.shutdown import InputClosedError
 from jreplicate.input.sources import Pipeline
 from jreplicate.input.staging import Staging
 from jreplicate.strategies.base import Strategy
@@ -202,6 +203,7 @@ class InputIterator:
         n = len(self._feeds)
         got = []
         if self._enforce_ordering or len(self._pipelines) == 1 or n == 1:
+            error = None
             for k in range(n):
                 try:
                     got.append(take(k))
@@ -213,6 +215,15 @@ class InputIterator:
                     # do: another pipeline's error in this step is raised, not hidden
                     # by this end.
                     got.append(padding.ENDED)  # padded below while others have data
+                except Exception as e:
+                    if len(self._pipelines) == 1 or isinstance(e, InputClosedError):
+                        raise  # the step's elements read before it went with it
+                    # Per-replica pipelines all take this step's element, as the
+                    # concurrent reads do, so that they stay in step after the error.
+                    error = error or e
+                    got.append(padding.ENDED)
+            if error is not None:
+                raise error
             if got and all(e is padding.ENDED for e in got):
                 raise StopIteration
             if not self._pad and any(e is padding.ENDED for e in got):
