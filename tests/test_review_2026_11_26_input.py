@@ -757,3 +757,46 @@ def test_ps_per_worker_a_failed_step_keeps_its_element():
         assert _ps_seen(values) == [(0, i) for i in range(4)]
     finally:
         s.shutdown()
+
+
+@pytest.mark.parametrize("prefetch", [False, True])
+@pytest.mark.parametrize("at_the_end", [False, True])
+def test_a_failed_reinitialize_never_reads_on_from_a_mix_of_sweeps(prefetch, at_the_end):
+    """Found 2026-11-26: when input_fn raised while reinitialize() reopened pipeline 1,
+    pipeline 0 had restarted and pipeline 1 had not: a caller that caught the error
+    (a retry wrapper) trained on steps that paired pipeline 0's new sweep with
+    pipeline 1's old one, and lost pipeline 0's last elements at the end. Reads now
+    raise until reinitialize() succeeds."""
+    rep = _rep(2)
+    calls = collections.Counter()
+
+    def input_fn(ctx):
+        p = ctx.input_pipeline_id
+        calls[p] += 1
+        if p == 1 and calls[p] == 2:
+            raise OSError("pipeline 1 cannot reopen")
+        return (np.full((1,), 10 * p + i, np.float32) for i in range(5))
+
+    def see(ctx, x):
+        return x[0]
+
+    it = rep.prepare_input(input_fn, M.PER_REPLICA, prefetch_on_device=prefetch)
+    assert np.asarray(rep.run(see, it).array).tolist() == [0, 10]
+    if at_the_end:  # an exhausted sweep: the reads raise, they do not just end
+        for _ in range(4):
+            rep.run(see, it)
+        with pytest.raises(StopIteration):
+            rep.run(see, it)
+    with pytest.raises(OSError, match="cannot reopen"):
+        it.reinitialize()
+    for _ in range(2):
+        with pytest.raises(RuntimeError, match=r"reinitialize\(\) failed.*cannot reopen"):
+            rep.run(see, it)
+    it.reinitialize()  # now it opens
+    out = []
+    while True:
+        try:
+            out.append(np.asarray(rep.run(see, it).array).tolist())
+        except StopIteration:
+            break
+    assert out == [[i, 10 + i] for i in range(5)]

@@ -89,6 +89,9 @@ class InputIterator:
         self._first: tuple | None = None  # the first step's structure and leaf paths
         self._sweep = 1  # counts reinitialize(); dropped batches warn on every sweep
         self._exhausted = False
+        # What a reinitialize() that did not reopen every pipeline raised: reads raise
+        # until one succeeds (the pipelines are then in different sweeps).
+        self._reopen_error: BaseException | None = None
         self._pool: ReaderPool | None = None
         # Across processes, every step's outcome is agreed first (see _produce_shared).
         self._agreement = strategy.agreement("input") if strategy.num_processes > 1 else None
@@ -174,14 +177,23 @@ class InputIterator:
 
         Pipelines built from parameter-less callables are unaffected, and what was
         already read from them (prefetched) stays to be taken.
+
+        Raises:
+          Exception: what ``input_fn`` raised reopening a pipeline; the input is then
+            unreadable (reads raise) until a ``reinitialize()`` succeeds.
         """
         if not self._staging.closed and self._pipelines and all(
                 p.kind == "callable" for p in self._pipelines):
             self._sweep += 1
             return []
         self._staging.restart()  # first: no read may race the restarted sources
-        for p in self._pipelines:
-            p.reinitialize()
+        self._reopen_error = None
+        try:
+            for p in self._pipelines:
+                p.reinitialize()
+        except BaseException as e:
+            self._reopen_error, self._exhausted = e, False  # reads raise, not end
+            raise
         self._exhausted = False
         self._sweep += 1
         return []
@@ -197,6 +209,13 @@ class InputIterator:
     def _read(self, ids: tuple[int, ...]) -> list[Any]:
         """One element per replica fed here (``ids``), in that order, each flattened and
         copied as soon as it is read (see :func:`_flatten`)."""
+        if self._reopen_error is not None:
+            e = self._reopen_error
+            raise RuntimeError(
+                f"this input iterator's reinitialize() failed ({type(e).__name__}: {e}), "
+                "so its pipelines are not all at the start of a sweep; call "
+                "reinitialize() again (it reopens them all) before reading.") from e
+
         def take(k):
             return _flatten(self._pipelines[self._feeds[k]].next(), ids[k])
 
