@@ -380,9 +380,9 @@ class ComposedInputMachine(RuleBasedStateMachine):
                               max_size=4),
                 pad=st.booleans(), donate=st.booleans(),
                 prefetch=st.sampled_from([False, True, None, "switching"]),
-                single=st.booleans(), ordered=st.booleans())
+                single=st.booleans(), ordered=st.booleans(), buffer=st.integers(1, 3))
     def setup(self, layout, per_replica, sizes, bads, pad, donate, prefetch, single,
-              ordered):
+              ordered, buffer):
         self.saved = {name: getattr(auto, name) for name in FAST_AUTO}
         if prefetch == "switching":  # the default, with a prefetch trial every few steps
             for name, value in FAST_AUTO.items():
@@ -397,7 +397,7 @@ class ComposedInputMachine(RuleBasedStateMachine):
         self.it = rep.prepare_input(
             lambda ctx: _ReIterable(sources[ctx.input_pipeline_id]), mode,
             prefetch_on_device=prefetch, partial_batch="pad" if pad else "drop",
-            enforce_ordering=ordered)
+            enforce_ordering=ordered, prefetch_buffer_size=buffer)
         self.step = _train_padded if pad else _train_full
         self.donate = (0,) if donate else ()
         self.ref = _Reference()
