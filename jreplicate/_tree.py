@@ -120,18 +120,22 @@ _FLOAT32_MAX = float(np.finfo(np.float32).max)
 
 def check_fits(x: np.ndarray, where: str | Callable[[], str]) -> None:
     """Raises ValueError when JAX, with 64-bit types disabled, would change the values of
-    the 64-bit numpy array ``x`` (ints wrapped modulo 2**32, floats turned into inf).
-    ``where`` names the value (or is called to name it, only for the error)."""
+    the 64-bit numpy array ``x`` (ints wrapped modulo 2**32, floats, or the parts of
+    complex numbers, turned into inf). ``where`` names the value (or is called to name
+    it, only for the error)."""
     kind = x.dtype
-    if kind not in (np.int64, np.uint64, np.float64) or not x.size:
+    if kind not in (np.int64, np.uint64, np.float64, np.complex128) or not x.size:
         return
     if jax.config.jax_enable_x64:
         return
-    if kind == np.float64:
-        big = float(np.max(np.abs(x), initial=0.0, where=np.isfinite(x)))
+    if kind in (np.float64, np.complex128):
+        parts = (x.real, x.imag) if kind == np.complex128 else (x,)
+        big = max(float(np.max(np.abs(p), initial=0.0, where=np.isfinite(p)))
+                  for p in parts)
         if big <= _FLOAT32_MAX:
             return
-        bad, target, fix = big, "float32", "scale it, or keep it as float64"
+        target = "complex64" if kind == np.complex128 else "float32"
+        bad, fix = big, f"scale it, or keep it as {kind.name}"
     else:
         info = _INT32 if kind == np.int64 else _UINT32
         lo, hi = int(x.min()), int(x.max())

@@ -15,6 +15,7 @@ from jreplicate.input import padding
 from jreplicate.input.context import InputContext, InputReplicationMode
 from jreplicate.input.prefetch import ReaderPool
 from jreplicate.input.protocol import Action, ReadOutcome, decide
+from jreplicate.input.shutdown import InputClosedError
 from jreplicate.input.sources import Pipeline
 from jreplicate.input.staging import Staging
 from jreplicate.strategies.base import Strategy
@@ -88,6 +89,9 @@ class InputIterator:
         self._first: tuple | None = None  # the first step's structure and leaf paths
         self._sweep = 1  # counts reinitialize(); dropped batches warn on every sweep
         self._exhausted = False
+        # What a reinitialize() that did not reopen every pipeline raised: reads raise
+        # until one succeeds (the pipelines are then in different sweeps).
+        self._reopen_error: BaseException | None = None
         self._pool: ReaderPool | None = None
         # Across processes, every step's outcome is agreed first (see _produce_shared).
         self._agreement = strategy.agreement("input") if strategy.num_processes > 1 else None
@@ -173,14 +177,23 @@ class InputIterator:
 
         Pipelines built from parameter-less callables are unaffected, and what was
         already read from them (prefetched) stays to be taken.
+
+        Raises:
+          Exception: what ``input_fn`` raised reopening a pipeline; the input is then
+            unreadable (reads raise) until a ``reinitialize()`` succeeds.
         """
         if not self._staging.closed and self._pipelines and all(
                 p.kind == "callable" for p in self._pipelines):
             self._sweep += 1
             return []
         self._staging.restart()  # first: no read may race the restarted sources
-        for p in self._pipelines:
-            p.reinitialize()
+        self._reopen_error = None
+        try:
+            for p in self._pipelines:
+                p.reinitialize()
+        except BaseException as e:
+            self._reopen_error, self._exhausted = e, False  # reads raise, not end
+            raise
         self._exhausted = False
         self._sweep += 1
         return []
@@ -196,12 +209,20 @@ class InputIterator:
     def _read(self, ids: tuple[int, ...]) -> list[Any]:
         """One element per replica fed here (``ids``), in that order, each flattened and
         copied as soon as it is read (see :func:`_flatten`)."""
+        if self._reopen_error is not None:
+            e = self._reopen_error
+            raise RuntimeError(
+                f"this input iterator's reinitialize() failed ({type(e).__name__}: {e}), "
+                "so its pipelines are not all at the start of a sweep; call "
+                "reinitialize() again (it reopens them all) before reading.") from e
+
         def take(k):
             return _flatten(self._pipelines[self._feeds[k]].next(), ids[k])
 
         n = len(self._feeds)
         got = []
         if self._enforce_ordering or len(self._pipelines) == 1 or n == 1:
+            error = None
             for k in range(n):
                 try:
                     got.append(take(k))
@@ -213,6 +234,15 @@ class InputIterator:
                     # do: another pipeline's error in this step is raised, not hidden
                     # by this end.
                     got.append(padding.ENDED)  # padded below while others have data
+                except Exception as e:
+                    if len(self._pipelines) == 1 or isinstance(e, InputClosedError):
+                        raise  # the step's elements read before it went with it
+                    # Per-replica pipelines all take this step's element, as the
+                    # concurrent reads do, so that they stay in step after the error.
+                    error = error or e
+                    got.append(padding.ENDED)
+            if error is not None:
+                raise error
             if got and all(e is padding.ENDED for e in got):
                 raise StopIteration
             if not self._pad and any(e is padding.ENDED for e in got):
@@ -275,16 +305,24 @@ class InputIterator:
         """The common structure of one step's elements (the first step's for later
         steps); records the first step's element spec."""
         treedef = flat[0][1]
-        for k, (_, td, _) in enumerate(flat):
+        for k, (_, td, paths) in enumerate(flat):
             if td != treedef:
+                what = _difference((treedef, [path_str(p) or "the root" for p in flat[0][2]]),
+                                   td, paths)
                 raise ValueError(
-                    f"input element of replica {ids[k]} has "
-                    f"structure {td}, but replica {ids[0]}'s "
-                    f"has {treedef}. Every pipeline must yield elements of one structure."
+                    f"input element of replica {ids[k]} has another structure than replica "
+                    f"{ids[0]}'s in the same step: {what}. Every element of a step must "
+                    "have one structure (same keys, same containers); fix input_fn."
                 )
         if self._spec is None:  # the first step's element spec, kept for every step
-            self._spec = [(x.shape, x.dtype) for x in flat[0][0]]
-            self._first = (treedef, [path_str(p) or "the root" for p in flat[0][2]])
+            # Padded, from its largest element: a replica whose shard is shorter than a
+            # batch (uneven PER_REPLICA shards) has a partial element even in the first
+            # step. (Without padding a first step of two lengths stays an error: a drop
+            # there would end the input at its start.)
+            leaves, _, paths = max(flat, key=lambda f: sum(
+                x.shape[0] for x in f[0] if x.ndim)) if self._pad else flat[0]
+            self._spec = [(x.shape, x.dtype) for x in leaves]
+            self._first = (treedef, [path_str(p) or "the root" for p in paths])
         elif treedef != self._first[0]:
             raise _structure_changed(self._first, treedef, flat[0][2], ids[0])
         return treedef
@@ -408,15 +446,22 @@ class _PartialBatch(Exception):
     pass
 
 
-def _structure_changed(first: tuple, treedef: Any, paths: list, rid: int) -> ValueError:
+def _difference(first: tuple, treedef: Any, paths: list) -> str:
+    """How structure ``treedef`` (leaf ``paths``) differs from ``first``'s
+    ``(treedef, rendered leaf paths)``: the leaf paths missing and new, or else the
+    containers."""
     first_def, first_paths = first
     now = [path_str(p) or "the root" for p in paths]
     missing = [p for p in first_paths if p not in now]
     added = [p for p in now if p not in first_paths]
-    what = "; ".join(part for part in (
+    return "; ".join(part for part in (
         f"missing {', '.join(missing)}" if missing else "",
         f"new {', '.join(added)}" if added else "") if part) or (
         f"the containers changed from {first_def} to {treedef}")
+
+
+def _structure_changed(first: tuple, treedef: Any, paths: list, rid: int) -> ValueError:
+    what = _difference(first, treedef, paths)
     return ValueError(
         f"input element of replica {rid} changed structure since the first step: {what}. "
         "Every element must keep the first step's structure (same keys, same containers); "
@@ -439,8 +484,8 @@ def _flatten(element: Any, replica_id: int) -> tuple[list[np.ndarray], Any, tupl
     paths = _paths_of(treedef)
     out, problems = [], []
     for x, path in zip(leaves, paths):
-        if type(x) is np.ndarray and x.dtype.itemsize < 8:  # the common case, at once
-            out.append(x.copy())
+        if type(x) is np.ndarray and x.dtype.itemsize < 8 and x.dtype.kind in "biuf":
+            out.append(x.copy())  # the common case, at once
             continue
         if not is_array_like(x):
             problems.append(TypeError(
@@ -449,6 +494,13 @@ def _flatten(element: Any, replica_id: int) -> tuple[list[np.ndarray], Any, tupl
                 "(numpy arrays or Python numbers). Convert it, or drop it in input_fn."))
             continue
         x = np.array(x)
+        if not _numeric(x.dtype):
+            problems.append(TypeError(
+                f"input element of replica {replica_id} at {path_str(path) or 'the root'} "
+                f"has dtype {x.dtype}, which JAX arrays cannot hold (only numbers and "
+                "booleans). Encode it as numbers in input_fn (e.g. token ids for text), "
+                "or drop it."))
+            continue
         try:
             check_fits(x, lambda path=path: f"input element of replica {replica_id} at "
                        f"{path_str(path) or 'the root'}")
@@ -457,6 +509,14 @@ def _flatten(element: Any, replica_id: int) -> tuple[list[np.ndarray], Any, tupl
         out.append(x)
     report(problems, f"input element of replica {replica_id}")
     return out, treedef, paths
+
+
+@functools.lru_cache(maxsize=64)
+def _numeric(dtype: np.dtype) -> bool:
+    """Whether JAX arrays can hold ``dtype``: booleans and numbers, ml_dtypes' among
+    them (bfloat16, float8, int4), but not strings, objects, records or datetimes."""
+    return dtype.kind not in "mM" and (
+        dtype == np.bool_ or bool(jax.dtypes.issubdtype(dtype, np.number)))
 
 
 @functools.lru_cache(maxsize=256)

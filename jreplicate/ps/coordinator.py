@@ -146,8 +146,12 @@ class Coordinator:
         self._replacing: set[int] = set()  # lost workers the carrier is replacing
         self._first_error: BaseException | None = None
         self._threads: list[threading.Thread | None] = [None] * len(runners)
-        self._input_ended: dict[int, set[int]] = {}  # input key -> workers at its end
-        self._input_exhausted: set[int] = set()  # input keys ended on every live worker
+        # Per sweep of a per-worker input, (key, generation): the workers at its end,
+        # and the sweeps ended on every live worker. A sweep is a generation of the
+        # input (reinitialize() starts the next); each step reads the sweep it was
+        # scheduled in, so the end of one sweep never ends another.
+        self._input_ended: dict[tuple[int, int], set[int]] = {}
+        self._input_exhausted: set[tuple[int, int]] = set()
         # The ids of the steps that completed (each shard decided their pushes): what a
         # shard restarted from an older state may have lost (see shard_restart).
         self.completed_ids = Ledger()
@@ -177,7 +181,7 @@ class Coordinator:
                 raise ParameterServerError(
                     "every worker of the ParameterServerStrategy is dead; nothing can run "
                     "the step. Restart the job (restore the last checkpoint).")
-            if _input_key(closure) in self._input_exhausted:
+            if _input_sweep(closure) in self._input_exhausted:
                 raise StopIteration
             rv = RemoteValue(closure.step_id)
             self._values[closure.step_id] = rv
@@ -292,10 +296,11 @@ class Coordinator:
     def alive(self) -> list[bool]:
         return list(self._alive)
 
-    def input_exhausted(self, key: int) -> bool:
-        """Whether input ``key`` is exhausted on every live worker."""
+    def input_exhausted(self, key: int, generation: int) -> bool:
+        """Whether sweep ``generation`` of input ``key`` is exhausted on every live
+        worker."""
         with self._queue.lock:
-            return key in self._input_exhausted
+            return (key, generation) in self._input_exhausted
 
     def resume(self) -> None:
         """Training goes on after a lost shard was restarted: the loss no longer stops
@@ -306,11 +311,12 @@ class Coordinator:
             self._first_error = None
             self._queue.clear_error()
 
-    def reset_input(self, key: int) -> None:
-        """Input ``key`` was restarted (``reinitialize``): every worker may read it."""
+    def reset_input(self, key: int, generation: int) -> None:
+        """Input ``key`` was restarted (``reinitialize``) for its sweep ``generation``:
+        every worker may read it (the sweep's ends are counted afresh)."""
         with self._queue.lock:
-            self._input_ended.pop(key, None)
-            self._input_exhausted.discard(key)
+            self._input_ended.pop((key, generation), None)
+            self._input_exhausted.discard((key, generation))
             self._start_threads()
             self._queue.notify_takers()
 
@@ -335,9 +341,9 @@ class Coordinator:
             return c
 
     def _can_run(self, w: int, c: Closure) -> bool:
-        """Whether ``w`` can run ``c``: not if ``c`` reads an input ended on ``w``."""
-        key = _input_key(c)
-        return key is None or w not in self._input_ended.get(key, ())
+        """Whether ``w`` can run ``c``: not if ``c`` reads an input sweep ended on ``w``."""
+        sweep = _input_sweep(c)
+        return sweep is None or w not in self._input_ended.get(sweep, ())
 
     def _token_wait(self, w: int, waiting: bool) -> None:
         with self._queue.lock:
@@ -391,7 +397,7 @@ class Coordinator:
         (``lost``: it was lost before, so ``c`` never ran there)."""
         try:
             out = wait()
-        except InputEnded:
+        except InputEnded:  # the step's own sweep (see WorkerPipelines.read)
             self._end_of_input(w, c)
         except ApplicationError as e:
             self._finish(w, c, error=e.error)
@@ -430,15 +436,23 @@ class Coordinator:
         self._maybe_relax()
 
     def _end_of_input(self, w: int, c: Closure) -> None:
-        """``w``'s pipeline of ``c``'s input is exhausted: ``c`` goes back to the front
-        of the queue (this run uncounted) for a worker that still has input."""
+        """``w``'s pipeline of ``c``'s input sweep is exhausted (or restarted for a later
+        sweep): ``c`` goes back to the front of the queue (this run uncounted) for a
+        worker that still has input of that sweep; if none has, it is not run
+        (StopIteration)."""
+        sweep = _input_sweep(c)
         with self._queue.lock:
             self._starvation.moved()
             self._values[c.step_id].attempts -= 1
-            self._input_ended.setdefault(_input_key(c), set()).add(w)
+            self._input_ended.setdefault(sweep, set()).add(w)
             if self._queue.stopped:
                 self._give_up(c, StepCancelledError(
                     "the strategy shut down before this step ran"))
+                return
+            if sweep in self._input_exhausted:  # ended everywhere while c ran
+                self._queue.mark_finished(c)
+                self._stats.count("not_run_end_of_input")
+                self._values.pop(c.step_id)._set(error=_not_run(c))
                 return
             self._queue.put_back(c)
             self._end_exhausted_inputs()
@@ -446,16 +460,15 @@ class Coordinator:
     def _end_exhausted_inputs(self) -> None:
         """Inputs ended on every live worker: their queued steps end with
         StopIteration (not run; no error for join)."""
-        for key, ended in self._input_ended.items():
-            if key in self._input_exhausted or not all(
+        for sweep, ended in self._input_ended.items():
+            if sweep in self._input_exhausted or not all(
                     v in ended for v, alive in enumerate(self._alive) if alive):
                 continue
-            self._input_exhausted.add(key)
-            for c in self._queue.remove_where(lambda c, key=key: _input_key(c) == key):
+            self._input_exhausted.add(sweep)
+            for c in self._queue.remove_where(
+                    lambda c, sweep=sweep: _input_sweep(c) == sweep):
                 self._stats.count("not_run_end_of_input")
-                self._values.pop(c.step_id)._set(error=StopIteration(
-                    f"step {c.step_id} was not run: every worker's input pipeline is "
-                    "exhausted"))
+                self._values.pop(c.step_id)._set(error=_not_run(c))
 
     def _shard_lost(self, e: BaseException) -> BaseException:
         with self._queue.lock:
@@ -574,6 +587,13 @@ class Coordinator:
         self._fail(self._queue.drain(), error)
 
 
-def _input_key(c: Closure) -> int | None:
-    """The key of the per-worker input ``c`` reads, or None (no input, or driver-fed)."""
-    return c.batch.key if isinstance(c.batch, WorkerInput) else None
+def _not_run(c: Closure) -> StopIteration:
+    return StopIteration(f"step {c.step_id} was not run: every worker's input pipeline "
+                         "is exhausted")
+
+
+def _input_sweep(c: Closure) -> tuple[int, int] | None:
+    """The sweep ``(key, generation)`` of the per-worker input ``c`` reads, or None."""
+    m = c.batch
+    return (m.key, m.generation) if isinstance(m, WorkerInput) else None
+

@@ -282,12 +282,13 @@ class ParameterServerExecutor(Executor):
                 "(replication_mode=InputReplicationMode.SINGLE).")
         return WorkerInputIterator(owner, self.config, self, input_fn)
 
-    def input_exhausted(self, key: int) -> bool:
-        return self.coordinator is not None and self.coordinator.input_exhausted(key)
+    def input_exhausted(self, key: int, generation: int) -> bool:
+        return self.coordinator is not None and \
+            self.coordinator.input_exhausted(key, generation)
 
-    def reset_input(self, key: int) -> None:
+    def reset_input(self, key: int, generation: int) -> None:
         if self.coordinator is not None:
-            self.coordinator.reset_input(key)
+            self.coordinator.reset_input(key, generation)
 
     # -- the executor protocol ---------------------------------------------------------
     def place(self, tree: Any) -> Any:

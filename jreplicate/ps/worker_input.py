@@ -27,8 +27,11 @@ Semantics:
   live worker's pipeline is exhausted, the steps still queued are not run (their
   ``RemoteValue.fetch()`` raises ``StopIteration``; ``join`` does not: the end of input
   is no failure) and ``rep.run(step, it, ...)`` raises ``StopIteration``;
-* ``reinitialize()`` restarts every worker's pipeline before that worker's next step
-  of this iterator (steps already scheduled read the restarted pipelines).
+* ``reinitialize()`` starts a new sweep: every worker's pipeline restarts before that
+  worker's first step scheduled after it. A step scheduled before it reads the sweep
+  it was scheduled in, on a worker still in that sweep, or is not run
+  (``StopIteration``); it never reads an element of the new sweep, and the end of the
+  old sweep never ends the new one.
 """
 
 from __future__ import annotations
@@ -48,14 +51,17 @@ _KEYS = itertools.count()
 
 
 class InputEnded(Exception):
-    """A worker's pipeline is exhausted: the step goes back to the queue (not an error)."""
+    """A worker's pipeline is exhausted: the step goes back to the queue (not an error).
 
-    def __init__(self, key: int, worker: int):
+    ``generation`` is the sweep (``reinitialize()`` count) of the step that found the
+    end: the end of an older sweep says nothing of the current one."""
+
+    def __init__(self, key: int, worker: int, generation: int = 0):
         super().__init__(f"worker {worker}: the input pipeline {key} is exhausted")
-        self.key, self.worker = key, worker
+        self.key, self.worker, self.generation = key, worker, generation
 
     def __reduce__(self):  # crosses Ray
-        return (InputEnded, (self.key, self.worker))
+        return (InputEnded, (self.key, self.worker, self.generation))
 
 
 @dataclasses.dataclass
@@ -118,8 +124,13 @@ class WorkerPipelines:
         elif p.generation < m.generation:  # reinitialize() on the driver
             p.pipeline.reinitialize()
             p.generation, p.ended, p.position = m.generation, False, 0
+        elif p.generation > m.generation:
+            # A step scheduled before reinitialize(), whose sweep this worker left for
+            # the next one: it reads no element of another sweep (the coordinator runs
+            # it where its sweep goes on, or not at all).
+            raise InputEnded(m.key, self.index, m.generation)
         if p.ended:
-            raise InputEnded(m.key, self.index)
+            raise InputEnded(m.key, self.index, m.generation)
         elements = []
         for k in range(self.g):
             try:
@@ -129,7 +140,7 @@ class WorkerPipelines:
                 if elements:
                     self._dropped(f"an input pipeline ran out after {len(elements)} of "
                                   f"{self.g} replicas got an element")
-                raise InputEnded(m.key, self.index) from None
+                raise InputEnded(m.key, self.index, m.generation) from None
             self.read_count[m.key] = self.read_count.get(m.key, 0) + 1
             p.position += 1
         return self._check(p, m.key, elements)
@@ -154,7 +165,7 @@ class WorkerPipelines:
                     p.ended = True
                     self._dropped(f"a final partial batch (replica {rid} got {shape[0]} "
                                   f"examples, the first step {s0[0]})")
-                    raise InputEnded(key, self.index)
+                    raise InputEnded(key, self.index, p.generation)
                 raise ValueError(
                     f"worker {self.index}: input element of replica {rid} has a leaf of "
                     f"shape {shape} and dtype {dtype}, the first step's had {s0} and {d0}. "
@@ -202,16 +213,17 @@ class WorkerInputIterator(InputIterator):
         """
         if self._closed:
             raise RuntimeError("the input iterator was closed; prepare a new one.")
-        if self._executor.input_exhausted(self._key):
+        if self._executor.input_exhausted(self._key, self._generation):
             raise StopIteration
         return WorkerInput(self._key, self._generation, self._fn,
                            self._config.num_workers, self._config.num_replicas)
 
     def reinitialize(self) -> list:
-        """Restarts every worker's pipeline before that worker's next step of this
-        iterator (steps already scheduled read the restarted pipelines); returns ``[]``."""
+        """Starts a new sweep: every worker's pipeline restarts before that worker's
+        first step scheduled after this call (steps scheduled before it read the old
+        sweep, or are not run); returns ``[]``."""
         self._generation += 1
-        self._executor.reset_input(self._key)
+        self._executor.reset_input(self._key, self._generation)
         return []
 
     def close(self) -> None:
