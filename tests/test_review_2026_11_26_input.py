@@ -735,13 +735,6 @@ def test_an_error_in_one_pipeline_keeps_the_per_replica_pipelines_in_step(enforc
 
 
 @pytest.mark.usefixtures("bounded")
-@pytest.mark.xfail(strict=True, reason=(
-    "ParameterServerStrategy PER_WORKER: a step that fails on its worker (here while "
-    "tracing, before any push) has consumed the element it read from the worker's "
-    "pipeline; the next step reads the element after it, so one element of the sweep is "
-    "never trained on. SPMD strategies put a failed step's batch back. A fix must keep "
-    "the ledger exact (a step failing in a shard's update may have been applied on "
-    "some shards) and the Ray restart position (WorkerPipelines.position) consistent."))
 def test_ps_per_worker_a_failed_step_keeps_its_element():
     s, rep, w, opt, step, input_fn = _ps_job(1, 4)
     try:
@@ -761,6 +754,101 @@ def test_ps_per_worker_a_failed_step_keeps_its_element():
         assert _ps_seen(values) == [(0, i) for i in range(4)]
     finally:
         s.shutdown()
+
+
+def test_ps_per_worker_a_failed_step_keeps_its_elements_in_a_sync_group_and_sweep():
+    """A sync group of 2 replicas: the failed step's two elements go to the next step;
+    a step failing in its token-free update (a shard's update raising) keeps them too;
+    reinitialize() drops what a failed step of the old sweep held."""
+    s = jr.ParameterServerStrategy(num_ps=1, num_workers=1, num_replicas_in_sync=2)
+    rep = jr.Replicator(s)
+    with rep.scope():
+        w = jnp.zeros(2)
+        tx = jr.ps.pushable(optax.sgd(1.0))
+        opt = tx.init(w)
+
+    def input_fn(ctx):
+        return (np.array([ctx.input_pipeline_id, i], np.float32) for i in range(6))
+
+    def step(ctx, x, w, opt):
+        u, opt = tx.update(jax.grad(lambda w: jnp.sum(w * x))(w), opt, w)
+        return optax.apply_updates(w, u), opt, ctx.all_gather(x)
+
+    def fails(ctx, x, w, opt):
+        raise RuntimeError("the step failed")
+
+    def seen(v):
+        return [tuple(int(a) for a in row) for row in np.asarray(v.fetch()[2]).reshape(-1, 2)]
+
+    try:
+        it = rep.prepare_input(input_fn)
+        a = rep.run(step, it, w, opt)
+        rep.run(fails, it, w, opt)
+        with pytest.raises(RuntimeError):
+            rep.join()
+        b = rep.run(step, it, w, opt)
+        rep.join()
+        assert seen(a) == [(0, 0), (0, 1)] and seen(b) == [(0, 2), (0, 3)]
+        rep.run(fails, it, w, opt)  # holds (0, 4), (0, 5) of this sweep
+        with pytest.raises(RuntimeError):
+            rep.join()
+        it.reinitialize()
+        c = rep.run(step, it, w, opt)
+        rep.join()
+        assert seen(c) == [(0, 0), (0, 1)]  # the new sweep, not the old one's held ones
+        assert s.ledger()[0]["applied"] == 3
+    finally:
+        s.shutdown()
+
+
+@pytest.mark.usefixtures("bounded")
+def test_ps_ray_a_failed_step_keeps_its_element_and_a_replacement_reads_it(tmp_path):
+    """On Ray: the failed step's element goes to the worker actor's next step; a worker
+    whose process dies while it holds one is replaced where its last successful step
+    left its pipeline (the position the actor reports excludes the held element)."""
+    pytest.importorskip("ray")
+    import jreplicate.testing as jrt
+    from tests.test_ps_ray import private_ray
+
+    ray_dir = private_ray()
+    next(ray_dir)
+    s = jr.ParameterServerStrategy(num_ps=1, num_workers=1, carrier="ray")
+    try:
+        rep = jr.Replicator(s)
+        with rep.scope():
+            w = jnp.zeros(2)
+            tx = jr.ps.pushable(optax.sgd(1.0))
+            opt = tx.init(w)
+
+        def input_fn(ctx):
+            return (np.array([ctx.input_pipeline_id, i], np.float32) for i in range(8))
+
+        def step(ctx, x, w, opt):
+            u, opt = tx.update(jax.grad(lambda w: jnp.sum(w * x))(w), opt, w)
+            return optax.apply_updates(w, u), opt, x
+
+        def fails(ctx, x, w, opt):
+            raise RuntimeError("the step failed")
+
+        it = rep.prepare_input(input_fn)
+        values = [rep.run(step, it, w, opt)]
+        rep.run(fails, it, w, opt)
+        with pytest.raises(RuntimeError, match="the step failed"):
+            rep.join()
+        values.append(rep.run(step, it, w, opt))  # takes the failed step's element 1
+        rep.join()
+        seen = _ps_seen(values)  # (fetched: the actor holding them is killed below)
+        rep.run(fails, it, w, opt)  # holds element 2
+        with pytest.raises(RuntimeError, match="the step failed"):
+            rep.join()
+        jrt.kill_worker(s, 0, when="crash")  # Ray restarts the actor in a new process
+        values = [rep.run(step, it, w, opt) for _ in range(2)]
+        rep.join()
+        assert seen + _ps_seen(values) == [(0, 0), (0, 1), (0, 2), (0, 3)]
+        assert s.stats()["replaced"] >= 1
+    finally:
+        s.shutdown()
+        next(ray_dir, None)
 
 
 @pytest.mark.parametrize("prefetch", [False, True])

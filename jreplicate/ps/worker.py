@@ -144,8 +144,20 @@ class PSWorker:
         its input included, and a shard's update raising for its push),
         :class:`InputEnded` when its input (read here, before any token) is exhausted,
         and :class:`WorkerLostError` (or any other exception) for worker failures."""
-        if isinstance(c.batch, WorkerInput):
-            c = dataclasses.replace(c, batch=self._read_input(c.batch))
+        if not isinstance(c.batch, WorkerInput):
+            return self._run_read(c, on_token_wait)
+        m = c.batch
+        c = dataclasses.replace(c, batch=self._read_input(m))
+        try:
+            return self._run_read(c, on_token_wait)
+        except (ApplicationError, StepCancelledError):
+            # Not applied by any shard: the next step of the sweep here takes the batch.
+            self.inputs.put_back(m, c.batch.elements, c.batch.treedef)
+            raise
+
+    def _run_read(self, c: Closure, on_token_wait: Callable[[bool], None] | None
+                  ) -> tuple[Any, Decision]:
+        """:meth:`run` once the step's input is read (a :class:`HostBatch`)."""
         token = None
         if self.client.token_gated and self.local_step is not None:
             # The coordinator counts this worker as waiting only while it blocks on an

@@ -22,6 +22,10 @@ Semantics:
   reached apply the rerun's gradient, computed from that element (a push is not atomic
   across shards there; token-gated mode stages the pieces and applies the first run's
   everywhere);
+* a failed step keeps its elements: a step that read them and failed before any shard
+  applied it (its function raised, its token wait was cancelled or timed out, a shard's
+  update raised for its push) leaves them for the next step of the same sweep on that
+  worker, as SPMD strategies retry a failed step's batch;
 * end of input: a worker whose pipeline is exhausted hands the step back (it runs on a
   worker that still has input) and takes no more steps of this iterator; once every
   live worker's pipeline is exhausted, the steps still queued are not run (their
@@ -84,6 +88,9 @@ class _WorkerPipeline:
         self.ended = False
         self.spec: tuple | None = None  # (treedef, [(shape, dtype)]) of the first step
         self.position = 0  # elements read since it was built or reinitialized
+        #: A failed step's elements (:meth:`WorkerPipelines.put_back`), which the next
+        #: step of this sweep takes before reading on.
+        self.held: tuple[list, Any] | None = None
 
 
 class WorkerPipelines:
@@ -100,7 +107,19 @@ class WorkerPipelines:
     def position(self, key: int) -> tuple[int, int] | None:
         """``(generation, elements read)`` of the pipeline of ``key`` (None: none)."""
         p = self._pipes.get(key)
-        return None if p is None else (p.generation, p.position)
+        if p is None:
+            return None  # (held elements are not read yet: a replacement reads them again)
+        return p.generation, p.position - (self.g if p.held is not None else 0)
+
+    def put_back(self, m: WorkerInput, elements: list, treedef: Any) -> None:
+        """A step that read ``elements`` from this worker's pipeline of ``m`` failed
+        before any shard applied it (its function raised, its token wait was cancelled
+        or timed out, a shard's update raised): the next step of that sweep here takes
+        them, as SPMD strategies retry a failed step's batch, instead of the element
+        after them (which left those out of the sweep)."""
+        p = self._pipes.get(m.key)
+        if p is not None and p.generation == m.generation and p.held is None:
+            p.held = (elements, treedef)
 
     def read(self, m: WorkerInput) -> tuple[list, Any]:
         """The next step's elements (flat leaves per replica) and their structure.
@@ -123,12 +142,15 @@ class WorkerPipelines:
                     p.ended = True
         elif p.generation < m.generation:  # reinitialize() on the driver
             p.pipeline.reinitialize()
-            p.generation, p.ended, p.position = m.generation, False, 0
+            p.generation, p.ended, p.position, p.held = m.generation, False, 0, None
         elif p.generation > m.generation:
             # A step scheduled before reinitialize(), whose sweep this worker left for
             # the next one: it reads no element of another sweep (the coordinator runs
             # it where its sweep goes on, or not at all).
             raise InputEnded(m.key, self.index, m.generation)
+        if p.held is not None:  # a failed step's elements, read before the end if any
+            got, p.held = p.held, None
+            return got
         if p.ended:
             raise InputEnded(m.key, self.index, m.generation)
         elements = []
