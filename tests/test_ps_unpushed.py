@@ -182,6 +182,31 @@ def test_restart_shard_reports_no_skipped_step_and_its_watermark_moves_on():
         s.shutdown()
 
 
+def test_restore_keeps_the_skipped_steps_saved_before_for_a_later_restart_shard():
+    s, rep, params, opt, step = _job()
+    rep.run(step, None, params, opt)
+    rep.join()
+    older = s.state()
+    bad = rep.run(_bad, None, params, opt)
+    with pytest.raises(ValueError):
+        rep.join()
+    ids = [rep.run(step, None, params, opt).step_id for _ in range(2)]
+    rep.join()
+    newer = s.state()
+    rep.run(_bad, None, params, opt)  # skipped after the newer save: its id is reused
+    with pytest.raises(ValueError):
+        rep.join()
+    s.restore(newer)
+    try:
+        assert s._ex().coordinator.skipped == {bad.step_id}
+        ids += [rep.run(step, None, params, opt).step_id for _ in range(2)]
+        rep.join()
+        jrt.kill_shard(s, 1)
+        assert s.restart_shard(1, older).lost == tuple(ids)
+    finally:
+        s.shutdown()
+
+
 # -- a step given up half pushed ---------------------------------------------------------
 
 def test_a_step_given_up_half_pushed_names_the_shards_and_state_refuses():
