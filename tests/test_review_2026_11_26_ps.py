@@ -536,13 +536,6 @@ def test_kill_worker_at_push_with_one_shard_kills_the_worker_after_its_push():
     s.shutdown()
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "asynchronous mode: a step whose worker died mid-push on its last allowed attempt "
-    "(max_attempts) is given up with WorkerLostError while shard 0 keeps its piece of the "
-    "push and the other shards never get theirs (nothing stages the pieces or settles the "
-    "push, as token-gated mode does); the shards silently disagree and state() saves them. "
-    "Fix: settle/stage in asynchronous mode too, or fail with ParameterServerError naming "
-    "the half-applied step"))
 def test_a_step_given_up_mid_push_is_applied_by_every_shard_or_named():
     s, rep, params, opt, step = _sgd_job(num_ps=2, workers=2, max_attempts=1)
     for w in range(2):  # whichever takes step 0 dies mid-push
@@ -757,16 +750,6 @@ def test_token_gated_replicas_to_aggregate_above_the_workers_left_after_kills():
         np.testing.assert_allclose(got[k], want[k], rtol=1e-6)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "a step that ends without a push (its function raised, a cancelled token wait, the "
-    "end of PER_WORKER input) is never decided by any ledger, so every ledger's "
-    "watermark (and the coordinator's completed_ids) stays below it for good: each later "
-    "id is kept in memory one by one (it grows for the rest of the job) and a checkpoint "
-    "keeps only the last ledger.WINDOW (1024) of them. restart_shard's report then misses "
-    "the lost updates older than the others' window (here WINDOW=8 stands for 1024 "
-    "steps run between the save and the loss). Fix: decide the unpushed ids on every "
-    "shard, or checkpoint the ids above the watermark as runs (a format change: "
-    "checkpoint owners)"))
 def test_restart_shard_names_every_lost_update_after_a_step_that_raised(monkeypatch):
     from jreplicate.ps import ledger
 

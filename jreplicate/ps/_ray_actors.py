@@ -107,6 +107,10 @@ if ray is not None:
             return self.shard.record(push_id, decision)
 
         @ray.method(concurrency_group="io")
+        def decided(self, push_id):
+            return self.shard.decided(push_id)
+
+        @ray.method(concurrency_group="io")
         def return_token(self, token):
             return self.shard.return_token(token)
 

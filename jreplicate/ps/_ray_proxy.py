@@ -88,6 +88,9 @@ class _ShardCalls:
     def record(self, push_id, decision):
         return self.actor.record.remote(push_id, decision)
 
+    def decided(self, push_id):
+        return self.actor.decided.remote(push_id)
+
     def return_token(self, token):
         return self.actor.return_token.remote(token)
 
@@ -152,6 +155,12 @@ class _ShardProxy:
 
     def record(self, push_id, decision):
         return self._get(self.nowait.record(push_id, decision))
+
+    #: Seconds :meth:`decided` waits for the shard's answer.
+    DECIDED_TIMEOUT = 60.0
+
+    def decided(self, push_id):
+        return self._get(self.nowait.decided(push_id), timeout=self.DECIDED_TIMEOUT)
 
     def return_token(self, token):
         return self._get(self.nowait.return_token(token))

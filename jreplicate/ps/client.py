@@ -25,7 +25,7 @@ import numpy as np
 from jreplicate.ps.handle import RemoteShardHandle, ShardHandle
 from jreplicate.ps.placement import Placement
 from jreplicate.ps.remote import ParameterServerError, ShardUpdateError
-from jreplicate.ps.shard import Decision
+from jreplicate.ps.shard import SKIPPED, Decision
 
 T = TypeVar("T")
 
@@ -171,6 +171,32 @@ class ShardClient:
         steps = self._fan(lambda i, s: s.commit(push_id, decision), first=1)
         if decision.kind == "applied" and max(steps) > decision.step:
             self.shards[0].ack(steps)
+
+    def decided(self, push_id: int) -> list[bool | None]:
+        """Whether each shard's ledger decided ``push_id`` (None: the shard did not
+        answer, lost or closed). The coordinator asks after a worker was lost in a step,
+        so that a step given up with its push on some shards only is named."""
+        out: list[bool | None] = []
+        for s in self.shards:
+            try:
+                out.append(bool(s.decided(push_id)))
+            except Exception:  # noqa: BLE001 - a lost shard: its loss is raised elsewhere
+                out.append(None)
+        return out
+
+    def skip(self, push_id: int) -> None:
+        """Every shard marks ``push_id`` decided without a push (its step ended for good
+        without pushing; a no-op on a shard that decided it): each ledger's watermark
+        moves past it. Remote shards are not waited for; a lost or closed shard is
+        passed over (nothing of it is lost by the skip)."""
+        for s in self.shards:
+            try:
+                if _is_remote(s):
+                    s.nowait.record(push_id, SKIPPED)  # fire and forget
+                else:
+                    s.record(push_id, SKIPPED)
+            except Exception:  # noqa: BLE001 - a lost shard: its loss is raised elsewhere
+                pass
 
 
 _REMOTE: dict[type, bool] = {}

@@ -20,6 +20,20 @@ worker becomes free and runs them through a *runner* (the embedded carrier calls
 * a lost shard (:class:`ShardClosedError` while not shutting down, or the Ray actor of a
   shard dead): :class:`ParameterServerError` for this and every pending step.
 
+A step that ends for good without pushing (its function raised, its token wait was
+cancelled, it was not run: cancelled at shutdown, given up, or at the end of its input)
+is *skipped* on every shard (``skip``: each ledger decides its id without a push, so the
+ledgers' watermarks move past it; a no-op where a shard decided it) and recorded in
+:attr:`Coordinator.skipped`. A step re-queued (a lost worker's, or one handed back at the
+end of a worker's input) keeps its id and is not skipped: it may still push.
+
+A worker lost in a step may have pushed to some shards only (asynchronous mode pushes to
+each shard on its own). The coordinator asks the shards (``decided``) which decided the
+id; a step that then ends for good (``max_attempts``, shutdown, ...) with its push on
+some shards and not on others fails with :class:`ParameterServerError` naming the step
+and the shards, and training stops (the shards disagree: restore the last checkpoint);
+:attr:`Coordinator.half_applied` keeps them, so that ``state()`` refuses to save them.
+
 Bounded staleness (``max_staleness=tau``): a worker starts a step only while the
 :class:`~jreplicate.ps.admission.StalenessGate` admits it. The shards drop a push staler
 than tau all the same (``stale`` in the ledger), which only a step outliving its worker
@@ -106,6 +120,11 @@ class Coordinator:
         thread once its steps are ended (the lost step already rescheduled), and ``w``
         counts as coming back meanwhile (the steps wait for it rather than fail when no
         other worker is alive).
+      decided: ``decided(step_id)``: whether each shard decided the step's push (None
+        for a shard that did not answer); asked after a worker was lost in the step.
+        Without it such a step's push is of unknown fate (never skipped).
+      skip: ``skip(step_id)``: every shard decides the id without a push (called under
+        the coordinator's lock: it must not block; errors are ignored).
     """
 
     #: Seconds every running step must wait for a token, none queued and no progress,
@@ -122,7 +141,9 @@ class Coordinator:
                  on_relax: Callable[[bool], None] | None = None,
                  settle: Callable[[int], None] | None = None,
                  starved: Callable[[], bool] | None = None,
-                 replace: Callable[[int], bool] | None = None):
+                 replace: Callable[[int], bool] | None = None,
+                 decided: Callable[[int], list[bool | None]] | None = None,
+                 skip: Callable[[int], None] | None = None):
         if depth > 1 and max_staleness is not None:
             raise ValueError("Coordinator(depth > 1): bounded staleness admits one step "
                              "per worker at a time.")
@@ -136,6 +157,8 @@ class Coordinator:
         self._settle = settle or _ignore
         self._starved = starved or (lambda: True)
         self._replace = replace
+        self._decided = decided or (lambda step_id: None)
+        self._skip = skip or _ignore
         self._stats = StatsRecorder(len(runners))
         self._gate = StalenessGate(max_staleness, self._stats)
         self._starvation = StarvationDetector(self.STARVED_AFTER)
@@ -154,7 +177,17 @@ class Coordinator:
         self._input_exhausted: set[tuple[int, int]] = set()
         # The ids of the steps that completed (each shard decided their pushes): what a
         # shard restarted from an older state may have lost (see shard_restart).
+        # Skipped ids are decided there too (without a count).
         self.completed_ids = Ledger()
+        #: The ids of the steps skipped (ended for good without a push): no shard
+        #: applied them, so a shard restarted from an older state lost nothing of them.
+        #: One int per such step (not per step).
+        self.skipped: set[int] = set()
+        #: Steps that ended with their push on some shards only: ``{step id: message}``.
+        self.half_applied: dict[int, str] = {}
+        # The fate of the push of a step whose worker was lost in it, as the shards said
+        # then: ("half" | "all" | "unknown", decided, not decided, silent shards).
+        self._fates: dict[int, tuple[str, list[int], list[int], list[int]]] = {}
         _LIVE.add(self)
         with self._queue.lock:
             self._start_threads()
@@ -403,13 +436,16 @@ class Coordinator:
             self._finish(w, c, error=e.error)
         except StepCancelledError as e:
             self._finish(w, c, error=self._queue.error or e)
+        # A shard lost (or closed) in the step: its push may be on some shards only, and
+        # the shards cannot all tell; its id is left undecided (resolved=False).
         except ShardClosedError as e:
-            self._finish(w, c, error=e if self._queue.stopped else self._shard_lost(e))
+            self._finish(w, c, error=e if self._queue.stopped else self._shard_lost(e),
+                         resolved=False)
         except ParameterServerError as e:  # the shards disagree (see ShardClient)
-            self._finish(w, c, error=self._shard_lost(e))
+            self._finish(w, c, error=self._shard_lost(e), resolved=False)
         except BaseException as e:  # a worker failure: retry elsewhere
             if self._is_shard_failure(e):
-                self._finish(w, c, error=self._shard_lost(e))
+                self._finish(w, c, error=self._shard_lost(e), resolved=False)
             elif lost:
                 self._not_run(c, e)
             else:
@@ -422,18 +458,79 @@ class Coordinator:
 
     # -- outcomes (each in one critical section with the queue) --------------------------
     def _finish(self, w: int, c: Closure, value: Any = None,
-                error: BaseException | None = None) -> None:
+                error: BaseException | None = None, resolved: bool = True) -> None:
         with self._queue.lock:
+            if error is not None:
+                error = self._ended(c, error, resolved)
             self._queue.mark_finished(c)
             self._starvation.moved()
             rv = self._values.pop(c.step_id)
             if error is None:
+                self._fates.pop(c.step_id, None)  # pushed by this run to every shard
                 self.completed_ids.record(c.step_id, "applied")
                 self._stats.completed(w)
             elif self._first_error is None and self._queue.error is None:
                 self._first_error = error
             rv._set(value, error)
         self._maybe_relax()
+
+    def _ended(self, c: Closure, error: BaseException, resolved: bool = True
+               ) -> BaseException:
+        """(Under the lock.) Step ``c`` ends for good without success; returns the error
+        its RemoteValue gets. Its id is skipped on every shard, unless a lost run of it
+        pushed: to every shard (recorded as completed), to some only (the step fails
+        with ParameterServerError and training stops: :meth:`_half_applied`), or of
+        unknown fate; or unless ``resolved`` is False (a shard lost in the step)."""
+        sid = c.step_id
+        fate = self._fates.pop(sid, None)
+        if fate is not None and fate[0] == "half":
+            return self._half_applied(sid, fate, error)
+        if fate is not None and fate[0] == "all":
+            self.completed_ids.record(sid, "applied")  # its update is on every shard
+        elif fate is None and resolved:
+            self.skipped.add(sid)
+            self.completed_ids.skip(sid)
+            try:
+                self._skip(sid)
+            except Exception:  # noqa: BLE001 - a lost shard: its loss is raised elsewhere
+                pass
+        return error
+
+    def _half_applied(self, sid: int, fate: tuple, error: BaseException
+                      ) -> ParameterServerError:
+        """(Under the lock.) Step ``sid`` ends with its push on some shards only: the
+        error naming them, with which training stops (queued steps fail with it)."""
+        _, yes, no, silent = fate
+        err = ParameterServerError(
+            f"step {sid} ended for good ({type(error).__name__}: {error}) after a worker "
+            f"was lost in the middle of its push, and no later run pushed it again: "
+            f"shard(s) {yes} decided its push (applied or dropped it) and shard(s) {no} "
+            "never received it"
+            + (f" (shard(s) {silent} did not answer)" if silent else "")
+            + ", so the shards' parameters disagree. Training stops; restore the last "
+            "checkpoint with strategy.restore(state).")
+        err.__cause__ = error
+        self.half_applied[sid] = str(err)
+        self._first_error = self._first_error or err
+        self._fail(self._queue.mark_failed(err), err)
+        return err
+
+    def _note_fate(self, sid: int, answers: list[bool | None] | None) -> None:
+        """(Under the lock.) What the shards said of step ``sid``'s push after its
+        worker was lost in it (``answers``: :meth:`ShardClient.decided`, or None)."""
+        self._fates.pop(sid, None)
+        if answers is None:
+            self._fates[sid] = ("unknown", [], [], [])
+            return
+        yes = [i for i, a in enumerate(answers) if a]
+        no = [i for i, a in enumerate(answers) if a is False]
+        silent = [i for i, a in enumerate(answers) if a is None]
+        if yes and no:
+            self._fates[sid] = ("half", yes, no, silent)
+        elif silent:
+            self._fates[sid] = ("unknown", yes, no, silent)
+        elif yes:
+            self._fates[sid] = ("all", yes, no, silent)
 
     def _end_of_input(self, w: int, c: Closure) -> None:
         """``w``'s pipeline of ``c``'s input sweep is exhausted (or restarted for a later
@@ -452,7 +549,7 @@ class Coordinator:
             if sweep in self._input_exhausted:  # ended everywhere while c ran
                 self._queue.mark_finished(c)
                 self._stats.count("not_run_end_of_input")
-                self._values.pop(c.step_id)._set(error=_not_run(c))
+                self._values.pop(c.step_id)._set(error=self._ended(c, _not_run(c)))
                 return
             self._queue.put_back(c)
             self._end_exhausted_inputs()
@@ -468,7 +565,8 @@ class Coordinator:
             for c in self._queue.remove_where(
                     lambda c, sweep=sweep: _input_sweep(c) == sweep):
                 self._stats.count("not_run_end_of_input")
-                self._values.pop(c.step_id)._set(error=_not_run(c))
+                rv = self._values.pop(c.step_id)
+                rv._set(error=self._ended(c, _not_run(c)))
 
     def _shard_lost(self, e: BaseException) -> BaseException:
         with self._queue.lock:
@@ -484,14 +582,21 @@ class Coordinator:
     def _worker_lost(self, w: int, c: Closure, e: BaseException) -> None:
         # Its push, if shard 0 decided it, is committed on the other shards first (the
         # rerun's push is then a duplicate everywhere); a lost shard shows up on the next
-        # push or pull.
-        for call in (lambda: self._settle(c.step_id),
+        # push or pull. Then the shards say which decided it (a step given up with its
+        # push on some shards only is named).
+        answers: list = [None]
+
+        def ask() -> None:
+            answers[0] = self._decided(c.step_id)
+
+        for call in (lambda: self._settle(c.step_id), ask,
                      lambda: self._on_worker_lost(sum(self._alive) - self._alive[w])):
             try:
                 call()
             except Exception:
                 pass
         with self._queue.lock:
+            self._note_fate(c.step_id, answers[0])
             self._alive[w] = False
             if self._replace is not None and not self._queue.stopped:
                 self._replacing.add(w)
@@ -516,6 +621,7 @@ class Coordinator:
 
     def _give_up(self, c: Closure, error: BaseException) -> None:
         """``c``'s step fails with ``error`` (the first error for join, if none)."""
+        error = self._ended(c, error)
         self._queue.mark_finished(c)
         self._values.pop(c.step_id)._set(error=error)
         self._first_error = self._first_error or error
@@ -580,7 +686,7 @@ class Coordinator:
         for c in closures:
             rv = self._values.pop(c.step_id, None)
             if rv is not None:
-                rv._set(error=error)
+                rv._set(error=self._ended(c, error))
 
     def _fail_all(self, error: BaseException) -> None:
         self._first_error = self._first_error or error

@@ -120,7 +120,8 @@ class ParameterServerExecutor(Executor):
             on_relax=lambda relax: self._carrier.workers_alive(
                 0 if relax else sum(self.coordinator.alive)),
             settle=self.client.settle, starved=self._carrier.starved,
-            replace=self._carrier.replace_worker if s.carrier == "ray" else None)
+            replace=self._carrier.replace_worker if s.carrier == "ray" else None,
+            decided=self.client.decided, skip=self.client.skip)
         self._carrier.set_live_workers(lambda: sum(self.coordinator.alive))
 
     def shard_step(self, i: int) -> int:
@@ -177,6 +178,12 @@ class ParameterServerExecutor(Executor):
             raise RuntimeError(
                 "ParameterServerStrategy.state(): steps were scheduled while the shards "
                 "were read; call rep.join() first and schedule no steps meanwhile.")
+        if c.half_applied:
+            sid, why = next(iter(c.half_applied.items()))
+            raise RuntimeError(
+                f"ParameterServerStrategy.state(): the shards disagree (step {sid}'s push "
+                f"is on some shards only: {why}); saving them would keep it. Restore the "
+                "last checkpoint with strategy.restore(state).")
         steps = [int(sh["step"]) for sh in shards]
         if self.client.token_gated and len(set(steps)) > 1:
             raise RuntimeError(
@@ -216,8 +223,12 @@ class ParameterServerExecutor(Executor):
         self.coordinator.shutdown()
         self._carrier.close(why="strategy.restore replaced the worker actors; fetch the "
                                 "outputs you need before restoring")
+        # The steps skipped before the state was saved stay known (restart_shard reports
+        # no lost update of them); ids from next_id on are given to new steps.
+        skipped = {i for i in self.coordinator.skipped if i < next_id}
         self.next_id = next_id
         self._build([r["params"] for r in restored], self._opt_host, restored)
+        self.coordinator.skipped |= skipped
 
     def restart_shard(self, i: int, state: dict[str, Any]) -> ShardRestart:
         """Shard ``i`` back from ``state["shards"][i]`` (see
@@ -264,7 +275,14 @@ class ParameterServerExecutor(Executor):
                     others.append(self._carrier.shard_state(j)["ledger"])
                 except Exception:  # lost too: restart it as well
                     pass
-        lost = lost_pushes(shards[i]["ledger"], others)
+        skipped = self.coordinator.skipped
+        lost = lost_pushes(shards[i]["ledger"], others, skipped)
+        # No step is pending and every id below next_id has ended: the restarted shard
+        # decides the steps skipped since the save and those whose update it lost (no
+        # push of them will come), so that its ledger's watermark moves on.
+        led = saved["ledger"]
+        for pid in sorted({*lost, *(j for j in skipped if j >= led.watermark)}):
+            led.skip(pid)
         self._carrier.restart_shard(i, saved)
         self.coordinator.resume()
         return ShardRestart(i, saved["step"], lost)

@@ -15,6 +15,11 @@ as the apply, so a push id is applied at most once:
   :class:`jreplicate.ps.ShardUpdateError`): no shard applied it, and every shard records
   it so.
 
+An id whose step ended for good without pushing (its function raised, its token wait was
+cancelled, it was not run: cancelled at shutdown or at the end of its input) is
+*skipped* (:meth:`Ledger.skip`): decided without a push, counted nowhere, so that the
+watermark moves past it.
+
 Invariant: ``pushes == applied + stale + backup + duplicate + failed``. Staleness
 (shard step at apply minus the step at which the worker fetched the parameters) is
 recorded per applied push as a histogram.
@@ -62,12 +67,27 @@ class Ledger:
         self.counts[kind] += 1
         if kind == "duplicate":
             return
+        self._decide(push_id)
+        if staleness is not None:
+            self.staleness[int(staleness)] += 1
+
+    def skip(self, push_id: int) -> None:
+        """Marks ``push_id`` decided without a push: its step ended for good without
+        pushing, so no push of it will come. Nothing is counted (``pushes`` still sums
+        the kinds); a no-op for an id already decided."""
+        if not self.seen(push_id):
+            self._decide(push_id)
+
+    @property
+    def watermark(self) -> int:
+        """Every id below it is decided."""
+        return self._watermark
+
+    def _decide(self, push_id: int) -> None:
         self._decided.add(push_id)
         while self._watermark in self._decided:
             self._decided.discard(self._watermark)
             self._watermark += 1
-        if staleness is not None:
-            self.staleness[int(staleness)] += 1
 
     def summary(self) -> dict[str, Any]:
         """``{"pushes", "applied", "stale", "backup", "duplicate", "failed",

@@ -75,7 +75,10 @@ class Decision:
 
     Attributes:
       kind: ``"applied"`` (accepted into step ``step``'s aggregate), ``"stale"``,
-        ``"backup"`` or ``"failed"`` (an update raised: no shard applies it).
+        ``"backup"`` or ``"failed"`` (an update raised: no shard applies it); or
+        ``"skipped"`` (:data:`SKIPPED`, sent to every shard's :meth:`PSShard.record` by
+        the coordinator): the step ended for good without pushing, its id is decided
+        without counting (:meth:`jreplicate.ps.ledger.Ledger.skip`).
       step: the global step the gradient counts for (accepted), else the step then.
       index: the push's position among step ``step``'s accepted gradients.
       completes: the push completed step ``step`` (shard 0 applied the aggregate).
@@ -91,6 +94,10 @@ class Decision:
     completes: bool = False
     attempt: int = 0
     duplicate: bool = False
+
+
+#: The decision that marks a push id decided without a push (see :class:`Decision`).
+SKIPPED = Decision("skipped", -1)
 
 
 def _is_sync(state: Any) -> bool:
@@ -495,6 +502,9 @@ class PSShard:
         with self._cond:
             self._check_open()
             staged = self._staged.pop(push_id, {})
+            if decision.kind == "skipped":  # never pushed (a no-op if decided)
+                self.ledger.skip(push_id)
+                return self._step
             if self.ledger.seen(push_id):
                 self.ledger.record(push_id, "duplicate")
                 return self._step
@@ -517,8 +527,16 @@ class PSShard:
             return self._step
 
     def record(self, push_id: int, decision: Decision) -> None:
-        """Records shard 0's drop of a push (:meth:`commit` of a dropped decision)."""
+        """Records shard 0's drop of a push (:meth:`commit` of a dropped decision), or
+        (:data:`SKIPPED`) that the push will never come."""
         self.commit(push_id, decision)
+
+    def decided(self, push_id: int) -> bool:
+        """Whether this shard's ledger decided ``push_id`` (applied, dropped, failed or
+        skipped; a staged piece is not decided)."""
+        with self._cond:
+            self._check_open()
+            return self.ledger.seen(push_id)
 
     def _feed(self) -> None:
         """Feeds accepted pushes to the accumulators in shard 0's order, index by index

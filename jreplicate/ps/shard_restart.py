@@ -13,16 +13,20 @@ saved. The updates it applied after the save are gone with it, while the other s
 still hold theirs; nothing is re-applied behind the user's back. The
 :class:`ShardRestart` report names them: the ids of the steps that completed since
 (the coordinator's record) or that another shard decided, which the restarted
-shard's ledger has not decided. Only a lost shard is restarted (a live one rolled back
+shard's ledger has not decided, less the steps that ended without a push (skipped:
+:attr:`jreplicate.ps.coordinator.Coordinator.skipped`, which no shard applied). Only a
+lost shard is restarted (a live one rolled back
 alone would fall behind the others: ``strategy.restore(state)`` restores them all),
 and the saved state is checked first (its pieces and its optimizer state's
-structure, shapes and dtypes), so a refused call changes nothing. A later push
-of such an id (a step rescheduled after the loss) is applied by the restarted shard
-and counted a duplicate by the others, as the ledgers' exactly-once rule says.
+structure, shapes and dtypes), so a refused call changes nothing. No step is pending
+then, so no push of an id below the next step's will come: the restarted shard's ledger
+decides (uncounted, :meth:`jreplicate.ps.ledger.Ledger.skip`) the lost ids and the ids
+skipped since the save, so that its watermark moves on.
 """
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from typing import Any, NamedTuple
 
 import jax
@@ -65,8 +69,10 @@ def _decided(led: dict[str, Any], start: int, stop: int) -> set[int]:
     return set(range(start, min(wm, stop))) | window
 
 
-def lost_pushes(restored: dict[str, Any], others: list[dict[str, Any]]) -> tuple[int, ...]:
-    """Ids decided by any of ``others`` (ledger arrays) and not by ``restored``."""
+def lost_pushes(restored: dict[str, Any], others: list[dict[str, Any]],
+                skipped: Collection[int] = ()) -> tuple[int, ...]:
+    """Ids decided by any of ``others`` (ledger arrays) and not by ``restored``, less
+    ``skipped`` (steps that ended without a push: the ledgers decide them uncounted)."""
     start = int(np.asarray(restored["watermark"]))
     if not others:
         return ()
@@ -75,7 +81,7 @@ def lost_pushes(restored: dict[str, Any], others: list[dict[str, Any]]) -> tuple
     lost: set[int] = set()
     for o in others:
         lost |= _decided(o, start, stop)
-    return tuple(sorted(i for i in lost - mine if i >= start))
+    return tuple(sorted(i for i in lost - mine - set(skipped) if i >= start))
 
 
 def check_same_aggregation(i: int, saved_opt: Any, job_opt: Any, who: str) -> None:
