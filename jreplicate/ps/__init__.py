@@ -10,7 +10,8 @@
 * :mod:`jreplicate.ps.coordinator`: TF2 ``ClusterCoordinator`` scheduling and faults,
   composed of :mod:`jreplicate.ps.closure_queue` (the queued and running steps, TF's
   ``_CoordinatedClosureQueue``) and :mod:`jreplicate.ps.admission` (the bounded-staleness
-  gate, the token-starvation detector, the statistics).
+  gate, the token-starvation detector, the statistics) and
+  :mod:`jreplicate.ps.step_record` (what became of the pushes of the steps that ended).
 * :mod:`jreplicate.ps.remote`: :class:`jreplicate.ps.RemoteValue` and the errors.
 * :mod:`jreplicate.ps.executor`: the strategy's executor (registration, scheduling).
 * :mod:`jreplicate.ps.embedded`: shards and workers as objects and threads of this

@@ -68,7 +68,6 @@ from jreplicate.ps.admission import (
     StatsRecorder,
 )
 from jreplicate.ps.closure_queue import ClosureQueue
-from jreplicate.ps.ledger import Ledger
 from jreplicate.ps.remote import (
     ParameterServerError,
     RemoteValue,
@@ -76,6 +75,7 @@ from jreplicate.ps.remote import (
     WorkerLostError,
 )
 from jreplicate.ps.shard import ShardClosedError
+from jreplicate.ps.step_record import StepRecord
 from jreplicate.ps.worker import ApplicationError, Closure
 from jreplicate.ps.worker_input import InputEnded, WorkerInput
 
@@ -175,19 +175,12 @@ class Coordinator:
         # scheduled in, so the end of one sweep never ends another.
         self._input_ended: dict[tuple[int, int], set[int]] = {}
         self._input_exhausted: set[tuple[int, int]] = set()
-        # The ids of the steps that completed (each shard decided their pushes): what a
-        # shard restarted from an older state may have lost (see shard_restart).
-        # Skipped ids are decided there too (without a count).
-        self.completed_ids = Ledger()
-        #: The ids of the steps skipped (ended for good without a push): no shard
-        #: applied them, so a shard restarted from an older state lost nothing of them.
-        #: One int per such step (not per step).
-        self.skipped: set[int] = set()
-        #: Steps that ended with their push on some shards only: ``{step id: message}``.
-        self.half_applied: dict[int, str] = {}
-        # The fate of the push of a step whose worker was lost in it, as the shards said
-        # then: ("half" | "all" | "unknown", decided, not decided, silent shards).
-        self._fates: dict[int, tuple[str, list[int], list[int], list[int]]] = {}
+        #: The record of ended steps (completed, skipped, half applied): see
+        #: :mod:`jreplicate.ps.step_record`. Its sets are these attributes too.
+        self.record = StepRecord()
+        self.completed_ids = self.record.completed_ids
+        self.skipped = self.record.skipped
+        self.half_applied = self.record.half_applied
         _LIVE.add(self)
         with self._queue.lock:
             self._start_threads()
@@ -466,8 +459,7 @@ class Coordinator:
             self._starvation.moved()
             rv = self._values.pop(c.step_id)
             if error is None:
-                self._fates.pop(c.step_id, None)  # pushed by this run to every shard
-                self.completed_ids.record(c.step_id, "applied")
+                self.record.completed(c.step_id)  # pushed by this run to every shard
                 self._stats.completed(w)
             elif self._first_error is None and self._queue.error is None:
                 self._first_error = error
@@ -477,60 +469,20 @@ class Coordinator:
     def _ended(self, c: Closure, error: BaseException, resolved: bool = True
                ) -> BaseException:
         """(Under the lock.) Step ``c`` ends for good without success; returns the error
-        its RemoteValue gets. Its id is skipped on every shard, unless a lost run of it
-        pushed: to every shard (recorded as completed), to some only (the step fails
-        with ParameterServerError and training stops: :meth:`_half_applied`), or of
-        unknown fate; or unless ``resolved`` is False (a shard lost in the step)."""
-        sid = c.step_id
-        fate = self._fates.pop(sid, None)
-        if fate is not None and fate[0] == "half":
-            return self._half_applied(sid, fate, error)
-        if fate is not None and fate[0] == "all":
-            self.completed_ids.record(sid, "applied")  # its update is on every shard
-        elif fate is None and resolved:
-            self.skipped.add(sid)
-            self.completed_ids.skip(sid)
+        its RemoteValue gets (see :meth:`StepRecord.ended`): its id skipped on every
+        shard, or, with its push on some shards only, a ParameterServerError with which
+        training stops (queued steps fail with it)."""
+        got = self.record.ended(c.step_id, error, resolved)
+        if isinstance(got, ParameterServerError):
+            self._first_error = self._first_error or got
+            self._fail(self._queue.mark_failed(got), got)
+            return got
+        if got:
             try:
-                self._skip(sid)
+                self._skip(c.step_id)
             except Exception:  # noqa: BLE001 - a lost shard: its loss is raised elsewhere
                 pass
         return error
-
-    def _half_applied(self, sid: int, fate: tuple, error: BaseException
-                      ) -> ParameterServerError:
-        """(Under the lock.) Step ``sid`` ends with its push on some shards only: the
-        error naming them, with which training stops (queued steps fail with it)."""
-        _, yes, no, silent = fate
-        err = ParameterServerError(
-            f"step {sid} ended for good ({type(error).__name__}: {error}) after a worker "
-            f"was lost in the middle of its push, and no later run pushed it again: "
-            f"shard(s) {yes} decided its push (applied or dropped it) and shard(s) {no} "
-            "never received it"
-            + (f" (shard(s) {silent} did not answer)" if silent else "")
-            + ", so the shards' parameters disagree. Training stops; restore the last "
-            "checkpoint with strategy.restore(state).")
-        err.__cause__ = error
-        self.half_applied[sid] = str(err)
-        self._first_error = self._first_error or err
-        self._fail(self._queue.mark_failed(err), err)
-        return err
-
-    def _note_fate(self, sid: int, answers: list[bool | None] | None) -> None:
-        """(Under the lock.) What the shards said of step ``sid``'s push after its
-        worker was lost in it (``answers``: :meth:`ShardClient.decided`, or None)."""
-        self._fates.pop(sid, None)
-        if answers is None:
-            self._fates[sid] = ("unknown", [], [], [])
-            return
-        yes = [i for i, a in enumerate(answers) if a]
-        no = [i for i, a in enumerate(answers) if a is False]
-        silent = [i for i, a in enumerate(answers) if a is None]
-        if yes and no:
-            self._fates[sid] = ("half", yes, no, silent)
-        elif silent:
-            self._fates[sid] = ("unknown", yes, no, silent)
-        elif yes:
-            self._fates[sid] = ("all", yes, no, silent)
 
     def _end_of_input(self, w: int, c: Closure) -> None:
         """``w``'s pipeline of ``c``'s input sweep is exhausted (or restarted for a later
@@ -596,7 +548,7 @@ class Coordinator:
             except Exception:
                 pass
         with self._queue.lock:
-            self._note_fate(c.step_id, answers[0])
+            self.record.note_fate(c.step_id, answers[0])
             self._alive[w] = False
             if self._replace is not None and not self._queue.stopped:
                 self._replacing.add(w)

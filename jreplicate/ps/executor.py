@@ -228,7 +228,7 @@ class ParameterServerExecutor(Executor):
         skipped = {i for i in self.coordinator.skipped if i < next_id}
         self.next_id = next_id
         self._build([r["params"] for r in restored], self._opt_host, restored)
-        self.coordinator.skipped |= skipped
+        self.coordinator.skipped.update(skipped)
 
     def restart_shard(self, i: int, state: dict[str, Any]) -> ShardRestart:
         """Shard ``i`` back from ``state["shards"][i]`` (see
