@@ -45,8 +45,9 @@ def bounded():
 
 
 # -- ParameterServerStrategy, PER_WORKER input, epochs --------------------------------
-def _ps_job(num_workers: int, per_pipeline: int, gate: threading.Event | None = None):
-    s = jr.ParameterServerStrategy(num_ps=1, num_workers=num_workers)
+def _ps_job(num_workers: int, per_pipeline: int, gate: threading.Event | None = None,
+            **strategy):
+    s = jr.ParameterServerStrategy(num_ps=1, num_workers=num_workers, **strategy)
     rep = jr.Replicator(s)
     with rep.scope():
         w = jnp.zeros(2)
@@ -756,26 +757,14 @@ def test_ps_per_worker_a_failed_step_keeps_its_element():
         s.shutdown()
 
 
+def _fails(ctx, x, w, opt):
+    raise RuntimeError("the step failed")
+
+
 def test_ps_per_worker_a_failed_step_keeps_its_elements_in_a_sync_group_and_sweep():
     """A sync group of 2 replicas: the failed step's two elements go to the next step;
-    a step failing in its token-free update (a shard's update raising) keeps them too;
     reinitialize() drops what a failed step of the old sweep held."""
-    s = jr.ParameterServerStrategy(num_ps=1, num_workers=1, num_replicas_in_sync=2)
-    rep = jr.Replicator(s)
-    with rep.scope():
-        w = jnp.zeros(2)
-        tx = jr.ps.pushable(optax.sgd(1.0))
-        opt = tx.init(w)
-
-    def input_fn(ctx):
-        return (np.array([ctx.input_pipeline_id, i], np.float32) for i in range(6))
-
-    def step(ctx, x, w, opt):
-        u, opt = tx.update(jax.grad(lambda w: jnp.sum(w * x))(w), opt, w)
-        return optax.apply_updates(w, u), opt, ctx.all_gather(x)
-
-    def fails(ctx, x, w, opt):
-        raise RuntimeError("the step failed")
+    s, rep, w, opt, step, input_fn = _ps_job(1, 6, num_replicas_in_sync=2)
 
     def seen(v):
         return [tuple(int(a) for a in row) for row in np.asarray(v.fetch()[2]).reshape(-1, 2)]
@@ -783,13 +772,13 @@ def test_ps_per_worker_a_failed_step_keeps_its_elements_in_a_sync_group_and_swee
     try:
         it = rep.prepare_input(input_fn)
         a = rep.run(step, it, w, opt)
-        rep.run(fails, it, w, opt)
+        rep.run(_fails, it, w, opt)
         with pytest.raises(RuntimeError):
             rep.join()
         b = rep.run(step, it, w, opt)
         rep.join()
         assert seen(a) == [(0, 0), (0, 1)] and seen(b) == [(0, 2), (0, 3)]
-        rep.run(fails, it, w, opt)  # holds (0, 4), (0, 5) of this sweep
+        rep.run(_fails, it, w, opt)  # holds (0, 4), (0, 5) of this sweep
         with pytest.raises(RuntimeError):
             rep.join()
         it.reinitialize()
@@ -802,7 +791,7 @@ def test_ps_per_worker_a_failed_step_keeps_its_elements_in_a_sync_group_and_swee
 
 
 @pytest.mark.usefixtures("bounded")
-def test_ps_ray_a_failed_step_keeps_its_element_and_a_replacement_reads_it(tmp_path):
+def test_ps_ray_a_failed_step_keeps_its_element_and_a_replacement_reads_it():
     """On Ray: the failed step's element goes to the worker actor's next step; a worker
     whose process dies while it holds one is replaced where its last successful step
     left its pipeline (the position the actor reports excludes the held element)."""
@@ -812,33 +801,17 @@ def test_ps_ray_a_failed_step_keeps_its_element_and_a_replacement_reads_it(tmp_p
 
     ray_dir = private_ray()
     next(ray_dir)
-    s = jr.ParameterServerStrategy(num_ps=1, num_workers=1, carrier="ray")
+    s, rep, w, opt, step, input_fn = _ps_job(1, 8, carrier="ray")
     try:
-        rep = jr.Replicator(s)
-        with rep.scope():
-            w = jnp.zeros(2)
-            tx = jr.ps.pushable(optax.sgd(1.0))
-            opt = tx.init(w)
-
-        def input_fn(ctx):
-            return (np.array([ctx.input_pipeline_id, i], np.float32) for i in range(8))
-
-        def step(ctx, x, w, opt):
-            u, opt = tx.update(jax.grad(lambda w: jnp.sum(w * x))(w), opt, w)
-            return optax.apply_updates(w, u), opt, x
-
-        def fails(ctx, x, w, opt):
-            raise RuntimeError("the step failed")
-
         it = rep.prepare_input(input_fn)
         values = [rep.run(step, it, w, opt)]
-        rep.run(fails, it, w, opt)
+        rep.run(_fails, it, w, opt)
         with pytest.raises(RuntimeError, match="the step failed"):
             rep.join()
         values.append(rep.run(step, it, w, opt))  # takes the failed step's element 1
         rep.join()
         seen = _ps_seen(values)  # (fetched: the actor holding them is killed below)
-        rep.run(fails, it, w, opt)  # holds element 2
+        rep.run(_fails, it, w, opt)  # holds element 2
         with pytest.raises(RuntimeError, match="the step failed"):
             rep.join()
         jrt.kill_worker(s, 0, when="crash")  # Ray restarts the actor in a new process
