@@ -436,6 +436,20 @@ def _batch(tag=0, value=1.0):
             "tag": np.int32(tag)}
 
 
+def test_a_step_running_at_shutdown_ends_with_the_public_step_cancelled_error():
+    """A step that computes while the strategy shuts down meets its closed shards when
+    it pushes: it ends with jr.ps.StepCancelledError (it was the private
+    ShardClosedError, which no public name lets a caller catch)."""
+    s, rep, params, opt, step = _sgd_job(num_ps=2, workers=1)
+    rep.run(step, _batch(), params, opt).fetch(timeout=BOUND_S)  # compiled
+    jrt.set_worker_delay(s, 0, 0.3)
+    value = rep.run(step, _batch(1), params, opt)
+    time.sleep(0.1)  # running: in its delay, before its push
+    s.shutdown()
+    with pytest.raises(StepCancelledError, match="shut down while step"):
+        value.fetch(timeout=BOUND_S)
+
+
 @pytest.mark.parametrize("token_gated", [False, True])
 def test_a_step_whose_worker_dies_during_shutdown_ends_and_join_returns(token_gated):
     """Shutdown while worker 0 computes a step it will die in: the step used to go

@@ -432,8 +432,8 @@ class Coordinator:
         # A shard lost (or closed) in the step: its push may be on some shards only, and
         # the shards cannot all tell; its id is left undecided (resolved=False).
         except ShardClosedError as e:
-            self._finish(w, c, error=e if self._queue.stopped else self._shard_lost(e),
-                         resolved=False)
+            self._finish(w, c, error=_shut_down_while_running(c, e) if self._queue.stopped
+                         else self._shard_lost(e), resolved=False)
         except ParameterServerError as e:  # the shards disagree (see ShardClient)
             self._finish(w, c, error=self._shard_lost(e), resolved=False)
         except BaseException as e:  # a worker failure: retry elsewhere
@@ -643,6 +643,16 @@ class Coordinator:
     def _fail_all(self, error: BaseException) -> None:
         self._first_error = self._first_error or error
         self._fail(self._queue.drain(), error)
+
+
+def _shut_down_while_running(c: Closure, e: ShardClosedError) -> StepCancelledError:
+    """The error of step ``c``, running when the strategy shut down (its shards closed):
+    a public one (``jr.ps.StepCancelledError``), the shard's as its cause."""
+    err = StepCancelledError(f"the strategy shut down while step {c.step_id} ran (its "
+                             "shards closed before it pushed or pulled); nothing ran it "
+                             "again")
+    err.__cause__ = e
+    return err
 
 
 def _not_run(c: Closure) -> StopIteration:
