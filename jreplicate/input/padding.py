@@ -57,9 +57,10 @@ def pad_element(leaves: list, paths: list, spec: list, b: int, replica_id: int
                 ) -> list:
     """``leaves`` padded with zero rows to ``spec``, plus the mask as a last leaf."""
     n = leaves[0].shape[0] if leaves and leaves[0].ndim else b
+    first = (path_str(paths[0]) or "the root") if paths else "the root"
     out, problems = [], []
     for x, (shape, dtype), path in zip(leaves, spec, paths):
-        if x.shape == shape and x.dtype == dtype:
+        if x.shape == shape and x.dtype == dtype and n == b:
             out.append(x)
             continue
         if (x.dtype == dtype and x.ndim == len(shape) and x.ndim and x.shape[0] == n
@@ -69,7 +70,7 @@ def pad_element(leaves: list, paths: list, spec: list, b: int, replica_id: int
         problems.append(ValueError(
             f"input element of replica {replica_id} at {path_str(path) or 'the root'} has "
             f"shape {x.shape} and dtype {x.dtype}, but the first step's elements had "
-            f"{shape} and {dtype} (and this element's batch is {n}). With "
+            f"{shape} and {dtype} (and this element's batch is {n}, as at {first}). With "
             "partial_batch='pad' an element may only be shorter along its leading axis, "
             "by the same number of rows in every leaf."
         ))
