@@ -34,14 +34,19 @@ class InputIterator:
     pytree of :class:`jreplicate.PerReplica`.
 
     **Final partial batch** (``prepare_input(..., partial_batch=...)``). Elements must
-    all have the structure and shapes of the first step. With ``"drop"`` (default), a
-    step in which any replica's element is smaller along the leading (batch) axis, or
-    in which a pipeline runs out, ends the iteration (StopIteration) and its elements
-    are dropped with a warning, so a step never recompiles for a short batch. With
-    ``"pad"`` such a step is padded with zeros to the first step's shapes (a replica
-    whose pipeline has run out gets all padding) and runs; the step reads
-    ``ctx.batch_mask`` to count real examples only; the iteration ends when every
-    pipeline has run out.
+    all have the structure and shapes of the first step, except a partial batch: every
+    batched leaf shorter along its leading axis by the same number of rows (leaves that
+    disagree are an error; see :mod:`jreplicate.input.partial`). With ``"drop"``
+    (default), a step in which a pipeline runs out, or a replica's element is a partial
+    batch that ends its pipeline, ends the iteration (StopIteration) and its elements
+    are dropped with a warning, so a step never recompiles for a short batch; a partial
+    batch that its pipeline follows with more elements is an error of the step that
+    read it (dropping it would lose the rest of the input), found by reading one element
+    ahead at a partial batch only. With ``"pad"`` a step with partial batches (at a
+    pipeline's end or in its middle) or run-out pipelines is padded with zeros to the
+    first step's shapes (a replica whose pipeline has run out gets all padding) and
+    runs; the step reads ``ctx.batch_mask`` to count real examples only; the iteration
+    ends when every pipeline has run out.
 
     **Failures.** A ``run`` that raises (its step fails to trace, an argument is
     rejected, Ctrl-C) consumes no input: its batch, or its device loop's batches, go
@@ -210,7 +215,9 @@ class InputIterator:
     # -- reading -----------------------------------------------------------------
     def _read(self, ids: tuple[int, ...]) -> list[Any]:
         """One element per replica fed here (``ids``), in that order, each flattened and
-        copied as soon as it is read (see :func:`_flatten`)."""
+        copied as soon as it is read (see :func:`_flatten`), or :data:`padding.ENDED`
+        where its pipeline ran out (StopIteration where every one did, or where the only
+        pipeline ran out before the step's first element)."""
         if self._reopen_error is not None:
             e = self._reopen_error
             raise RuntimeError(

@@ -1,8 +1,9 @@
 """Exact final batches: ``prepare_input(..., partial_batch="pad")`` (private helpers).
 
-A step in which some elements are shorter along their leading (batch) axis, or some
-pipelines have run out while others have not, is padded to the first step's shapes with
-zeros, and a mask of the real examples travels with the batch: the step reads it as
+A step in which some elements are shorter along their leading (batch) axis (every leaf
+by the same number of rows; at a pipeline's end or in its middle), or some pipelines
+have run out while others have not, is padded to the first step's shapes with zeros,
+and a mask of the real examples travels with the batch: the step reads it as
 ``ctx.batch_mask`` (float32, ``[per-replica batch]``, 1 for real examples, 0 for
 padding). Shapes never change, so nothing recompiles.
 """

@@ -26,6 +26,11 @@ Semantics:
   applied it (its function raised, its token wait was cancelled or timed out, a shard's
   update raised for its push) leaves them for the next step of the same sweep on that
   worker, as SPMD strategies retry a failed step's batch;
+* partial batches (:mod:`jreplicate.input.partial`): a step that reads a pipeline's
+  final element as a partial batch is dropped with a warning, and the pipeline is
+  exhausted; a partial batch that the pipeline follows with more elements, or an
+  element whose leaves disagree on the batch length, is that step's error
+  (``RemoteValue.fetch()`` and ``join`` raise it) and the next step reads on;
 * end of input: a worker whose pipeline is exhausted hands the step back (it runs on a
   worker that still has input) and takes no more steps of this iterator; once every
   live worker's pipeline is exhausted, the steps still queued are not run (their
