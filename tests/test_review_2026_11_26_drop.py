@@ -189,9 +189,12 @@ def test_per_replica_pipelines(ordered, prefetch, steps):
     assert len(warned) == 1 and DROPPED in warned[0]
 
 
-def test_a_source_whose_read_ahead_raises_raises_that_error_and_reads_on():
-    """The read ahead at a shorter element raises: that step raises the error (its
-    elements go with it, as for any read error), and the next step reads on."""
+@pytest.mark.parametrize("mode", [M.SINGLE, M.PER_REPLICA])
+def test_a_read_ahead_that_raises_is_no_end_and_the_next_step_raises_it(mode):
+    """The read ahead at a shorter element raises: the pipeline did not end there, so
+    the step is a mid-stream partial batch; the read's error is the next step's (so
+    that per-replica pipelines stay in step: each gives one element or error a step),
+    and the step after it reads on."""
     rep = _rep()
 
     class Source:
@@ -208,11 +211,24 @@ def test_a_source_whose_read_ahead_raises_raises_that_error_and_reads_on():
                 raise item
             return item
 
-    it = rep.prepare_input(lambda ctx: Source(), M.SINGLE, prefetch_on_device=False)
-    it.get_next()
-    with pytest.raises(OSError, match="bad record"):
+    it = rep.prepare_input(lambda ctx: Source(), mode, prefetch_on_device=False)
+    if mode is M.SINGLE:
         it.get_next()
-    np.testing.assert_array_equal(np.asarray(it.get_next()["y"].array)[:, 0], [5, 6])
+        with pytest.raises(ValueError, match=_error(2, 1, 0)):
+            it.get_next()
+        with pytest.raises(OSError, match="bad record"):
+            it.get_next()
+        np.testing.assert_array_equal(np.asarray(it.get_next()["y"].array)[:, 0], [5, 6])
+    else:
+        for i in range(3):
+            np.testing.assert_array_equal(np.asarray(it.get_next()["y"].array)[:, 0], [i, i])
+        with pytest.raises(ValueError) as info:
+            it.get_next()
+        assert _error(4, 0, 0).search(str(info.value)) and "replica 1 (input pipeline 1)" in \
+            str(info.value)
+        with pytest.raises(OSError, match="bad record"):
+            it.get_next()
+        np.testing.assert_array_equal(np.asarray(it.get_next()["y"].array)[:, 0], [5, 5])
 
 
 def test_a_callable_source_never_ends_so_a_shorter_element_is_an_error():
