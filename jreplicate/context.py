@@ -87,8 +87,8 @@ class ReplicaContext:
         if self._mask is None:
             raise ValueError(
                 "ctx.batch_mask exists when the step's input comes from "
-                "rep.prepare_input(input_fn, ..., partial_batch='pad'), which pads the final "
-                "partial batch and marks the padding; this step's input does not pad."
+                "rep.prepare_input(input_fn, ..., partial_batch='pad'), which pads partial "
+                "batches and marks the padding; this step's input does not pad."
             )
         return self._mask
 

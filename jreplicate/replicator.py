@@ -155,11 +155,15 @@ class Replicator:
           enforce_ordering: read pipelines strictly in replica-id order (replica 0
             before replica 1). Otherwise per-replica pipelines are read concurrently.
           prefetch_buffer_size: batches kept ready when prefetching (default 1).
-          partial_batch: what happens to a final step in which some elements are
-            shorter along their leading (batch) axis, or some pipelines have run out
-            while others have not. ``"drop"`` (default): the step is dropped with a
-            warning and the iteration ends. ``"pad"``: the step is padded with zeros to
-            the first step's shapes and runs; the step function reads
+          partial_batch: what happens to a step in which some elements are partial
+            batches (every batched leaf shorter along its leading axis by the same
+            number of rows; leaves that disagree are an error), or some pipelines have
+            run out while others have not. ``"drop"`` (default): the final step is
+            dropped with a warning and the iteration ends; only a pipeline's final
+            element may be partial (one that more elements follow is an error naming
+            the replica, pipeline, step and leaf, as dropping it would lose the rest).
+            ``"pad"``: the step is padded with zeros to the first step's shapes and
+            runs, wherever its partial batches are; the step function reads
             ``ctx.batch_mask`` (1 for real examples, 0 for padding) to weight its loss
             and count examples, so every example counts exactly once, on every sweep,
             without a recompilation. Every leaf needs the batch as its leading axis.

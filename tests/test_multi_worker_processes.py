@@ -259,7 +259,8 @@ def test_validation_is_identical_on_every_process():
     for rank, name, kind, msg in re.findall(r"\[p(\d)\] RESULT (\w+) (\w+) ?(.*)", r.stdout):
         results.setdefault(name, {})[int(rank)] = (kind, msg)
     assert set(results) == {"batch_differs", "input_error", "shorter", "indivisible",
-                            "single_shape", "save_per_replica", "arg_bits", "arg_differs"}
+                            "single_shape", "save_per_replica", "arg_bits", "arg_differs",
+                            "short_mid_stream", "short_final"}
     for name, by_rank in results.items():
         assert set(by_rank) == {0, 1}, name
         assert by_rank[0][0] == by_rank[1][0], (name, by_rank)  # same outcome everywhere
@@ -271,6 +272,15 @@ def test_validation_is_identical_on_every_process():
         "ValueError: corrupt record in shard 1")
     assert results["input_error"][1] == ("ValueError", "corrupt record in shard 1")
     assert results["shorter"][0] == results["shorter"][1] == ("ok", "2")
+    # A shorter element that more elements follow, on one process: the same error on
+    # every process; a final one (process 1's) ends the input everywhere, dropped.
+    assert results["short_mid_stream"][1][0] == "ValueError"
+    assert results["short_mid_stream"][1][1].startswith(
+        "input element of replica 3 (input pipeline 1), read for step 2 of this sweep")
+    assert results["short_mid_stream"][0] == (
+        "ValueError", "reading the input on process 1 failed, so every process stops: "
+        "ValueError: " + results["short_mid_stream"][1][1])
+    assert results["short_final"][0] == results["short_final"][1] == ("ok", "2")
     assert results["indivisible"][0][0] == "ValueError"
     assert "not divisible by the 4 replicas" in results["indivisible"][0][1]
     assert results["single_shape"][0][0] == "ValueError"

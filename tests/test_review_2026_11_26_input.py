@@ -194,18 +194,21 @@ def _features(ids) -> np.ndarray:
 
 
 class _Examples:
-    """Pipeline ``p``'s examples ``p * 1000 + j`` for j < ``n``, in elements of ``B``
-    rows (the last one shorter where ``B`` does not divide ``n``), each a dict
-    ``{"id": int32 [rows], "x": float32 [rows, DIM]}``. Reading element ``i`` in ``bad``
-    raises OSError (the next read goes on with element ``i + 1``); re-iterable, so
-    ``reinitialize()`` restarts it, with the same bad elements."""
+    """Pipeline ``p``'s examples ``p * 1000 + j`` for j < ``n``, split into ``files``
+    consecutive files, each in elements of ``B`` rows (a file's last one shorter where
+    ``B`` does not divide its length: with several files, a shorter element mid-stream),
+    each a dict ``{"id": int32 [rows], "x": float32 [rows, DIM]}``. Reading element
+    ``i`` in ``bad`` raises OSError (the next read goes on with element ``i + 1``);
+    re-iterable, so ``reinitialize()`` restarts it, with the same bad elements."""
 
-    def __init__(self, p: int, n: int, bad: frozenset):
-        self.p, self.n, self.bad = p, n, bad
+    def __init__(self, p: int, n: int, bad: frozenset, files: int = 1):
+        self.p, self.n, self.bad, self.files = p, n, bad, files
 
     def elements(self) -> list[list[int]]:
         ids = [self.p * 1000 + j for j in range(self.n)]
-        return [ids[i:i + B] for i in range(0, self.n, B)]
+        cuts = [self.n * f // self.files for f in range(self.files + 1)]
+        return [ids[i:min(i + B, end)] for start, end in zip(cuts, cuts[1:])
+                for i in range(start, end, B)]
 
     def __iter__(self):
         for i, ids in enumerate(self.elements()):
@@ -248,7 +251,8 @@ class _ReIterable:
 class _ExampleModel:
     """What in-line reading (K separate runs) gives, step by step: ``("ok", ids)`` with
     ``ids[r]`` the ``B`` example ids replica r sees (-1 for padding), ``("error",
-    (pipeline, element))`` or ``("end",)``."""
+    (pipeline, element))``, ``("error", "shape")``, ``("error", "mid")`` (under "drop",
+    a partial batch that its pipeline follows with more elements) or ``("end",)``."""
 
     def __init__(self, sources: list[_Examples], replicas: int, pad: bool):
         self.elements = [s.elements() for s in sources]
@@ -274,31 +278,43 @@ class _ExampleModel:
                 if i < len(els) and i in bad:
                     return ("error", (0, i))  # the step's elements read before are gone
                 if i >= len(els) and not self.pad:
-                    return self._end()  # what the step read is dropped
+                    if not got:
+                        return self._end()
+                    break  # what the step read is checked, then dropped
                 got.append(els[i] if i < len(els) else None)
-            return self._outcome(got)
+            ended = self.pos > len(els)  # (the read ahead never consumes: pos stays)
+            followed = [k < len(got) - 1 or not ended and self.pos < len(els)
+                        for k in range(len(got))]
+            return self._outcome(got, followed, ended)
         s, self.pos = self.pos, self.pos + 1
         errors = [r for r, (els, bad) in enumerate(zip(self.elements, self.bad))
                   if s < len(els) and s in bad]
         if errors:
             return ("error", (errors[0], s))
-        return self._outcome([els[s] if s < len(els) else None for els in self.elements])
+        return self._outcome([els[s] if s < len(els) else None for els in self.elements],
+                             [s + 1 < len(els) for els in self.elements], False)
 
     def _end(self):
         self.ended = True
         return ("end",)
 
-    def _outcome(self, got):
-        if all(g is None for g in got) or (not self.pad and None in got):
+    def _outcome(self, got, followed, ended):
+        """The step of elements ``got`` (None: the pipeline ran out), ``followed[k]``:
+        whether element k's pipeline has an element after it; ``ended``: a pipeline
+        ran out after the step's elements."""
+        if all(g is None for g in got):
             return self._end()
         real = [g for g in got if g is not None]
         if self.rows is None:  # padded: the largest element's; else replica 0's
             self.rows = max(map(len, real)) if self.pad else len(real[0])
-        for g in real:  # the first element of another length decides, as the check does
-            if len(g) > self.rows:
-                return ("error", "shape")  # more rows than the first step: an error
-            if len(g) < self.rows and not self.pad:
-                return self._end()  # a final partial batch, dropped
+        if any(len(g) > self.rows for g in real):
+            return ("error", "shape")  # more rows than the first step: an error
+        if not self.pad:
+            if any(g is not None and len(g) < self.rows and f
+                   for g, f in zip(got, followed)):
+                return ("error", "mid")  # a partial batch more elements follow
+            if ended or None in got or any(len(g) < self.rows for g in real):
+                return self._end()  # a final partial step, dropped
         return ("ok", [(g or []) + [-1] * (self.rows - len(g or [])) for g in got])
 
     def _at(self, idx):
@@ -374,20 +390,21 @@ class ComposedInputMachine(RuleBasedStateMachine):
     """One training run (SGD on a masked global-mean loss, state donated or not) driven
     through random single steps, device loops of changing K, steps that raise after
     taking their batch, and re-initialisations, over examples that do not fill the last
-    element, with sources that raise at chosen elements, on 2 replicas or 4 replicas of
-    2 logical devices. Every step must see the ids the model says (each example once per
-    sweep, padding masked), and the state must equal the NumPy reference."""
+    element (of each of 1 to 3 files: partial batches mid-stream), with sources that
+    raise at chosen elements, on 2 replicas or 4 replicas of 2 logical devices. Every
+    step must see the ids the model says (each example once per sweep, padding masked),
+    and the state must equal the NumPy reference."""
 
     @initialize(layout=st.sampled_from(["2", "4x2"]),
                 per_replica=st.booleans(),
                 sizes=st.lists(st.integers(B, 7 * B + 1), min_size=4, max_size=4),
                 bads=st.lists(st.sets(st.integers(0, 7), max_size=2), min_size=4,
                               max_size=4),
-                pad=st.booleans(), donate=st.booleans(),
+                files=st.integers(1, 3), pad=st.booleans(), donate=st.booleans(),
                 prefetch=st.sampled_from([False, True, None, "switching"]),
                 single=st.booleans(), ordered=st.booleans(), buffer=st.integers(1, 3))
-    def setup(self, layout, per_replica, sizes, bads, pad, donate, prefetch, single,
-              ordered, buffer):
+    def setup(self, layout, per_replica, sizes, bads, files, pad, donate, prefetch,
+              single, ordered, buffer):
         self.saved = {name: getattr(auto, name) for name in FAST_AUTO}
         if prefetch == "switching":  # the default, with a prefetch trial every few steps
             for name, value in FAST_AUTO.items():
@@ -396,7 +413,7 @@ class ComposedInputMachine(RuleBasedStateMachine):
         self.rep = rep = _layout_rep(layout)
         r = rep.num_replicas
         n = r if per_replica else 1
-        sources = [_Examples(p, sizes[p], frozenset(bads[p])) for p in range(n)]
+        sources = [_Examples(p, sizes[p], frozenset(bads[p]), files) for p in range(n)]
         self.model = _ExampleModel(sources, r, pad)
         mode = M.PER_REPLICA if per_replica else (M.SINGLE if single else M.PER_WORKER)
         self.it = rep.prepare_input(
@@ -428,6 +445,8 @@ class ComposedInputMachine(RuleBasedStateMachine):
         except (RuntimeError, ValueError) as e:
             if "the first step's elements had" in str(e):
                 return ("error", "shape"), None
+            if "is a partial batch" in str(e) and "more elements after it" in str(e):
+                return ("error", "mid"), None
             if "the step failed" in str(e) or "donated to an earlier step" in str(e) \
                     or "deleted" in str(e):
                 return ("failed",), None

@@ -7,9 +7,10 @@ pipelines: one, one per worker, one per replica) and :class:`InputContext` (what
 global sharded batches and, across processes, agrees on end of input and errors through
 ``protocol.py`` (each process's typed read outcome and the pure decision from them);
 ``staging.py`` the prefetch staging of single steps and device loops, ``prefetch.py``
-its background threads and ``auto.py`` the automatic choice of prefetch; ``padding.py``
-exact final batches (``partial_batch="pad"``, ``batch_mask``); ``shutdown.py`` the
-pipeline at interpreter exit. The input layer sits beside the executors: it imports
+its background threads and ``auto.py`` the automatic choice of prefetch; ``partial.py``
+what a partial batch is and where one may be dropped; ``padding.py`` exact final
+batches (``partial_batch="pad"``, ``batch_mask``); ``shutdown.py`` the pipeline at
+interpreter exit. The input layer sits beside the executors: it imports
 the strategy protocol and the layout, never a concrete strategy.
 """
 

@@ -11,7 +11,7 @@ import numpy as np
 
 from jreplicate import _wire
 from jreplicate._tree import check_fits, is_array_like, path_str, report
-from jreplicate.input import padding
+from jreplicate.input import padding, partial
 from jreplicate.input.context import InputContext, InputReplicationMode
 from jreplicate.input.prefetch import ReaderPool
 from jreplicate.input.protocol import Action, ReadOutcome, decide
@@ -34,14 +34,19 @@ class InputIterator:
     pytree of :class:`jreplicate.PerReplica`.
 
     **Final partial batch** (``prepare_input(..., partial_batch=...)``). Elements must
-    all have the structure and shapes of the first step. With ``"drop"`` (default), a
-    step in which any replica's element is smaller along the leading (batch) axis, or
-    in which a pipeline runs out, ends the iteration (StopIteration) and its elements
-    are dropped with a warning, so a step never recompiles for a short batch. With
-    ``"pad"`` such a step is padded with zeros to the first step's shapes (a replica
-    whose pipeline has run out gets all padding) and runs; the step reads
-    ``ctx.batch_mask`` to count real examples only; the iteration ends when every
-    pipeline has run out.
+    all have the structure and shapes of the first step, except a partial batch: every
+    batched leaf shorter along its leading axis by the same number of rows (leaves that
+    disagree are an error; see :mod:`jreplicate.input.partial`). With ``"drop"``
+    (default), a step in which a pipeline runs out, or a replica's element is a partial
+    batch that ends its pipeline, ends the iteration (StopIteration) and its elements
+    are dropped with a warning, so a step never recompiles for a short batch; a partial
+    batch that its pipeline follows with more elements is an error of the step that
+    read it (dropping it would lose the rest of the input), found by reading one element
+    ahead at a partial batch only. With ``"pad"`` a step with partial batches (at a
+    pipeline's end or in its middle) or run-out pipelines is padded with zeros to the
+    first step's shapes (a replica whose pipeline has run out gets all padding) and
+    runs; the step reads ``ctx.batch_mask`` to count real examples only; the iteration
+    ends when every pipeline has run out.
 
     **Failures.** A ``run`` that raises (its step fails to trace, an argument is
     rejected, Ctrl-C) consumes no input: its batch, or its device loop's batches, go
@@ -88,6 +93,7 @@ class InputIterator:
         self._spec: list | None = None
         self._first: tuple | None = None  # the first step's structure and leaf paths
         self._sweep = 1  # counts reinitialize(); dropped batches warn on every sweep
+        self._step = 0  # steps read in this sweep (named by a mid-stream partial batch)
         self._exhausted = False
         # What a reinitialize() that did not reopen every pipeline raised: reads raise
         # until one succeeds (the pipelines are then in different sweeps).
@@ -196,6 +202,7 @@ class InputIterator:
             raise
         self._exhausted = False
         self._sweep += 1
+        self._step = 0
         return []
 
     def close(self) -> None:
@@ -208,7 +215,9 @@ class InputIterator:
     # -- reading -----------------------------------------------------------------
     def _read(self, ids: tuple[int, ...]) -> list[Any]:
         """One element per replica fed here (``ids``), in that order, each flattened and
-        copied as soon as it is read (see :func:`_flatten`)."""
+        copied as soon as it is read (see :func:`_flatten`), or :data:`padding.ENDED`
+        where its pipeline ran out (StopIteration where every one did, or where the only
+        pipeline ran out before the step's first element)."""
         if self._reopen_error is not None:
             e = self._reopen_error
             raise RuntimeError(
@@ -228,8 +237,12 @@ class InputIterator:
                     got.append(take(k))
                 except StopIteration:
                     if not self._pad and len(self._pipelines) == 1:
-                        self._warn(_dropped_message(len(got), n))
-                        raise
+                        if not got:
+                            raise  # the end, at a step's start: nothing to drop
+                        # The elements read are checked (a shorter one among them
+                        # that more elements follow is an error; see _check_shapes).
+                        got += [padding.ENDED] * (n - len(got))
+                        break
                     # Every pipeline is read, in order, as the concurrent reads below
                     # do: another pipeline's error in this step is raised, not hidden
                     # by this end.
@@ -245,9 +258,6 @@ class InputIterator:
                 raise error
             if got and all(e is padding.ENDED for e in got):
                 raise StopIteration
-            if not self._pad and any(e is padding.ENDED for e in got):
-                self._warn(_dropped_message(sum(e is not padding.ENDED for e in got), n))
-                raise StopIteration
             return got
         # Distinct pipelines per replica: read them concurrently, on daemon threads kept
         # for the iterator's life (a new pool per step costs milliseconds). A stalled
@@ -259,14 +269,10 @@ class InputIterator:
         for e in errors:  # an error, even where another pipeline ended in this step
             if e is not None and not isinstance(e, StopIteration):
                 raise e
-        if self._pad:
-            results = [(padding.ENDED, None) if e is not None else (v, e) for v, e in results]
-            if all(v is padding.ENDED for v, _ in results):
-                raise StopIteration
-        elif any(e is not None for e in errors):
-            self._warn(_dropped_message(sum(e is None for e in errors), n))
+        got = [padding.ENDED if e is not None else v for v, e in results]
+        if all(v is padding.ENDED for v in got):
             raise StopIteration
-        return [value for value, _ in results]
+        return got
 
     def _assemble(self, leaves: list, treedef: Any) -> Any:
         return self._executor.assemble(leaves, treedef)
@@ -276,17 +282,16 @@ class InputIterator:
         element, and their tree structure."""
         if self._exhausted:
             raise StopIteration
+        self._step += 1
         if self._agreement is not None:
             flat, treedef = self._produce_shared()
             return [leaves for leaves, _, _ in flat], treedef
         ids = self._strategy.local_replica_ids
         try:
-            elements = self._read(ids)
+            flat, treedef = self._check(self._read(ids), ids)
         except StopIteration:
             self._exhausted = True
             raise
-        try:
-            flat, treedef = self._check(elements, ids)
         except _PartialBatch as e:
             self._exhausted = True
             self._warn(f"a final partial batch ({e})")
@@ -294,11 +299,23 @@ class InputIterator:
         return [leaves for leaves, _, _ in flat], treedef
 
     def _check(self, flat: list[Any], ids: tuple[int, ...]) -> tuple[list, Any]:
-        """The read elements (flattened) checked against each other and the first step."""
+        """The read elements (flattened; :data:`padding.ENDED` for a replica whose
+        pipeline ran out) checked against each other and the first step.
+
+        Raises:
+          StopIteration: (``"drop"``) a pipeline ran out in this step, whose elements are
+            dropped (with a warning), once they pass the checks.
+          _PartialBatch: (``"drop"``) a final partial batch, to drop.
+          ValueError: an element is wrong (see :meth:`_check_shapes`).
+        """
         if self._pad:
             return self._check_padded(flat, ids)
-        treedef = self._check_structure(flat, ids)
+        real = [k for k, e in enumerate(flat) if e is not padding.ENDED]
+        treedef = self._check_structure([flat[k] for k in real], tuple(ids[k] for k in real))
         self._check_shapes(flat, ids)
+        if len(real) < len(flat):
+            self._warn(_dropped_message(len(real), len(flat)))
+            raise StopIteration
         return flat, treedef
 
     def _check_structure(self, flat: list, ids: tuple[int, ...]) -> Any:
@@ -414,29 +431,46 @@ class InputIterator:
                 for r in self._strategy.local_replica_ids]
 
     def _check_shapes(self, flat: list, ids: tuple[int, ...]) -> None:
-        """Raises for every leaf, of every replica's element, whose shape or dtype is not
-        the first step's (all at once), or :class:`_PartialBatch` where the first such
-        leaf is only shorter along its leading axis (a final partial batch)."""
-        problems = []
-        for k, (leaves, _, paths) in enumerate(flat):
-            rid = ids[k]
-            for x, (shape, dtype), path in zip(leaves, self._spec, paths):
-                if x.shape == shape and x.dtype == dtype:
-                    continue
-                if (x.ndim == len(shape) and x.ndim and x.shape[1:] == shape[1:]
-                        and x.shape[0] < shape[0]):
-                    if problems:
-                        continue  # the step is wrong anyway: the leaves that are say so
-                    raise _PartialBatch(
-                        f"replica {rid} got {x.shape[0]} examples at {path_str(path) or 'root'}"
-                        f", the others {shape[0]}")
-                problems.append(ValueError(
-                    f"input element of replica {rid} at {path_str(path) or 'the root'} has "
-                    f"shape {x.shape} and dtype {x.dtype}, but the first step's elements "
-                    f"had {shape} and {dtype}. Elements must keep one shape and dtype (only "
-                    "a smaller final batch is allowed, and it is dropped)."
-                ))
+        """Checks every element read against the first step's shapes and dtypes.
+
+        Raises every wrong leaf of every replica's element at once; then, for a partial
+        batch (see :mod:`jreplicate.input.partial`) that its pipeline follows with more
+        elements (a later element of this step, or the one read ahead for the last),
+        a ValueError; otherwise :class:`_PartialBatch` for a final partial batch.
+        ``padding.ENDED`` entries (pipelines that ran out) are skipped.
+        """
+        problems, shorts = [], []
+        for k, item in enumerate(flat):
+            if item is padding.ENDED:
+                continue
+            leaves, _, paths = item
+            short, wrong = partial.rows_of(
+                leaves, [path_str(p) or "the root" for p in paths], self._spec,
+                f"input element of replica {ids[k]}")
+            problems += wrong
+            if short is not None:
+                shorts.append((k, short))
         report(problems, STEP)
+        if not shorts:
+            return
+        for k, short in shorts:
+            if not self._ends_after(flat, k):
+                pipeline = self._pipelines[self._feeds[k]].ctx.input_pipeline_id
+                problems.append(partial.mid_stream(
+                    f"input element of replica {ids[k]} (input pipeline {pipeline})",
+                    short, self._step))
+        report(problems, STEP)
+        k, short = shorts[0]
+        raise _PartialBatch(partial.detail(ids[k], short))
+
+    def _ends_after(self, flat: list, k: int) -> bool:
+        """Whether the pipeline of step element ``k`` has no element after it: a later
+        element of this step from the same pipeline says, else one read ahead."""
+        feed = self._feeds[k]
+        later = [flat[j] for j in range(k + 1, len(flat)) if self._feeds[j] == feed]
+        if later:
+            return later[0] is padding.ENDED
+        return self._pipelines[feed].at_end()
 
 #: What several bad leaves of one step's elements are reported under.
 STEP = "this step's input"

@@ -1,8 +1,9 @@
 """Exact final batches: ``prepare_input(..., partial_batch="pad")`` (private helpers).
 
-A step in which some elements are shorter along their leading (batch) axis, or some
-pipelines have run out while others have not, is padded to the first step's shapes with
-zeros, and a mask of the real examples travels with the batch: the step reads it as
+A step in which some elements are shorter along their leading (batch) axis (every leaf
+by the same number of rows; at a pipeline's end or in its middle), or some pipelines
+have run out while others have not, is padded to the first step's shapes with zeros,
+and a mask of the real examples travels with the batch: the step reads it as
 ``ctx.batch_mask`` (float32, ``[per-replica batch]``, 1 for real examples, 0 for
 padding). Shapes never change, so nothing recompiles.
 """
@@ -57,9 +58,10 @@ def pad_element(leaves: list, paths: list, spec: list, b: int, replica_id: int
                 ) -> list:
     """``leaves`` padded with zero rows to ``spec``, plus the mask as a last leaf."""
     n = leaves[0].shape[0] if leaves and leaves[0].ndim else b
+    first = (path_str(paths[0]) or "the root") if paths else "the root"
     out, problems = [], []
     for x, (shape, dtype), path in zip(leaves, spec, paths):
-        if x.shape == shape and x.dtype == dtype:
+        if x.shape == shape and x.dtype == dtype and n == b:
             out.append(x)
             continue
         if (x.dtype == dtype and x.ndim == len(shape) and x.ndim and x.shape[0] == n
@@ -69,7 +71,7 @@ def pad_element(leaves: list, paths: list, spec: list, b: int, replica_id: int
         problems.append(ValueError(
             f"input element of replica {replica_id} at {path_str(path) or 'the root'} has "
             f"shape {x.shape} and dtype {x.dtype}, but the first step's elements had "
-            f"{shape} and {dtype} (and this element's batch is {n}). With "
+            f"{shape} and {dtype} (and this element's batch is {n}, as at {first}). With "
             "partial_batch='pad' an element may only be shorter along its leading axis, "
             "by the same number of rows in every leaf."
         ))

@@ -37,6 +37,7 @@ class Pipeline:
         self._source = source
         self.kind = _classify(source, self.ctx)
         self._it = None
+        self._ahead: tuple | None = None  # the element at_end() read ahead, if any
         if self.kind == "dataset":
             self._it = iter(source.as_numpy_iterator())
         elif self.kind == "iterable":
@@ -45,6 +46,11 @@ class Pipeline:
     def next(self) -> Any:
         """The next element; raises StopIteration at the end of the source, and
         InputClosedError for a read that ends after the process began to exit."""
+        if self._ahead is not None:  # read ahead by at_end()
+            (item,), self._ahead = self._ahead, None
+            if isinstance(item, _Raised):
+                raise item.error
+            return item
         shutdown.start_read()  # user code, not JAX: see shutdown.threads_reading
         try:
             item = self._source() if self.kind == "callable" else next(self._it)
@@ -52,6 +58,28 @@ class Pipeline:
             shutdown.end_read()
         shutdown.check_read_kept()
         return item
+
+    def at_end(self) -> bool:
+        """Whether the source has no element left (a callable never ends).
+
+        Reads the next element ahead, which the next :meth:`next` returns. A read that
+        raises is not the end: the next :meth:`next` raises its error (so that the
+        pipelines of one step each give one element or error a step, and stay in step),
+        except :class:`~jreplicate.input.shutdown.InputClosedError`, raised here. Only
+        used at a shorter element (see :mod:`jreplicate.input.partial`): the reads of
+        full elements never look ahead.
+        """
+        if self.kind == "callable" or self._ahead is not None:
+            return False
+        try:
+            self._ahead = (self.next(),)
+        except StopIteration:
+            return True
+        except shutdown.InputClosedError:
+            raise
+        except Exception as e:
+            self._ahead = (_Raised(e),)
+        return False
 
     def reinitialize(self) -> None:
         """Restarts the pipeline from its first element (no-op for callables)."""
@@ -64,6 +92,13 @@ class Pipeline:
             self._open(self._fn(self.ctx))  # a one-shot iterator: ask input_fn again
         else:
             self._open(self._source)
+
+
+class _Raised:
+    """A read ahead that raised ``error`` (raised again by the next read)."""
+
+    def __init__(self, error: Exception):
+        self.error = error
 
 
 def _classify(source: Any, ctx: InputContext) -> str:

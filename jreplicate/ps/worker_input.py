@@ -26,6 +26,11 @@ Semantics:
   applied it (its function raised, its token wait was cancelled or timed out, a shard's
   update raised for its push) leaves them for the next step of the same sweep on that
   worker, as SPMD strategies retry a failed step's batch;
+* partial batches (:mod:`jreplicate.input.partial`): a step that reads a pipeline's
+  final element as a partial batch is dropped with a warning, and the pipeline is
+  exhausted; a partial batch that the pipeline follows with more elements, or an
+  element whose leaves disagree on the batch length, is that step's error
+  (``RemoteValue.fetch()`` and ``join`` raise it) and the next step reads on;
 * end of input: a worker whose pipeline is exhausted hands the step back (it runs on a
   worker that still has input) and takes no more steps of this iterator; once every
   live worker's pipeline is exhausted, the steps still queued are not run (their
@@ -46,6 +51,8 @@ import warnings
 from collections.abc import Callable
 from typing import Any
 
+from jreplicate._tree import path_str, report
+from jreplicate.input import partial
 from jreplicate.input.context import InputContext, InputReplicationMode
 from jreplicate.input.iterator import InputIterator, _flatten
 from jreplicate.input.sources import Pipeline
@@ -153,46 +160,65 @@ class WorkerPipelines:
             return got
         if p.ended:
             raise InputEnded(m.key, self.index, m.generation)
-        elements = []
+        elements, ended = [], False
         for k in range(self.g):
             try:
                 elements.append(_flatten(p.pipeline.next(), self.index * self.g + k))
             except StopIteration:
-                p.ended = True
-                if elements:
-                    self._dropped(f"an input pipeline ran out after {len(elements)} of "
-                                  f"{self.g} replicas got an element")
-                raise InputEnded(m.key, self.index, m.generation) from None
+                p.ended = ended = True
+                if not elements:
+                    raise InputEnded(m.key, self.index, m.generation) from None
+                break
             self.read_count[m.key] = self.read_count.get(m.key, 0) + 1
             p.position += 1
-        return self._check(p, m.key, elements)
+        return self._check(p, m.key, elements, ended)
 
-    def _check(self, p: _WorkerPipeline, key: int, elements: list) -> tuple[list, Any]:
+    def _check(self, p: _WorkerPipeline, key: int, elements: list, ended: bool
+               ) -> tuple[list, Any]:
+        """The step's elements, checked against the first step's (the rules of
+        :mod:`jreplicate.input.partial`); ``ended``: the pipeline ran out after them.
+
+        Raises:
+          ValueError: an element is wrong, or is a partial batch that more elements
+            follow (then the next step reads on after them).
+          InputEnded: the step is dropped (with a warning): the pipeline ran out in it,
+            or its last element is a final partial batch.
+        """
         treedef = elements[0][1]
-        specs = [[(x.shape, x.dtype) for x in leaves] for leaves, _, _ in elements]
         if p.spec is None:
-            p.spec = (treedef, specs[0])
-        for k, (_, td, _) in enumerate(elements):
+            p.spec = (treedef, [(x.shape, x.dtype) for x in elements[0][0]])
+        problems, shorts = [], []
+        for k, (leaves, td, paths) in enumerate(elements):
             rid = self.index * self.g + k
             if td != p.spec[0]:
                 raise ValueError(
                     f"worker {self.index}: input element of replica {rid} has structure "
                     f"{td}, the first step's {p.spec[0]}. Every element must keep one "
                     "structure.")
-            for (shape, dtype), (s0, d0) in zip(specs[k], p.spec[1]):
-                if (shape, dtype) == (s0, d0):
-                    continue
-                if len(shape) == len(s0) and shape and shape[1:] == s0[1:] \
-                        and shape[0] < s0[0] and dtype == d0:
-                    p.ended = True
-                    self._dropped(f"a final partial batch (replica {rid} got {shape[0]} "
-                                  f"examples, the first step {s0[0]})")
-                    raise InputEnded(key, self.index, p.generation)
-                raise ValueError(
-                    f"worker {self.index}: input element of replica {rid} has a leaf of "
-                    f"shape {shape} and dtype {dtype}, the first step's had {s0} and {d0}. "
-                    "Elements must keep one shape and dtype (only a smaller final batch is "
-                    "allowed, and it is dropped).")
+            short, wrong = partial.rows_of(
+                leaves, [path_str(q) or "the root" for q in paths], p.spec[1],
+                f"worker {self.index}: input element of replica {rid}")
+            problems += wrong
+            if short is not None:
+                shorts.append((k, short))
+        report(problems, f"worker {self.index}: this step's input")
+        step = (p.position - len(elements)) // self.g + 1
+        for k, short in shorts:  # a later element, or the one read ahead, follows it?
+            if k + 1 < len(elements) or (not ended and not p.pipeline.at_end()):
+                problems.append(partial.mid_stream(
+                    f"worker {self.index}: input element of replica "
+                    f"{self.index * self.g + k} (input pipeline {self.index})", short, step))
+        report(problems, f"worker {self.index}: this step's input")
+        if ended:
+            self._dropped(f"a final partial batch (an input pipeline ran out after "
+                          f"{len(elements)} of {self.g} replicas got an element)")
+            raise InputEnded(key, self.index, p.generation)
+        if shorts:
+            k, short = shorts[0]
+            p.ended = True
+            what = partial.detail(self.index * self.g + k, short)
+            self._dropped(f"a final partial batch ({what})")
+            raise InputEnded(key, self.index, p.generation)
         return [leaves for leaves, _, _ in elements], treedef
 
     def _dropped(self, what: str) -> None:

@@ -64,7 +64,21 @@ def main() -> None:
         for i in range(3 * ctx.num_replicas):
             yield np.ones((2 if i < ctx.num_replicas else 3, 2), np.float32)
 
+    def short_mid_stream_on_one(ctx):  # process 1: a shorter element more elements follow
+        for i in range(3 * per_worker):
+            short = ctx.input_pipeline_id == 1 and i == 2 * per_worker - 1
+            yield np.ones((1 if short else 2, 2), np.float32)
+
+    def short_final_on_one(ctx):  # process 1's last element (its 3rd step) is shorter
+        for i in range(3 * per_worker):
+            short = ctx.input_pipeline_id == 1 and i == 3 * per_worker - 1
+            yield np.ones((1 if short else 2, 2), np.float32)
+        if ctx.input_pipeline_id == 0:
+            yield from (np.ones((2, 2), np.float32) for _ in range(per_worker))
+
     scenarios = [
+        ("short_mid_stream", lambda: consume(rep.prepare_input(short_mid_stream_on_one))),
+        ("short_final", lambda: consume(rep.prepare_input(short_final_on_one))),
         ("batch_differs", lambda: consume(rep.prepare_input(batch_differs))),
         ("input_error", lambda: consume(rep.prepare_input(fails_on_one))),
         ("shorter", lambda: consume(rep.prepare_input(shorter_on_one))),
