@@ -16,7 +16,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from jreplicate._tree import check_fits, map_checked, path_str
+from jreplicate._tree import check_fits, map_checked, path_str, read_now
 from jreplicate.context import PerReplica
 
 
@@ -79,7 +79,10 @@ def _read(x: Any, path: tuple, what: str) -> np.ndarray:
             "step) before saving."
         )
     if isinstance(x, np.ndarray):
-        return np.array(x)  # a copy: the caller may write to its array later
+        # A copy (the caller may write to its array later), in native byte order: a
+        # big-endian array was saved with the checksum of its bytes as given, and
+        # every restore then refused the checkpoint as damaged.
+        return read_now(x)
     if isinstance(x, (bool, int, float, complex)):  # a Python number: as JAX holds it
         value = np.asarray(x)
         check_fits(value, lambda: f"{what}: {where}")

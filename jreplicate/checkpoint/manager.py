@@ -54,6 +54,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jreplicate import _wire
+from jreplicate._tree import native
 from jreplicate.checkpoint.checks import mismatch, one_line, path_problem, quiet_orbax
 from jreplicate.checkpoint.dirlock import LOCK_NAME, DirectoryLock, LockHeldError
 from jreplicate.checkpoint.leaves import to_host, zeros_like
@@ -571,5 +572,5 @@ def _as_held(x: Any) -> Any:
     ``init_fn`` initialises is placed with: a NumPy float64 is float32 with x64 off)."""
     if isinstance(x, (np.ndarray, np.generic, bool, int, float, complex)):
         a = np.asarray(x)
-        return jax.ShapeDtypeStruct(a.shape, jax.dtypes.canonicalize_dtype(a.dtype))
+        return jax.ShapeDtypeStruct(a.shape, jax.dtypes.canonicalize_dtype(native(a.dtype)))
     return x

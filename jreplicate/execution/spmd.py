@@ -21,7 +21,7 @@ from jreplicate._tree import (
     is_array_like,
     map_checked,
     path_str,
-    put_host_value,
+    put_host_values,
     read_now,
     report,
 )
@@ -137,8 +137,13 @@ class SPMDExecutor(Executor):
 
     def place(self, tree: Any) -> Any:
         # (a NumPy leaf is read now: on CPU the device array may alias what it is given)
-        return jax.tree_util.tree_map_with_path(lambda p, x: put_host_value(
-            x, self._replicated, lambda: f"state {path_str(p) or 'the root'}"), tree)
+        # (across processes one gather checks every leaf's copies: put_host_values)
+        pairs, treedef = jax.tree_util.tree_flatten_with_path(tree)
+        placed, problems = put_host_values(
+            [x for _, x in pairs], self._replicated,
+            [lambda p=p: f"state {path_str(p) or 'the root'}" for p, _ in pairs])
+        report(problems, "state")
+        return jax.tree.unflatten(treedef, placed)
 
     # -- input -----------------------------------------------------------------------
     def assemble(self, elements: Sequence[Sequence[np.ndarray]], treedef: Any) -> Any:
@@ -272,6 +277,7 @@ class SPMDExecutor(Executor):
         traced by an outer ``jax.jit``; logical-device arguments are noted in ``homes``.
         Every leaf that can't be an input is named in one error (:func:`_tree.report`)."""
         arrays, kinds, problems = [], [], []
+        host: list = []  # (position in arrays, host value, its name) to place
         traced = False
         replicated = self._replicated
         where = _LeafNames(treedef, node_pos)
@@ -296,9 +302,12 @@ class SPMDExecutor(Executor):
                         x = jax.device_put(x, replicated)
                     kind = how.kind
                 elif is_array_like(x):
+                    # Placed below, all at once (across processes one gather checks
+                    # every host argument's copies); counted before its own check, so
+                    # that every process gathers as many.
+                    host.append((len(arrays), x, lambda i=i: f"Replicator.run: {where(i)}"))
                     if isinstance(x, (np.ndarray, np.generic, int, float)):
-                        check_fits(np.asarray(x), lambda i=i: f"Replicator.run: {where(i)}")
-                    x = put_host_value(x, replicated, lambda i=i: f"Replicator.run: {where(i)}")
+                        check_fits(np.asarray(x), host[-1][2])
                     kind = REPLICATED
                 else:
                     raise TypeError(
@@ -312,6 +321,13 @@ class SPMDExecutor(Executor):
                 continue
             arrays.append(x)
             kinds.append(kind)
+        if host:
+            placed, differ = put_host_values([x for _, x, _ in host], replicated,
+                                             [w for _, _, w in host])
+            problems += differ
+            if not problems:
+                for (pos, _, _), x in zip(host, placed):
+                    arrays[pos] = x
         report(problems, "Replicator.run")
         return arrays, tuple(kinds), traced
 

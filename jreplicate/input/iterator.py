@@ -10,7 +10,7 @@ import jax
 import numpy as np
 
 from jreplicate import _wire
-from jreplicate._tree import check_fits, is_array_like, path_str, report
+from jreplicate._tree import check_fits, is_array_like, native, path_str, report
 from jreplicate.input import padding, partial
 from jreplicate.input.context import InputContext, InputReplicationMode
 from jreplicate.input.prefetch import ReaderPool
@@ -188,7 +188,13 @@ class InputIterator:
           Exception: what ``input_fn`` raised reopening a pipeline; the input is then
             unreadable (reads raise) until a ``reinitialize()`` succeeds.
         """
-        if not self._staging.closed and self._pipelines and all(
+        # In SINGLE mode across processes only worker 0 has the pipeline, so only it
+        # could tell that it is a callable: every process takes the full path (nothing
+        # is prefetched there), or worker 0 kept its end (or put-back batches) while the
+        # others forgot theirs and waited for it in the next step's agreement.
+        shared_single = (self._agreement is not None
+                         and self._mode is InputReplicationMode.SINGLE)
+        if not self._staging.closed and self._pipelines and not shared_single and all(
                 p.kind == "callable" for p in self._pipelines):
             self._sweep += 1
             return []
@@ -413,10 +419,23 @@ class InputIterator:
             raise StopIteration
         if strategy.process_index in decision.pad:  # others still have data: pad here
             flat, treedef = self._padding_for(decision.spec, len(ids))
+        elif self._pad and flat is not None and mine.spec != decision.spec:
+            flat = self._widen(flat, decision.spec)  # the first step: another's batch
         if single:
             treedef = _wire.rebuild(decision.spec["tree"], (treedef,))
             flat = self._broadcast_single(flat, (treedef, _wire.leaf_specs(decision.spec)), ids)
         return flat, treedef
+
+    def _widen(self, flat: list, spec: dict) -> list:
+        """The first step's padded elements padded further to the agreed ``spec``, the
+        largest process's (see :func:`~jreplicate.input.protocol.decide`), which
+        becomes this process's element spec too."""
+        shapes = [shape for shape, _ in _wire.leaf_specs(spec)]
+        self._spec = [(shape, dtype) for shape, (_, dtype) in zip(shapes, self._spec)]
+        return [([x if x.shape == shape else np.concatenate(
+                      [x, np.zeros((shape[0] - x.shape[0],) + x.shape[1:], x.dtype)])
+                  for x, shape in zip(leaves, shapes)], td, paths)
+                for leaves, td, paths in flat]
 
     def _broadcast_single(self, flat: list | None, spec: tuple, ids: tuple) -> list:
         """Worker 0's elements of every replica, on every process (SINGLE mode)."""
@@ -518,7 +537,8 @@ def _flatten(element: Any, replica_id: int) -> tuple[list[np.ndarray], Any, tupl
     paths = _paths_of(treedef)
     out, problems = [], []
     for x, path in zip(leaves, paths):
-        if type(x) is np.ndarray and x.dtype.itemsize < 8 and x.dtype.kind in "biuf":
+        if (type(x) is np.ndarray and x.dtype.itemsize < 8 and x.dtype.kind in "biuf"
+                and x.dtype.isnative):
             out.append(x.copy())  # the common case, at once
             continue
         if not is_array_like(x):
@@ -528,6 +548,7 @@ def _flatten(element: Any, replica_id: int) -> tuple[list[np.ndarray], Any, tupl
                 "(numpy arrays or Python numbers). Convert it, or drop it in input_fn."))
             continue
         x = np.array(x)
+        x = x if x.dtype.isnative else x.astype(native(x.dtype))  # (same values)
         if not _numeric(x.dtype):
             problems.append(TypeError(
                 f"input element of replica {replica_id} at {path_str(path) or 'the root'} "

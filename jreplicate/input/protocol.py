@@ -181,7 +181,13 @@ def decide(outcomes: Sequence[ReadOutcome], *, pad: bool, single: bool,
     if not specs:
         raise ValueError("decide(outcomes): no process read an element, none ran out and "
                          "none failed")
-    if any(o.spec != specs[0].spec for o in specs):
+    # The first step, padded: each process padded its elements to its own largest one
+    # (its replicas' shards may all be shorter than a batch), so the processes take
+    # the largest process's spec when the others differ from it in the batch only.
+    widest = (_widest([o.spec for o in specs])
+              if pad and not any(o.seen for o in by_process) else None)
+    agreed = widest or specs[0].spec
+    if widest is None and any(o.spec != agreed for o in specs):
         listing = "; ".join(f"process {o.process}: {_wire.spec_str(o.spec)}" for o in specs)
         return Decision(Action.RAISE, error_type=ValueError, message=(
             "the input elements differ across processes (" + listing + "). Every "
@@ -192,7 +198,25 @@ def decide(outcomes: Sequence[ReadOutcome], *, pad: bool, single: bool,
     problem = _unbuildable(by_process, specs[0].spec, single)
     if problem:
         return Decision(Action.RAISE, error_type=ValueError, message=problem)
-    return Decision(Action.DATA, spec=specs[0].spec, pad=padded)
+    return Decision(Action.DATA, spec=agreed, pad=padded)
+
+
+def _widest(specs: Sequence[dict]) -> dict | None:
+    """The spec of ``specs`` with the longest batch, where each has one leading length
+    in every leaf (as padded elements with their mask do) and they differ in it only;
+    else None."""
+    def key(spec):
+        leaves = spec["leaves"]
+        if not leaves or any(not shape for shape, _ in leaves):
+            return None
+        if len({shape[0] for shape, _ in leaves}) != 1:
+            return None
+        return (repr(spec["tree"]), spec["structure"],
+                tuple((tuple(shape[1:]), dtype) for shape, dtype in leaves))
+    keys = {key(spec) for spec in specs}
+    if len(keys) != 1 or None in keys:
+        return None
+    return max(specs, key=lambda spec: spec["leaves"][0][0][0])
 
 
 def _dropped(outcomes: Sequence[ReadOutcome], ended: Sequence[ReadOutcome]) -> str | None:
