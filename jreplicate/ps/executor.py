@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import sys
 import warnings
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -54,7 +55,7 @@ class ParameterServerExecutor(Executor):
         self._tx = None
         self._carrier: Carrier | None = None
         self._fn_keys = FunctionMap(on_drop=self._function_freed)
-        self._nnx_cache: dict[int, tuple] = {}  # id -> (node, treedef, leaves, NnxArg)
+        self._nnx_cache: dict[int, tuple] = {}  # id -> (weakref to node, treedef, leaves, NnxArg)
         self._next_key = 0
         self._warned_donation = False
 
@@ -268,15 +269,23 @@ class ParameterServerExecutor(Executor):
                 f"restart_shard({i}, state): shard {i} is not lost; rolling it back alone "
                 "would leave it behind the other shards. Restore every shard with "
                 "strategy.restore(state).")
-        others = [self.coordinator.completed_ids.to_arrays()]
+        live: dict[int, dict[str, Any]] = {}
         for j in range(self.config.num_ps):
             if j != i:
                 try:
-                    others.append(self._carrier.shard_state(j)["ledger"])
+                    live[j] = self._carrier.shard_state(j)["ledger"]
                 except Exception:  # lost too: restart it as well
                     pass
+        # The live shards must agree (checked before anything is replaced); the steps
+        # that ended while a shard was lost without any shard deciding them are skipped.
+        undecided = self._check_live_shards(i, live)
+        others = [self.coordinator.completed_ids.to_arrays(), *live.values()]
         skipped = self.coordinator.skipped
         lost = lost_pushes(shards[i]["ledger"], others, skipped)
+        for pid in undecided:
+            self.coordinator.record.skipped.add(pid)
+            self.coordinator.completed_ids.skip(pid)
+            self.client.skip(pid)  # (the restarted shard: below, with the skipped)
         # No step is pending and every id below next_id has ended: the restarted shard
         # decides the steps skipped since the save and those whose update it lost (no
         # push of them will come), so that its ledger's watermark moves on.
@@ -286,6 +295,45 @@ class ParameterServerExecutor(Executor):
         self._carrier.restart_shard(i, saved)
         self.coordinator.resume()
         return ShardRestart(i, saved["step"], lost)
+
+    def _check_live_shards(self, i: int, live: dict[int, dict[str, Any]]) -> list[int]:
+        """restart_shard(i): the ids below ``next_id`` that no live shard decided (their
+        steps ended, pushing nowhere, while a shard was lost: to skip), after checking
+        that the live shards (``live``: their ledgers' arrays) decided the same ids.
+
+        Raises:
+          ValueError: a step's push is on some live shards only (a shard was lost in the
+            middle of it): restarting shard ``i`` would keep the shards disagreeing.
+        """
+        if self.coordinator.pending:
+            return []
+        marks = [int(np.asarray(led["watermark"])) for led in live.values()]
+        lo = min([self.coordinator.completed_ids.watermark, *marks])
+        hi = self.next_id
+        if lo >= hi:
+            return []
+        sets = [_decided_ids(led, lo, hi) for led in live.values()]
+        union = set().union(*sets)
+        skipped = self.coordinator.skipped
+        some = sorted(p for p in union if p not in skipped and any(p not in d for d in sets))
+        none = [p for p in range(lo, hi)
+                if p not in union and not self.coordinator.completed_ids.seen(p)]
+        undecided = []
+        for pid in some + none:  # (a ledger's saved window may be short: ask the shards)
+            answers = self.client.decided(pid)
+            yes = [j for j in live if answers[j]]
+            no = [j for j in live if answers[j] is False]
+            if yes and no and pid not in skipped:
+                msg = (f"restart_shard({i}, state): step {pid}'s push is on shard(s) {yes} "
+                       f"and not on shard(s) {no} (a shard was lost in the middle of it), "
+                       "so the live shards' parameters disagree; restarting shard "
+                       f"{i} would keep that. Restore every shard from the saved state "
+                       "with strategy.restore(state).")
+                self.coordinator.half_applied.setdefault(pid, msg)
+                raise ValueError(msg)
+            if not yes and not self.coordinator.completed_ids.seen(pid):
+                undecided.append(pid)
+        return undecided
 
     # -- input read on the workers (PER_WORKER) -----------------------------------------
     def per_worker_input(self, owner: object, input_fn: Callable, *,
@@ -367,8 +415,12 @@ class ParameterServerExecutor(Executor):
             key = self._fn_keys[fn] = self._next_key
             self._next_key += 1
         c = Closure(self.next_id, fn, has_batch, batch, args, p_idx, o_idx, key)
+        rv = self.coordinator.schedule(c)
+        # The id is taken only once the step is scheduled: a refused one (a lost shard's
+        # error, the end of input, shut down) would be decided by no shard, and every
+        # ledger's watermark would stop below it for the rest of the job.
         self.next_id += 1
-        return self.coordinator.schedule(c)
+        return rv
 
     def _function_freed(self, key: int) -> None:
         """The step function of ``key`` was freed here: the workers let their copies go
@@ -409,7 +461,7 @@ class ParameterServerExecutor(Executor):
         place)."""
         leaves, treedef = jax.tree_util.tree_flatten(node)
         hit = self._nnx_cache.get(id(node))
-        if hit is not None and hit[0] is node and hit[1] == treedef and \
+        if hit is not None and hit[0]() is node and hit[1] == treedef and \
                 len(hit[2]) == len(leaves) and all(a is b for a, b in zip(hit[2], leaves)):
             return hit[3]
         from flax import nnx
@@ -420,8 +472,18 @@ class ParameterServerExecutor(Executor):
             lambda x: to_host(x) if is_key(x) else host_copy(x), state))
         reusable = not (len(leaves) == 1 and leaves[0] is node) and not any(
             isinstance(x, np.ndarray) for x in leaves)
+        ref = None
         if reusable:
-            self._nnx_cache[id(node)] = (node, treedef, leaves, arg)
+            # Held weakly: a node the caller lets go (a fresh nnx.Rngs each step) takes
+            # its entry, and the state copied from it, with it.
+            cache, key = self._nnx_cache, id(node)
+            try:
+                ref = weakref.ref(node, lambda r: cache.pop(key, None)
+                                  if cache.get(key, (None,))[0] is r else None)
+            except TypeError:  # (not weakly referable: not kept)
+                ref = None
+        if ref is not None:
+            self._nnx_cache[id(node)] = (ref, treedef, leaves, arg)
         else:
             self._nnx_cache.pop(id(node), None)
         return arg
@@ -451,3 +513,10 @@ class ParameterServerExecutor(Executor):
         if self.coordinator is not None:
             self.coordinator.shutdown()
             self._carrier.close()
+
+
+def _decided_ids(led: dict[str, Any], start: int, stop: int) -> set[int]:
+    """The ids in ``[start, stop)`` a ledger (its arrays) decided."""
+    wm = int(np.asarray(led["watermark"]))
+    window = {int(x) for x in np.asarray(led["window"]).tolist() if start <= x < stop}
+    return set(range(start, min(wm, stop))) | window

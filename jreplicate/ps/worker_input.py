@@ -25,7 +25,9 @@ Semantics:
 * a failed step keeps its elements: a step that read them and failed before any shard
   applied it (its function raised, its token wait was cancelled or timed out, a shard's
   update raised for its push) leaves them for the next step of the same sweep on that
-  worker, as SPMD strategies retry a failed step's batch;
+  worker, as SPMD strategies retry a failed step's batch (once: if that step fails
+  too, they are consumed, so that an element every step fails on cannot fail every
+  later step of the sweep on that worker and keep the sweep from ending);
 * partial batches (:mod:`jreplicate.input.partial`): a step that reads a pipeline's
   final element as a partial batch is dropped with a warning, and the pipeline is
   exhausted; a partial batch that the pipeline follows with more elements, or an
@@ -98,6 +100,11 @@ class _WorkerPipeline:
         #: A failed step's elements (:meth:`WorkerPipelines.put_back`), which the next
         #: step of this sweep takes before reading on.
         self.held: tuple[list, Any] | None = None
+        #: The last step read the elements a failed step held: if it fails too, they
+        #: are consumed (retried once: a step that fails on them every time, e.g. on a
+        #: bad record, would otherwise fail every later step of the sweep here, for
+        #: ever, and the sweep never end).
+        self.retrying = False
 
 
 class WorkerPipelines:
@@ -125,7 +132,8 @@ class WorkerPipelines:
         them, as SPMD strategies retry a failed step's batch, instead of the element
         after them (which left those out of the sweep)."""
         p = self._pipes.get(m.key)
-        if p is not None and p.generation == m.generation and p.held is None:
+        if p is not None and p.generation == m.generation and p.held is None and \
+                not p.retrying:
             p.held = (elements, treedef)
 
     def read(self, m: WorkerInput) -> tuple[list, Any]:
@@ -155,6 +163,7 @@ class WorkerPipelines:
             # the next one: it reads no element of another sweep (the coordinator runs
             # it where its sweep goes on, or not at all).
             raise InputEnded(m.key, self.index, m.generation)
+        p.retrying = p.held is not None
         if p.held is not None:  # a failed step's elements, read before the end if any
             got, p.held = p.held, None
             return got
