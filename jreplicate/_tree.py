@@ -208,17 +208,28 @@ def put_host_values(xs: list, sharding: Any, wheres: list[str | Callable[[], str
     """
     xs = [read_now(x) for x in xs]
     if sharding.is_fully_addressable:
-        return [jax.device_put(x, sharding) for x in xs], []
+        placed, problems = [], []
+        for x, where in zip(xs, wheres, strict=True):
+            try:
+                placed.append(jax.device_put(x, sharding))
+            except (TypeError, ValueError, OverflowError) as e:
+                placed.append(None)
+                problems.append(_named(e, where))
+        return placed, problems
     import hashlib
 
     from jax.experimental import multihost_utils
     host = [k for k, x in enumerate(xs) if not isinstance(x, jax.Array)]
-    arrays = {}
+    arrays, unplaceable = {}, {}
     digests = np.zeros((len(host), 32), np.uint8)
     for row, k in enumerate(host):
-        a = np.asarray(xs[k])
-        # (np.array keeps a 0-d array 0-d; np.ascontiguousarray would make it 1-d)
-        a = np.array(a, dtype=jax.dtypes.canonicalize_dtype(a.dtype), order="C")
+        try:
+            a = np.asarray(xs[k])
+            # (np.array keeps a 0-d array 0-d; np.ascontiguousarray would make it 1-d)
+            a = np.array(a, dtype=jax.dtypes.canonicalize_dtype(a.dtype), order="C")
+        except (TypeError, ValueError, OverflowError) as e:
+            unplaceable[k] = e  # gathered as zeros alike on every process
+            continue
         # (the dtype's name: ml_dtypes' float8_e4m3fn, int4 and uint4 all have str '<V1')
         h = hashlib.blake2b(f"{a.dtype.name}{a.shape}".encode(), digest_size=32)
         h.update(a.reshape(-1).view(np.uint8))
@@ -231,6 +242,10 @@ def put_host_values(xs: list, sharding: Any, wheres: list[str | Callable[[], str
                   if (everyone[:, row] != everyone[:1, row]).any()}
     placed, problems = [], []
     for k, x in enumerate(xs):
+        if k in unplaceable:
+            placed.append(None)
+            problems.append(_named(unplaceable[k], wheres[k]))
+            continue
         if k not in arrays:
             placed.append(jax.device_put(x, sharding))
             continue
@@ -248,3 +263,11 @@ def put_host_values(xs: list, sharding: Any, wheres: list[str | Callable[[], str
         placed.append(jax.make_array_from_callback(a.shape, sharding,
                                                    lambda index, a=a: a[index]))
     return placed, problems
+
+
+def _named(e: Exception, where: str | Callable[[], str]) -> Exception:
+    """``e`` (JAX's or NumPy's error placing a host value) as the same type, naming the
+    value's place."""
+    where = where if isinstance(where, str) else where()
+    return type(e)(f"{where}: {e}") if isinstance(e, (TypeError, ValueError)) else \
+        ValueError(f"{where}: {e}")

@@ -165,3 +165,14 @@ def test_one_process_pad_uneven_matches():
 
 
 assert Path(__file__).with_name("mp_scripts").joinpath("io2.py").exists()
+
+
+def test_a_host_argument_that_cannot_be_placed_is_named_and_a_refused_one_not_placed():
+    """One process: a value check_fits refused is not placed (JAX's own OverflowError for
+    a Python int beyond int32 came first, unnamed), and a value JAX cannot hold (a
+    string array) is named by its argument."""
+    rep = jr.Replicator(jr.MirroredStrategy())
+    with pytest.raises(ValueError, match=r"argument \[0\] holds 1099511627776"):
+        rep.run(lambda ctx, s: s, None, 2**40)
+    with pytest.raises(TypeError, match=r"Replicator.run: argument \[0\]: .*<U1"):
+        rep.run(lambda ctx, s: s, None, np.array(["a", "b"]))

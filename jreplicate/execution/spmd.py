@@ -321,7 +321,10 @@ class SPMDExecutor(Executor):
                 continue
             arrays.append(x)
             kinds.append(kind)
-        if host:
+        # (On one process nothing is agreed: a value already refused is not placed, as
+        # placing it could raise JAX's own error first. Across processes every process
+        # gathers as many digests, whatever failed.)
+        if host and not (problems and replicated.is_fully_addressable):
             placed, differ = put_host_values([x for _, x, _ in host], replicated,
                                              [w for _, _, w in host])
             problems += differ
