@@ -173,19 +173,6 @@ def host_copy(x: Any) -> np.ndarray:
     return np.asarray(read_now(x))
 
 
-def put_host_value(x: Any, sharding: Any, where: str | Callable[[], str]) -> jax.Array:
-    """Host data ``x`` (NumPy, a Python number; a ``jax.Array`` goes to
-    ``jax.device_put``) placed on ``sharding``, read now: :func:`put_host_values` for
-    one value.
-
-    Raises:
-      ValueError: the processes passed different values.
-    """
-    placed, problems = put_host_values([x], sharding, [where])
-    report(problems, "")
-    return placed[0]
-
-
 def put_host_values(xs: list, sharding: Any, wheres: list[str | Callable[[], str]]
                     ) -> tuple[list, list[Exception]]:
     """Host data ``xs`` (NumPy, Python numbers; a ``jax.Array`` goes to
@@ -225,8 +212,9 @@ def put_host_values(xs: list, sharding: Any, wheres: list[str | Callable[[], str
     for row, k in enumerate(host):
         try:
             a = np.asarray(xs[k])
-            # (np.array keeps a 0-d array 0-d; np.ascontiguousarray would make it 1-d)
-            a = np.array(a, dtype=jax.dtypes.canonicalize_dtype(a.dtype), order="C")
+            # (read_now copied a NumPy array: converted only where the dtype or layout
+            # asks; np.asarray keeps a 0-d array 0-d, np.ascontiguousarray would not)
+            a = np.asarray(a, dtype=jax.dtypes.canonicalize_dtype(a.dtype), order="C")
         except (TypeError, ValueError, OverflowError) as e:
             unplaceable[k] = e  # gathered as zeros alike on every process
             continue

@@ -68,6 +68,7 @@ from jreplicate.ps.admission import (
     StatsRecorder,
 )
 from jreplicate.ps.closure_queue import ClosureQueue
+from jreplicate.ps.ledger import Ledger
 from jreplicate.ps.remote import (
     ParameterServerError,
     RemoteValue,
@@ -176,11 +177,8 @@ class Coordinator:
         self._input_ended: dict[tuple[int, int], set[int]] = {}
         self._input_exhausted: set[tuple[int, int]] = set()
         #: The record of ended steps (completed, skipped, half applied): see
-        #: :mod:`jreplicate.ps.step_record`. Its sets are these attributes too.
+        #: :mod:`jreplicate.ps.step_record`.
         self.record = StepRecord()
-        self.completed_ids = self.record.completed_ids
-        self.skipped = self.record.skipped
-        self.half_applied = self.record.half_applied
         _LIVE.add(self)
         with self._queue.lock:
             self._start_threads()
@@ -258,6 +256,21 @@ class Coordinator:
                 q.clear_error()  # starved token waits: later steps may run again
         if err is not None:
             raise err
+
+    @property
+    def completed_ids(self) -> Ledger:
+        """:attr:`StepRecord.completed_ids` of :attr:`record`."""
+        return self.record.completed_ids
+
+    @property
+    def skipped(self) -> set[int]:
+        """:attr:`StepRecord.skipped` of :attr:`record`."""
+        return self.record.skipped
+
+    @property
+    def half_applied(self) -> dict[int, str]:
+        """:attr:`StepRecord.half_applied` of :attr:`record`."""
+        return self.record.half_applied
 
     @property
     def pending(self) -> int:
@@ -500,8 +513,7 @@ class Coordinator:
                 return
             if sweep in self._input_exhausted:  # ended everywhere while c ran
                 self._queue.mark_finished(c)
-                self._stats.count("not_run_end_of_input")
-                self._values.pop(c.step_id)._set(error=self._ended(c, _not_run(c)))
+                self._end_not_run(c)
                 return
             self._queue.put_back(c)
             self._end_exhausted_inputs()
@@ -516,9 +528,13 @@ class Coordinator:
             self._input_exhausted.add(sweep)
             for c in self._queue.remove_where(
                     lambda c, sweep=sweep: _input_sweep(c) == sweep):
-                self._stats.count("not_run_end_of_input")
-                rv = self._values.pop(c.step_id)
-                rv._set(error=self._ended(c, _not_run(c)))
+                self._end_not_run(c)
+
+    def _end_not_run(self, c: Closure) -> None:
+        """(Under the lock.) Step ``c``, out of the queue, is not run: its input sweep
+        ended on every live worker (StopIteration, no error for join)."""
+        self._stats.count("not_run_end_of_input")
+        self._values.pop(c.step_id)._set(error=self._ended(c, _not_run(c)))
 
     def _shard_lost(self, e: BaseException) -> BaseException:
         with self._queue.lock:

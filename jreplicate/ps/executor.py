@@ -283,8 +283,7 @@ class ParameterServerExecutor(Executor):
         skipped = self.coordinator.skipped
         lost = lost_pushes(shards[i]["ledger"], others, skipped)
         for pid in undecided:
-            self.coordinator.record.skipped.add(pid)
-            self.coordinator.completed_ids.skip(pid)
+            self.coordinator.record.skip(pid)
             self.client.skip(pid)  # (the restarted shard: below, with the skipped)
         # No step is pending and every id below next_id has ended: the restarted shard
         # decides the steps skipped since the save and those whose update it lost (no

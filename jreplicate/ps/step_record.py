@@ -51,6 +51,12 @@ class StepRecord:
         self._fates.pop(step_id, None)
         self.completed_ids.record(step_id, "applied")
 
+    def skip(self, step_id: int) -> None:
+        """Step ``step_id`` ended for good and no shard holds its push: recorded
+        skipped (the caller skips it on the shards)."""
+        self.skipped.add(step_id)
+        self.completed_ids.skip(step_id)
+
     def note_fate(self, step_id: int, answers: list[bool | None] | None) -> None:
         """What the shards said of step ``step_id``'s push after its worker was lost in
         it (``answers``: :meth:`jreplicate.ps.client.ShardClient.decided`, or None)."""
@@ -87,8 +93,7 @@ class StepRecord:
             self.completed_ids.record(step_id, "applied")  # its update is on every shard
             return False
         if fate is None and resolved:
-            self.skipped.add(step_id)
-            self.completed_ids.skip(step_id)
+            self.skip(step_id)
             return True
         return False
 
