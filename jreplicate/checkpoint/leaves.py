@@ -3,9 +3,11 @@
 :func:`to_host` turns the state given to ``save`` (or built by ``init_fn``) into NumPy
 arrays and refuses, naming the path and the fix, every leaf that could not come back as
 it was: a :class:`jreplicate.PerReplica`, a PRNG key array, an array sharded across
-processes, a donated (deleted) array; and, when saving, a zero-size array (Orbax cannot
-write one) or a 64-bit NumPy leaf while ``jax_enable_x64`` is off (no ``init_fn`` could
-restore it: ``jax.eval_shape`` gives 32 bits). Python numbers become what JAX makes of
+processes, a donated (deleted) array; and, when saving, a dtype that is not JAX's bool
+or numeric (``float0``, strings, objects: see :mod:`jreplicate.checkpoint.dtypes`), a
+zero-size array (Orbax cannot write one) or a 64-bit NumPy leaf while
+``jax_enable_x64`` is off (no ``init_fn`` could restore it: ``jax.eval_shape`` gives
+32 bits). Python numbers become what JAX makes of
 them (``0.5`` a float32, ``3`` an int32), refused when they do not fit.
 """
 
@@ -17,6 +19,7 @@ import jax
 import numpy as np
 
 from jreplicate._tree import check_fits, map_checked, path_str, read_now
+from jreplicate.checkpoint.dtypes import unsavable
 from jreplicate.context import PerReplica
 
 
@@ -69,10 +72,9 @@ def _read(x: Any, path: tuple, what: str) -> np.ndarray:
                 f"{what}: {where} was donated (its buffer was deleted) to a step run with "
                 "donate_argnums: save the state the step returned instead (the donated "
                 "argument's buffers now belong to the step's outputs).")
-        if x.is_fully_addressable:
-            return np.asarray(x)
-        if x.is_fully_replicated:
-            return np.asarray(x.addressable_data(0))
+        if x.is_fully_addressable or x.is_fully_replicated:
+            return _as_its_dtype(np.asarray(
+                x if x.is_fully_addressable else x.addressable_data(0)), x.dtype, where, what)
         raise ValueError(
             f"{what}: {where} is sharded across processes ({x.sharding}); checkpoints "
             "hold replicated state. Replicate it (e.g. return it aggregated from the "
@@ -97,7 +99,26 @@ def _read(x: Any, path: tuple, what: str) -> np.ndarray:
     )
 
 
+def _as_its_dtype(host: np.ndarray, dtype: Any, where: str, what: str) -> np.ndarray:
+    """A device array's host copy in the array's own dtype: JAX gives the copy of an
+    int1 or uint1 array that XLA computed as bool (the same byte), which would be saved
+    as bool and then not restore into init_fn()'s int1."""
+    dtype = np.dtype(dtype)
+    if host.dtype == dtype:
+        return host
+    if host.dtype.itemsize == dtype.itemsize and host.dtype.fields is None \
+            and not host.dtype.hasobject:
+        return host.view(dtype)
+    raise TypeError(
+        f"{what}: {where} is a {dtype.name} array whose host copy JAX gives as "
+        f"{host.dtype.name}, which a checkpoint cannot hold as {dtype.name}. Save it cast "
+        f"to a dtype JAX copies exactly (e.g. x.astype(jnp.int8)).")
+
+
 def _check_savable(x: np.ndarray, where: str, what: str) -> None:
+    problem = unsavable(x.dtype)
+    if problem:
+        raise TypeError(f"{what}: {where} is {problem}.")
     if x.size == 0:
         raise ValueError(
             f"{what}: {where} has zero size ({np.dtype(x.dtype).name}"

@@ -60,13 +60,16 @@ from jreplicate.checkpoint.dirlock import LOCK_NAME, DirectoryLock, LockHeldErro
 from jreplicate.checkpoint.leaves import to_host, zeros_like
 from jreplicate.checkpoint.tree import (
     data_problem,
+    logical,
     metadata_problem,
     name_clash,
     normalised,
     read_table,
+    read_views,
     save_args,
     state_digest,
     template_leaves,
+    unviewed,
 )
 from jreplicate.strategies.base import Strategy
 
@@ -418,15 +421,15 @@ class CheckpointManager:
         for step in reversed(self.complete_steps()):
             where = f"checkpoint {step} in {self._dir}"
             try:
-                stored, table = self._stored(step)
+                stored, table, views = self._stored(step)
             except _Damaged as e:
                 damaged.append((step, str(e)))
                 continue
-            differs = mismatch(stored, template, where)
+            differs = mismatch(logical(stored, views), template, where)
             if differs:
                 return None, None, differs + "".join(
                     f"\n(Newer checkpoint {s} is damaged: {why}.)" for s, why in damaged)
-            value, damage = self._read(step, stored, table, template)
+            value, damage = self._read(step, stored, (table, views), template)
             if damage is not None:
                 damaged.append((step, damage))
                 continue
@@ -448,9 +451,11 @@ class CheckpointManager:
             f"copy, or move the step directories out of {self._dir} to start from "
             "init_fn() at step 0.")
 
-    def _stored(self, step: int) -> tuple[Any, dict | None]:
-        """The checkpoint's tree of array metadata (shapes and dtypes) and its checksum
-        table (None for a checkpoint saved without one), read quietly.
+    def _stored(self, step: int) -> tuple[Any, dict | None, dict]:
+        """The checkpoint's tree of array metadata (shapes and dtypes, as stored), its
+        checksum table (None for a checkpoint saved without one) and its record of
+        arrays stored as their bits (see :mod:`jreplicate.checkpoint.dtypes`), read
+        quietly.
 
         Raises:
           _Damaged: the metadata cannot be read, or disagrees with what was saved.
@@ -461,7 +466,9 @@ class CheckpointManager:
             tree = getattr(metadata, "tree", metadata)
             if tree is None:
                 raise _Damaged("no metadata")
-            table = read_table(getattr(metadata, "custom_metadata", None))
+            custom = getattr(metadata, "custom_metadata", None)
+            table, views = read_table(custom), read_views(custom)
+            logical(tree, views)  # raises ValueError when the record disagrees
         except (_Damaged, MemoryError):  # no memory: not the checkpoint's fault
             raise
         except Exception as e:
@@ -469,16 +476,19 @@ class CheckpointManager:
         problem = metadata_problem(tree, table)
         if problem:
             raise _Damaged(problem)
-        return tree, table
+        return tree, table, views
 
-    def _read(self, step: int, stored: Any, table: dict | None,
+    def _read(self, step: int, stored: Any, records: tuple[dict | None, dict],
               template: Any) -> tuple[Any, str | None]:
         """``(state in template's structure, None)``, or ``(None, what is damaged)``.
 
-        The data is read in the structure it was saved in (so that only damage can make
-        the read fail), checked against its metadata and checksums, then placed in
-        ``template``'s structure by the rule of :mod:`jreplicate.checkpoint.tree`.
+        The data is read in the structure and dtypes it was saved in (so that only
+        damage can make the read fail), checked against its metadata and checksums
+        (``records``: the checksum table and the arrays stored as bits), the arrays
+        stored as bits viewed back as their dtypes, then placed in ``template``'s
+        structure by the rule of :mod:`jreplicate.checkpoint.tree`.
         """
+        table, views = records
         import orbax.checkpoint as ocp
         target = jax.tree.map(lambda m: np.zeros(m.shape, m.dtype), stored)
         try:
@@ -491,7 +501,7 @@ class CheckpointManager:
         damage = data_problem(value, stored, table)
         if damage:
             return None, damage
-        arrays = normalised(value)
+        arrays = normalised(unviewed(value, stored, views))
         leaves = [None] * jax.tree.structure(template).num_leaves
         for norm, (_, i) in template_leaves(template).items():
             leaves[i] = np.asarray(arrays[norm][1])

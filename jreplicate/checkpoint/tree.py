@@ -43,6 +43,7 @@ import jax
 import numpy as np
 
 from jreplicate._tree import path_str
+from jreplicate.checkpoint import dtypes
 
 FORMAT = 1  # of the checksum table in the checkpoint's custom metadata
 Norm = tuple  # a normalised path: ("k", name) and ("i", index) entries
@@ -126,12 +127,18 @@ def _crc(x: np.ndarray) -> int:
 
 def checksum_table(host: Any) -> dict:
     """What the chief saves beside the arrays (Orbax's custom metadata): each array's
-    stored path, dtype, shape and CRC-32, so that a restore can tell a changed file."""
+    stored path, stored dtype, shape and CRC-32, so that a restore can tell a changed
+    file; and ``views``, the path and dtype of each array stored as its bits (see
+    :mod:`jreplicate.checkpoint.dtypes`)."""
     import orbax.checkpoint as ocp
     serial = ocp.tree.serialize_tree(host, keep_empty_nodes=True)
-    rows = [[_tokens(p), np.dtype(x.dtype).name, list(np.shape(x)), _crc(np.asarray(x))]
-            for p, x in jax.tree_util.tree_leaves_with_path(serial)]
-    return {"jreplicate": {"format": FORMAT, "arrays": rows}}
+    rows, views = [], []
+    for p, x in jax.tree_util.tree_leaves_with_path(serial):
+        stored = dtypes.storage_dtype(x.dtype)
+        rows.append([_tokens(p), stored.name, list(np.shape(x)), _crc(np.asarray(x))])
+        if stored != x.dtype:
+            views.append([_tokens(p), np.dtype(x.dtype).name])
+    return {"jreplicate": {"format": FORMAT, "arrays": rows, "views": views}}
 
 
 def name_clash(host: Any, what: str) -> None:
@@ -160,7 +167,8 @@ def save_args(host: Any) -> Any:
 
     import orbax.checkpoint as ocp
     if "custom_metadata" in {f.name for f in dataclasses.fields(ocp.args.StandardSave)}:
-        return ocp.args.StandardSave(host, custom_metadata=checksum_table(host))
+        stored = jax.tree.map(dtypes.as_stored, host)  # the bits of what TensorStore lacks
+        return ocp.args.StandardSave(stored, custom_metadata=checksum_table(host))
     return ocp.args.StandardSave(host)
 
 
@@ -175,6 +183,60 @@ def read_table(custom: Any) -> dict[tuple, tuple] | None:
         return {tuple(t): (d, tuple(s), int(c)) for t, d, s, c in entry["arrays"]}
     except (KeyError, TypeError, ValueError) as e:
         raise ValueError(f"its checksum table is malformed ({e!r})") from None
+
+
+def read_views(custom: Any) -> dict[tuple, str]:
+    """``{stored path tokens: dtype name}`` of the arrays stored as their bits (empty
+    for a checkpoint without a table, or saved before views were recorded). Raises
+    ValueError when the record is malformed (the metadata file was changed)."""
+    entry = custom.get("jreplicate") if isinstance(custom, dict) else None
+    if not isinstance(entry, dict) or entry.get("format") != FORMAT:
+        return {}
+    try:
+        return {tuple(t): str(d) for t, d in entry.get("views", [])}
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"its record of arrays stored as bits is malformed ({e!r})") from None
+
+
+def _viewed(stored: Any, views: dict[tuple, str]) -> dict[tuple, np.dtype | None]:
+    """``{key path: dtype}`` of the stored arrays that ``views`` names (None: a dtype
+    this process does not define); raises ValueError when a view names no stored
+    array, or one not stored as the bits of its dtype."""
+    out, found = {}, set()
+    for path, m in jax.tree_util.tree_leaves_with_path(stored):
+        tokens = tuple(_tokens(path))
+        if tokens in views:
+            found.add(tokens)
+            dtype = dtypes.from_name(views[tokens])
+            if dtype is not None and np.dtype(m.dtype) != dtypes.bits_dtype(dtype):
+                raise ValueError(f"{path_str(path)} is stored as {np.dtype(m.dtype).name}, "
+                                 f"not as the bits of {views[tokens]}")
+            out[path] = dtype
+    if set(views) - found:
+        raise ValueError(f"it records bits of arrays it does not hold: "
+                         f"{sorted(set(views) - found)[:3]}")
+    return out
+
+
+def logical(stored: Any, views: dict[tuple, str]) -> Any:
+    """The stored tree of array metadata with each array stored as bits given its own
+    dtype (a dtype this process does not define stays as stored: it mismatches)."""
+    viewed = _viewed(stored, views)
+
+    def leaf(path, m):
+        dtype = viewed.get(path)
+        return m if dtype is None else jax.ShapeDtypeStruct(tuple(m.shape), dtype)
+    return jax.tree_util.tree_map_with_path(leaf, stored)
+
+
+def unviewed(value: Any, stored: Any, views: dict[tuple, str]) -> Any:
+    """The restored arrays with each stored as bits viewed back as its dtype."""
+    viewed = _viewed(stored, views)
+
+    def leaf(path, x):
+        dtype = viewed.get(path)
+        return x if dtype is None else np.asarray(x).view(dtype)
+    return jax.tree_util.tree_map_with_path(leaf, value)
 
 
 def metadata_problem(stored: Any, table: dict | None) -> str | None:
