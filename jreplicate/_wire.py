@@ -51,9 +51,28 @@ def dumps(message: Any) -> bytes:
     return text(message).encode()
 
 
+# -- limits -------------------------------------------------------------------------
+#: Every number a message carries is bounded, so that no process acts on an impossible
+#: value another sent (a dimension of 2**60 once passed, and the process that padded
+#: with it failed alone in ``np.zeros``). The limits are far above any real value.
+MAX_INT64 = 2**63 - 1  #: counts, step ids and indices: what an int64 holds
+MAX_DIM = 2**31 - 1  #: one dimension of an input leaf
+MAX_RANK = 64  #: dimensions of an input leaf (NumPy's own limit)
+MAX_BYTES = 2**40  #: the bytes of an input element's leaves together (1 TiB)
+MAX_ITEMS = 2**20  #: the entries of a list (leaves, fields, children)
+
+
 # -- checkers ------------------------------------------------------------------------
 def _fail(where: str, want: str, value: Any) -> ValueError:
     return ValueError(f"{where} must be {want}, got {json.dumps(value)[:80]}")
+
+
+def _schema(check: Checker, *description: Any) -> Checker:
+    """Tags ``check`` with what it accepts (``("int", lo, hi)``, ``("record",
+    fields)``...), so that a schema can be walked: the tests find every numeric field
+    of every message this way."""
+    check.schema = description  # type: ignore[attr-defined]
+    return check
 
 
 def string(value: Any, where: str) -> str:
@@ -68,15 +87,28 @@ def boolean(value: Any, where: str) -> bool:
     return value
 
 
-def natural(value: Any, where: str) -> int:
-    """An int >= 0 (not a bool)."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise _fail(where, "an int >= 0", value)
-    return value
+_schema(string, "str")
+_schema(boolean, "bool")
+
+
+def integer(lo: int, hi: int) -> Checker:
+    """An int in ``[lo, hi]`` (not a bool, not a float such as 3.0, NaN or infinity)."""
+    want = f"an int >= {lo} and <= {hi}"
+
+    def check(value, where):
+        if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
+            raise _fail(where, want, value)
+        return value
+    return _schema(check, "int", lo, hi)
+
+
+#: An int >= 0 that an int64 holds (a count, a step id, a process index).
+natural = integer(0, MAX_INT64)
 
 
 def optional(check: Checker) -> Checker:
-    return lambda value, where: None if value is None else check(value, where)
+    return _schema(lambda value, where: None if value is None else check(value, where),
+                   "optional", check)
 
 
 def one_of(*choices: str) -> Checker:
@@ -84,15 +116,27 @@ def one_of(*choices: str) -> Checker:
         if value not in choices:
             raise _fail(where, f"one of {list(choices)}", value)
         return value
-    return check
+    return _schema(check, "one_of", choices)
 
 
-def list_of(check: Checker) -> Checker:
+def list_of(check: Checker, limit: int = MAX_ITEMS) -> Checker:
     def checked(value, where):
         if not isinstance(value, list):
             raise _fail(where, "a list", value)
+        if len(value) > limit:
+            raise ValueError(f"{where} must have at most {limit} entries, got {len(value)}")
         return [check(v, f"{where}[{i}]") for i, v in enumerate(value)]
-    return checked
+    return _schema(checked, "list", check)
+
+
+def sequence(*checks: Checker, what: str) -> Checker:
+    """A list of ``len(checks)`` entries, each checked by its checker (``what`` names
+    the list in errors, e.g. ``"a [shape, dtype] pair"``)."""
+    def check(value, where="the message"):
+        if not (isinstance(value, list) and len(value) == len(checks)):
+            raise _fail(where, what, value)
+        return [c(v, f"{where}[{i}]") for i, (c, v) in enumerate(zip(checks, value))]
+    return _schema(check, "sequence", checks)
 
 
 def record(**fields: Checker) -> Callable[[Any], dict]:
@@ -105,7 +149,17 @@ def record(**fields: Checker) -> Callable[[Any], dict]:
             raise ValueError(f"{where} must have the fields {sorted(fields)}, got "
                              f"{sorted(value)[:20]}")
         return {k: c(value[k], f"{where}.{k}") for k, c in fields.items()}
-    return check
+    return _schema(check, "record", fields)
+
+
+def then(check: Checker, refine: Callable[[Any, str], None]) -> Checker:
+    """``check``, then ``refine(value, where)`` on what it returns (a check across
+    fields); walked as ``check``."""
+    def checked(value, where="the message"):
+        out = check(value, where)
+        refine(out, where)
+        return out
+    return _schema(checked, *check.schema)
 
 
 def dtype_name(value: Any, where: str) -> str:
@@ -115,18 +169,23 @@ def dtype_name(value: Any, where: str) -> str:
     return value
 
 
+_schema(dtype_name, "dtype")
+
+
 @functools.lru_cache(maxsize=64)
 def _is_dtype_name(value: str) -> bool:
     try:
         dt = np.dtype(value)
     except TypeError:
         return False
-    return str(dt) == value and not dt.hasobject
+    return str(dt) == value and not dt.hasobject and dt.itemsize > 0
 
 
 # -- pytree structures ---------------------------------------------------------------
 def _key(k: Any) -> bool:
-    return isinstance(k, str) or (isinstance(k, int) and not isinstance(k, bool))
+    """A dict key a description carries: a string, or an int that an int64 holds."""
+    return isinstance(k, str) or (isinstance(k, int) and not isinstance(k, bool)
+                                  and -MAX_INT64 - 1 <= k <= MAX_INT64)
 
 
 def _named_type(name: str, fields: Sequence[str]) -> type | None:
@@ -172,12 +231,18 @@ def describe(treedef: Any) -> Any:
 
 def _pair(value: Any, where: str) -> list:
     if not (isinstance(value, list) and len(value) == 2 and _key(value[0])):
-        raise _fail(where, "a [key, structure] pair with a string or int key", value)
+        raise _fail(where, f"a [key, structure] pair with a string key or an int key in "
+                    f"[{-MAX_INT64 - 1}, {MAX_INT64}]", value)
     return value
 
 
+def _any(value: Any, where: str) -> Any:
+    return value  # checked by the caller
+
+
 def structure(value: Any, where: str, depth: int = 0) -> Any:
-    """Checks a structure description (see :func:`describe`)."""
+    """Checks a structure description (see :func:`describe`); its only numbers are
+    int dict keys (in an int64's range)."""
     if value is None or value == LEAF:
         return value
     if depth >= MAX_DEPTH:
@@ -185,7 +250,7 @@ def structure(value: Any, where: str, depth: int = 0) -> Any:
     if isinstance(value, dict) and set(value) == {"namedtuple", "fields", "children"}:
         fields = list_of(string)(value["fields"], f"{where}.fields")
         children = [structure(c, f"{where}.children[{i}]", depth + 1) for i, c in
-                    enumerate(list_of(lambda v, w: v)(value["children"], f"{where}.children"))]
+                    enumerate(list_of(_any)(value["children"], f"{where}.children"))]
         if len(fields) != len(children):
             raise ValueError(f"{where} has {len(fields)} fields but {len(children)} children")
         return {"namedtuple": string(value["namedtuple"], f"{where}.namedtuple"),
@@ -201,11 +266,14 @@ def structure(value: Any, where: str, depth: int = 0) -> Any:
         return {kind: [[k, structure(c, f"{here}[{k!r}]", depth + 1)] for k, c in pairs]}
     if kind in ("tuple", "list", "masked"):
         out = [structure(c, f"{here}[{i}]", depth + 1)
-               for i, c in enumerate(list_of(lambda v, w: v)(body, here))]
+               for i, c in enumerate(list_of(_any)(body, here))]
         if kind == "masked" and len(out) != 2:
             raise _fail(here, "[batch, mask]", body)
         return {kind: out}
     raise _fail(where, "a structure description", value)
+
+
+_schema(structure, "structure")
 
 
 def _example(desc: Any) -> Any:
@@ -267,14 +335,30 @@ def rebuild(desc: Any, local: Sequence[Any] = ()) -> Any:
 
 
 # -- the messages --------------------------------------------------------------------
-def _leaf_spec(value: Any, where: str) -> list:
-    if not (isinstance(value, list) and len(value) == 2):
-        raise _fail(where, "a [shape, dtype] pair", value)
-    return [list_of(natural)(value[0], f"{where}[0]"), dtype_name(value[1], f"{where}[1]")]
+def _fits(spec: list, where: str) -> None:
+    """A leaf's bytes (elements times item size) within :data:`MAX_BYTES`."""
+    shape, dtype = spec
+    if int(np.prod(shape, dtype=object)) * np.dtype(dtype).itemsize > MAX_BYTES:
+        raise ValueError(f"{where} is {dtype}{shape}, over {MAX_BYTES} bytes (the limit "
+                         "of an input element)")
+
+
+#: An array's shape: at most :data:`MAX_RANK` dimensions of at most :data:`MAX_DIM`.
+shape = list_of(integer(0, MAX_DIM), limit=MAX_RANK)
+_leaf_spec = then(sequence(shape, dtype_name, what="a [shape, dtype] pair"), _fits)
+
+
+def _element_fits(spec: dict, where: str) -> None:
+    total = sum(int(np.prod(shape, dtype=object)) * np.dtype(dtype).itemsize
+                for shape, dtype in spec["leaves"])
+    if total > MAX_BYTES:
+        raise ValueError(f"{where}.leaves hold {total} bytes together, over {MAX_BYTES} "
+                         "(the limit of an input element)")
 
 
 #: An input element's structure (repr and description) and its leaves' shapes, dtypes.
-ELEMENT_SPEC = record(structure=string, tree=structure, leaves=list_of(_leaf_spec))
+ELEMENT_SPEC = then(record(structure=string, tree=structure, leaves=list_of(_leaf_spec)),
+                    _element_fits)
 
 
 def element_spec(treedef: Any, leaves: Sequence[np.ndarray]) -> dict:
@@ -300,20 +384,27 @@ def spec_str(spec: dict) -> str:
     return shapes if spec["tree"] == LEAF else f"{shapes} in {spec['structure']}"
 
 
-_input_report = record(status=one_of("ok", "end", "partial", "error"), detail=string,
-                       error_type=string, seen=boolean, spec=optional(ELEMENT_SPEC))
-
-
-def input_report(value: Any) -> dict:
-    """One process's outcome of reading a step's input (see ``InputIterator``):
-    ``status``, ``detail`` (the partial batch or the error), ``error_type`` (the error's
-    class name), ``seen`` (whether the process knows the element structure) and
-    ``spec`` (the element spec, with status "ok" only)."""
-    report = _input_report(value)
+def _spec_with_data(report: dict, where: str) -> None:
     if report["spec"] is not None and report["status"] != "ok":
-        raise ValueError(f"the message has an element spec with status {report['status']!r}")
-    return report
+        raise ValueError(f"{where} has an element spec with status {report['status']!r}")
 
+
+#: One process's outcome of reading a step's input (see ``InputIterator``):
+#: ``status``, ``detail`` (the partial batch or the error), ``error_type`` (the error's
+#: class name), ``seen`` (whether the process knows the element structure) and
+#: ``spec`` (the element spec, with status "ok" only).
+input_report = then(record(status=one_of("ok", "end", "partial", "error"), detail=string,
+                           error_type=string, seen=boolean, spec=optional(ELEMENT_SPEC)),
+                    _spec_with_data)
 
 #: The chief's ``(value, error)`` of a checkpoint decision (a step or None, a message).
 CHIEF_RESULT = record(value=optional(natural), error=optional(string))
+
+#: Whether a process could build the input elements of a step it had to build from
+#: the agreed spec (None: it could, or had none to build).
+BUILD_RESULT = record(error=optional(string))
+
+#: Every message processes exchange through the coordination service, by what it
+#: agrees on (walked by the tests: every number in each is bounded).
+MESSAGES = {"this step's input": input_report, "a checkpoint decision": CHIEF_RESULT,
+            "building this step's padded input": BUILD_RESULT}

@@ -314,12 +314,16 @@ class CheckpointManager:
           ``save_interval_steps`` (and ``force`` is False).
 
         Raises:
-          ValueError: ``step`` is not a non-negative int, or a leaf of ``state`` is not
-            replicated (e.g. a :class:`jreplicate.PerReplica`).
+          ValueError: ``step`` is not an int in ``[0, 2**63 - 1]``, or a leaf of
+            ``state`` is not replicated (e.g. a :class:`jreplicate.PerReplica`).
+          TypeError: a leaf's dtype cannot be checkpointed (``float0``, strings: the
+            message names the leaf and the fix); nothing is written.
           CheckpointError: the chief could not write (raised on every process).
         """
-        if isinstance(step, bool) or not isinstance(step, (int, np.integer)) or step < 0:
-            raise ValueError(f"CheckpointManager.save(step={step!r}): step must be an int >= 0.")
+        if isinstance(step, bool) or not isinstance(step, (int, np.integer)) or not (
+                0 <= step <= _wire.MAX_INT64):
+            raise ValueError(f"CheckpointManager.save(step={step!r}): step must be an int >= 0 "
+                             f"that an int64 holds (at most {_wire.MAX_INT64}).")
         step = int(step)
         if not (force or self.should_save(step)):
             return False

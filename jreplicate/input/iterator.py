@@ -417,13 +417,48 @@ class InputIterator:
         if decision.action is Action.STOP:
             self._warn(decision.warning)
             raise StopIteration
-        if strategy.process_index in decision.pad:  # others still have data: pad here
-            flat, treedef = self._padding_for(decision.spec, len(ids))
-        elif self._pad and flat is not None and mine.spec != decision.spec:
-            flat = self._widen(flat, decision.spec)  # the first step: another's batch
+        flat, built = self._build(decision, got, flat, len(ids))
+        treedef = built or treedef
         if single:
             treedef = _wire.rebuild(decision.spec["tree"], (treedef,))
             flat = self._broadcast_single(flat, (treedef, _wire.leaf_specs(decision.spec)), ids)
+        return flat, treedef
+
+    def _build(self, decision: Any, got: list, flat: list | None, n: int) -> tuple:
+        """``(elements, structure or None)``: this process's elements of the agreed
+        spec where it must build them, from the spec (its pipelines ran out while
+        others' did not: padding) or by widening its first step's batch; else as read.
+
+        Every process knows which processes build (from every process's report), and
+        when any does they agree on whether each could: a spec within the wire's
+        limits may still be more than a process has memory for, and its error is then
+        raised on every process, not on that one alone while the others wait in the
+        step's collectives.
+        """
+        me, error, treedef = self._strategy.process_index, None, None
+        builders = set(decision.pad) | {p for p, o in enumerate(got) if self._pad and (
+            o.spec is not None and o.spec != decision.spec)}
+        try:
+            if me in decision.pad:  # others still have data: pad here
+                flat, treedef = self._padding_for(decision.spec, n)
+            elif me in builders:
+                flat = self._widen(flat, decision.spec)  # the first step: another's batch
+        except Exception as e:  # noqa: BLE001 - shared below, raised on every process
+            error = f"{type(e).__name__}: {e}"
+        if builders:
+            reports = self._agreement.exchange(
+                {"error": error and error[:2000]}, "building this step's padded input",
+                _wire.BUILD_RESULT)
+            failed = [(p, r["error"]) for p, r in enumerate(reports) if r["error"]]
+            if failed:
+                self._exhausted = True
+                p, detail = failed[0]
+                raise ValueError(
+                    f"process {p} could not build its input elements of this step from the "
+                    f"agreed element spec ({_wire.spec_str(decision.spec)}): {detail}. Every "
+                    "process raises this error. The other processes' elements are that "
+                    "large: make the elements smaller (a smaller batch or feature size), "
+                    "or give every process's input as many elements.")
         return flat, treedef
 
     def _widen(self, flat: list, spec: dict) -> list:

@@ -72,7 +72,7 @@ if ray is not None:
             :mod:`jreplicate.ps.wire` chunks of bytes, ``meta`` encoded (the caller asks
             for ``1 + len(chunks)`` returns: ``(decision, step, meta)``, then the
             chunks)."""
-            grads = wire.unpack(wire.decode(meta), chunks)
+            grads = wire.unpack(wire.decode(meta, f"worker {worker}"), chunks)
             decision, step, params = self.shard.push_pull(push_id, worker, fetched_step,
                                                           grads)
             meta, out = wire.pack(params, chunks=len(chunks))

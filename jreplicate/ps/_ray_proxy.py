@@ -121,7 +121,8 @@ class _ShardProxy:
         for f in futures:
             if isinstance(f, _PackedReply):
                 (decision, step, meta), *chunks = got[:len(f.refs)]
-                out.append((decision, step, wire.unpack(wire.decode(meta), chunks)))
+                meta = wire.decode(meta, "a parameter-server shard")
+                out.append((decision, step, wire.unpack(meta, chunks)))
                 got = got[len(f.refs):]
             else:
                 out.append(got[0])

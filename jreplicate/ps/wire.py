@@ -38,6 +38,8 @@ from typing import NamedTuple
 
 import numpy as np
 
+from jreplicate import _wire
+
 #: Ray's inline limit (``RAY_max_direct_call_object_size``, default 100 KiB).
 INLINE_LIMIT = int(os.environ.get("RAY_max_direct_call_object_size", 100 * 1024))
 #: Bytes per chunk: the limit less room for the chunk's own serialization header.
@@ -142,8 +144,45 @@ def _dtype_name(dtype: np.dtype) -> str:
 def _dtype(name: str) -> np.dtype:
     if name.startswith("ml_dtypes:"):
         import ml_dtypes
-        return np.dtype(getattr(ml_dtypes, name.split(":", 1)[1]))
+        kind = getattr(ml_dtypes, name.split(":", 1)[1], None)
+        if not isinstance(kind, type):
+            raise TypeError(f"ml_dtypes has no type {name.split(':', 1)[1]!r}")
+        return np.dtype(kind)
     return np.dtype(name)
+
+
+def _dtype_field(value: object, where: str) -> np.dtype:
+    """A dtype as :func:`_dtype_name` spells it (no objects, no empty types)."""
+    try:
+        dtype = _dtype(_wire.string(value, where))
+    except TypeError:
+        dtype = None
+    if dtype is None or dtype.hasobject or dtype.itemsize == 0:
+        raise ValueError(f"{where} must be a dtype such as '<f4' or 'ml_dtypes:bfloat16', "
+                         f"got {json.dumps(value)[:80]}")
+    return dtype
+
+
+_wire._schema(_dtype_field, "dtype")
+_size = _wire.integer(0, _wire.MAX_BYTES)
+_leaf = _wire.sequence(_wire.string, _dtype_field, _wire.shape, _size,
+                       what="a [key, dtype, shape, offset] list")
+
+
+def _within(meta: list, where: str) -> None:
+    leaves, size = meta
+    for i, (_, dtype, shape, offset) in enumerate(leaves):
+        end = offset + int(np.prod(shape, dtype=object)) * dtype.itemsize
+        if end > size:
+            raise ValueError(f"{where}[0][{i}] ends at byte {end}, past the {size} bytes of "
+                             "the message")
+
+
+#: The JSON of :func:`encode`: ``[[[key, dtype, shape, offset], ...], nbytes]``, every
+#: number bounded (dimensions by :data:`jreplicate._wire.MAX_DIM`, offsets and sizes by
+#: :data:`jreplicate._wire.MAX_BYTES`) and every array within the bytes.
+META = _wire.then(_wire.sequence(_wire.list_of(_leaf), _size, what="[leaves, nbytes]"),
+                  _within)
 
 
 def encode(meta: Meta) -> bytes:
@@ -160,20 +199,22 @@ def encode(meta: Meta) -> bytes:
     return out
 
 
-def decode(data: bytes) -> Meta:
-    """The :class:`Meta` of :func:`encode`'s ``data`` (cached).
+def decode(data: bytes, sender: str = "a process") -> Meta:
+    """The :class:`Meta` of :func:`encode`'s ``data`` (cached), checked against
+    :data:`META`.
 
     Raises:
-      ValueError: ``data`` is not an encoded :class:`Meta`.
+      ValueError: ``data`` is not an encoded :class:`Meta`; names ``sender`` and the
+        field.
     """
     out = _DECODED.get(data)
     if out is None:
         try:
-            leaves, size = json.loads(data)
-            out = Meta(tuple(Leaf(str(k), _dtype(d), tuple(int(n) for n in shape), int(o))
-                             for k, d, shape, o in leaves), int(size))
-        except (ValueError, TypeError, AttributeError) as e:
-            raise ValueError(f"wire.decode: not an encoded Meta ({e}).") from None
+            leaves, size = META(json.loads(data))
+        except (ValueError, TypeError, RecursionError) as e:
+            raise ValueError(f"wire.decode: {sender} sent a malformed message, not an "
+                             f"encoded Meta ({str(e)[:300]}).") from None
+        out = Meta(tuple(Leaf(k, d, tuple(shape), o) for k, d, shape, o in leaves), size)
         if len(_DECODED) >= 64:
             _DECODED.clear()
         _DECODED[data] = out
