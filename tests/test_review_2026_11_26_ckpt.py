@@ -256,7 +256,7 @@ def test_restore_across_processes_gives_the_bits_back_nan_included(tmp_path):
                  str(SCRIPTS / "checkpoint_bits.py"), "--dir", str(tmp_path)])
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-5000:]
     results = re.findall(r"\[p(\d)\] RESULT (\S+) (\w+)", r.stdout)
-    assert len(results) == 2 * 2 * 8, r.stdout[-3000:]
+    assert len(results) == 2 * 2 * 10, r.stdout[-3000:]
     wrong = [(p, name) for p, name, same in results if same != "True"]
     assert not wrong, wrong
 

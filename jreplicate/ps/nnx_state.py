@@ -64,7 +64,7 @@ def check_nothing_lost(args: list, built: list) -> None:
     for i, (a, node) in enumerate(zip(args, built)):
         if not isinstance(a, NnxArg) or isinstance(node, nnx.Optimizer):
             continue  # (the optimizer's state is the shards': the worker's is a snapshot)
-        before = _flat(a.state.filter(lost))  # (as shipped: no model built for it)
+        before = _flat(nnx.filter_state(a.state, lost))  # (as shipped: no model built)
         for path, (kind, new) in _flat(nnx.state(node, lost)).items():
             old = before.get(path)
             if old is not None and not np.array_equal(np.asarray(old[1]), np.asarray(new)):

@@ -1,5 +1,6 @@
 """A checkpoint restored across processes comes back bit for bit (-0.0, NaN payloads,
-bfloat16, int4, bool, complex), on every process, and init_fn()'s NaN initialises.
+bfloat16, int4, bool, complex; uint4 and float8_e4m3, stored as their bits), on every
+process, and init_fn()'s NaN initialises.
 
 Run under ``python -m jreplicate.cluster.launch --nproc 2`` with ``--dir D``; prints
 ``RESULT <name> <same bits on this process>`` per leaf and scenario, then ``DONE``.
@@ -28,7 +29,10 @@ def state() -> dict:
             "i4": np.array([-8, 7], ml_dtypes.int4),
             "u32": np.array([2**32 - 1], np.uint32), "bool": np.array([True, False]),
             "c64": np.array([-0.0 - 0.0j, 1j], np.complex64),
-            "scalar": np.array(-0.0, np.float32)}
+            "scalar": np.array(-0.0, np.float32),
+            # Stored as their bits (TensorStore lacks them), the dtype recorded.
+            "u4": np.arange(16, dtype=np.uint8).view(ml_dtypes.uint4),
+            "f8": np.arange(256, dtype=np.uint8).view(ml_dtypes.float8_e4m3)}
 
 
 def report(scenario: str, got: dict, want: dict) -> None:
