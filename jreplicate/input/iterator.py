@@ -453,12 +453,14 @@ class InputIterator:
             if failed:
                 self._exhausted = True
                 p, detail = failed[0]
+                memory = ("MemoryError" in detail) * (
+                    " The other processes' elements are that large: make the elements "
+                    "smaller (a smaller batch or feature size), or give every process's "
+                    "input as many elements.")
                 raise ValueError(
                     f"process {p} could not build its input elements of this step from the "
                     f"agreed element spec ({_wire.spec_str(decision.spec)}): {detail}. Every "
-                    "process raises this error. The other processes' elements are that "
-                    "large: make the elements smaller (a smaller batch or feature size), "
-                    "or give every process's input as many elements.")
+                    "process raises this error." + memory)
         return flat, treedef
 
     def _widen(self, flat: list, spec: dict) -> list:

@@ -41,10 +41,12 @@ and token-gated mode run one step per worker at a time and pull before each step
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import functools
 import os
 import time
+import warnings
 from typing import Any
 
 from jreplicate.ps._ray_proxy import _Forgotten, _ray, _ShardLost, _ShardProxy
@@ -75,7 +77,8 @@ def ensure_ray(**options: Any) -> Any:
     # The user's cluster, as Ray reads it; RAY_ADDRESS=local asks Ray for a new local
     # instance, which is the private one below.
     if os.environ.get("RAY_ADDRESS", "").strip() not in ("", "local"):
-        ray.init(include_dashboard=False, log_to_driver=False)
+        with _execs_at_once():
+            ray.init(include_dashboard=False, log_to_driver=False)
         return ray
     try:
         from ray._private import ray_constants
@@ -85,12 +88,25 @@ def ensure_ray(**options: Any) -> Any:
     if ray_constants is not None:
         ray_constants.ENABLE_RAY_CLUSTER = False
     try:
-        ray.init(address="local", _node_ip_address="127.0.0.1", include_dashboard=False,
-                 log_to_driver=False, **options)
+        with _execs_at_once():
+            ray.init(address="local", _node_ip_address="127.0.0.1",
+                     include_dashboard=False, log_to_driver=False, **options)
     finally:
         if ray_constants is not None:
             ray_constants.ENABLE_RAY_CLUSTER = saved
     return ray
+
+
+@contextlib.contextmanager
+def _execs_at_once():
+    """Keeps JAX's fork warning ("os.fork() was called ... will likely lead to a
+    deadlock") off the output while Ray starts its processes: Ray starts them with
+    ``subprocess`` (a fork that execs the new program at once), not the fork that the
+    warning is about, which goes on running this process's threads' code."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=r"os\.fork\(\) was called",
+                                category=RuntimeWarning)
+        yield
 
 
 def _actor_classes():
