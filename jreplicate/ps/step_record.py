@@ -240,7 +240,8 @@ class StepRecord:
         n = max(stop - base, 0)
         bits = (self._bits >> (base - self._base)) & ((1 << n) - 1)
         rows = np.full((EPOCHS, 2), -1, np.int32)
-        rows[:len(epochs)] = epochs
+        if epochs:
+            rows[:len(epochs)] = epochs
         return {"history_start": np.array(base, np.int32),
                 "skipped": np.frombuffer(bits.to_bytes((HISTORY + 7) // 8, "little"),
                                          np.uint8).copy(),

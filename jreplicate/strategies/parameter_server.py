@@ -283,7 +283,7 @@ class ParameterServerStrategy(Strategy):
         rescheduled, alive, replaced (lost workers that came back: Ray restarted their
         actors), max_alongside (the most steps one step ran alongside: a
         bound on the staleness of its update, at most ``max_staleness``), finish_times
-        (per worker, ``time.monotonic()`` of each completed step)."""
+        (per worker, ``time.monotonic()`` of each of its latest 1000 completed steps)."""
         c = self._ex().coordinator
         st = c.stats()
         return {"scheduled": st.scheduled, "completed": st.completed,
