@@ -322,6 +322,6 @@ class RestartMachine(RuleBasedStateMachine):
             self.next_id, set())
 
 
-RestartMachine.TestCase.settings = settings(max_examples=8, stateful_step_count=10,
+RestartMachine.TestCase.settings = settings(max_examples=6, stateful_step_count=10,
                                             deadline=None)
 test_restart_shard_after_any_restore = RestartMachine.TestCase
