@@ -22,6 +22,7 @@ None of them locks the coordinator's state: their methods are called under the
 
 from __future__ import annotations
 
+import collections
 import threading
 import time
 from collections.abc import Callable
@@ -155,8 +156,12 @@ class CoordinatorStats(NamedTuple):
     rescheduled: int
     replaced: int  # lost workers the carrier brought back
     max_alongside: int  # the most steps one step ran alongside (bounds its staleness)
-    finish_times: tuple[tuple[float, ...], ...]  # per worker, time.monotonic()
+    finish_times: tuple[tuple[float, ...], ...]  # per worker, time.monotonic(): the latest
     not_run_end_of_input: int
+
+
+#: Finish times kept per worker (the latest: a long job's stats stay bounded).
+FINISH_TIMES = 1000
 
 
 class StatsRecorder:
@@ -173,7 +178,8 @@ class StatsRecorder:
         self._counts = dict.fromkeys(
             ("scheduled", "rescheduled", "replaced", "not_run_end_of_input"), 0)
         self._max_alongside = 0
-        self._finish_times: list[list[float]] = [[] for _ in range(workers)]
+        self._completed = [0] * workers
+        self._finish_times = [collections.deque(maxlen=FINISH_TIMES) for _ in range(workers)]
 
     def count(self, name: str, n: int = 1) -> None:
         with self._lock:
@@ -181,6 +187,7 @@ class StatsRecorder:
 
     def completed(self, worker: int, at: float | None = None) -> None:
         with self._lock:
+            self._completed[worker] += 1
             self._finish_times[worker].append(time.monotonic() if at is None else at)
 
     def saw_alongside(self, n: int) -> None:
@@ -191,8 +198,8 @@ class StatsRecorder:
         with self._lock:
             times = tuple(tuple(t) for t in self._finish_times)
             return CoordinatorStats(
-                scheduled=self._counts["scheduled"], completed=sum(map(len, times)),
-                completed_by=tuple(map(len, times)),
+                scheduled=self._counts["scheduled"], completed=sum(self._completed),
+                completed_by=tuple(self._completed),
                 rescheduled=self._counts["rescheduled"],
                 replaced=self._counts["replaced"], max_alongside=self._max_alongside,
                 finish_times=times,

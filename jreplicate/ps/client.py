@@ -25,7 +25,7 @@ import numpy as np
 from jreplicate.ps.handle import RemoteShardHandle, ShardHandle
 from jreplicate.ps.placement import Placement
 from jreplicate.ps.remote import ParameterServerError, ShardUpdateError
-from jreplicate.ps.shard import SKIPPED, Decision
+from jreplicate.ps.shard import FORGET, SKIPPED, Decision
 
 T = TypeVar("T")
 
@@ -189,12 +189,23 @@ class ShardClient:
         without pushing; a no-op on a shard that decided it): each ledger's watermark
         moves past it. Remote shards are not waited for; a lost or closed shard is
         passed over (nothing of it is lost by the skip)."""
+        self._tell(push_id, SKIPPED)
+
+    def forget(self, below: int) -> None:
+        """Every step with an id below ``below`` ended: the shards let go of what they
+        keep for those steps' reruns (their decisions), so that it stays bounded. Not
+        waited for, as :meth:`skip`."""
+        self._tell(below, FORGET)
+
+    def _tell(self, push_id: int, decision: Decision) -> None:
+        """Every shard's ``record(push_id, decision)``, remote ones not waited for; a lost
+        or closed shard is passed over (its loss is raised elsewhere)."""
         for s in self.shards:
             try:
                 if _is_remote(s):
-                    s.nowait.record(push_id, SKIPPED)  # fire and forget
+                    s.nowait.record(push_id, decision)  # fire and forget
                 else:
-                    s.record(push_id, SKIPPED)
+                    s.record(push_id, decision)
             except Exception:  # noqa: BLE001 - a lost shard: its loss is raised elsewhere
                 pass
 

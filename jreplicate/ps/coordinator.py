@@ -126,6 +126,11 @@ class Coordinator:
         Without it such a step's push is of unknown fate (never skipped).
       skip: ``skip(step_id)``: every shard decides the id without a push (called under
         the coordinator's lock: it must not block; errors are ignored).
+      forget: ``forget(n)``: every step with an id below ``n`` ended, so the shards may
+        let go of what they keep for those steps' reruns (called now and then, under the
+        lock, like ``skip``).
+      record: the record of the steps before the first one this coordinator runs (a
+        restored state's: :meth:`StepRecord.from_arrays`); default: a new job's.
     """
 
     #: Seconds every running step must wait for a token, none queued and no progress,
@@ -144,7 +149,9 @@ class Coordinator:
                  starved: Callable[[], bool] | None = None,
                  replace: Callable[[int], bool] | None = None,
                  decided: Callable[[int], list[bool | None]] | None = None,
-                 skip: Callable[[int], None] | None = None):
+                 skip: Callable[[int], None] | None = None,
+                 forget: Callable[[int], None] | None = None,
+                 record: StepRecord | None = None):
         if depth > 1 and max_staleness is not None:
             raise ValueError("Coordinator(depth > 1): bounded staleness admits one step "
                              "per worker at a time.")
@@ -160,6 +167,7 @@ class Coordinator:
         self._replace = replace
         self._decided = decided or (lambda step_id: None)
         self._skip = skip or _ignore
+        self._forget = forget or _ignore
         self._stats = StatsRecorder(len(runners))
         self._gate = StalenessGate(max_staleness, self._stats)
         self._starvation = StarvationDetector(self.STARVED_AFTER)
@@ -176,9 +184,9 @@ class Coordinator:
         # scheduled in, so the end of one sweep never ends another.
         self._input_ended: dict[tuple[int, int], set[int]] = {}
         self._input_exhausted: set[tuple[int, int]] = set()
-        #: The record of ended steps (completed, skipped, half applied): see
-        #: :mod:`jreplicate.ps.step_record`.
-        self.record = StepRecord()
+        #: The record of ended steps (completed, skipped, half applied) and of the
+        #: job's history: see :mod:`jreplicate.ps.step_record`.
+        self.record = record if record is not None else StepRecord()
         _LIVE.add(self)
         with self._queue.lock:
             self._start_threads()
@@ -264,7 +272,8 @@ class Coordinator:
 
     @property
     def skipped(self) -> set[int]:
-        """:attr:`StepRecord.skipped` of :attr:`record`."""
+        """:attr:`StepRecord.skipped` of :attr:`record` (the skipped ids of its history,
+        a copy)."""
         return self.record.skipped
 
     @property
@@ -474,6 +483,7 @@ class Coordinator:
             if error is None:
                 self.record.completed(c.step_id)  # pushed by this run to every shard
                 self._stats.completed(w)
+                self._forget_ended()
             elif self._first_error is None and self._queue.error is None:
                 self._first_error = error
             rv._set(value, error)
@@ -495,7 +505,18 @@ class Coordinator:
                 self._skip(c.step_id)
             except Exception:  # noqa: BLE001 - a lost shard: its loss is raised elsewhere
                 pass
+        self._forget_ended()
         return error
+
+    def _forget_ended(self) -> None:
+        """(Under the lock.) Now and then, tells the shards below which id every step
+        ended (:meth:`StepRecord.forget_due`)."""
+        below = self.record.forget_due()
+        if below is not None:
+            try:
+                self._forget(below)
+            except Exception:  # noqa: BLE001 - a lost shard: its loss is raised elsewhere
+                pass
 
     def _end_of_input(self, w: int, c: Closure) -> None:
         """``w``'s pipeline of ``c``'s input sweep is exhausted (or restarted for a later

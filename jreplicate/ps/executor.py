@@ -30,11 +30,13 @@ from jreplicate.ps.remote import ParameterServerError, RemoteValue, is_key, to_h
 from jreplicate.ps.shard import _is_sync, check_transformation
 from jreplicate.ps.shard_restart import (
     ShardRestart,
+    check_history,
     check_same_aggregation,
     check_shard_state,
     host_shard_state,
-    lost_pushes,
+    lost_updates,
 )
+from jreplicate.ps.step_record import StepRecord
 from jreplicate.ps.worker import Closure, HostBatch
 from jreplicate.ps.worker_input import WorkerInput, WorkerInputIterator
 
@@ -104,7 +106,8 @@ class ParameterServerExecutor(Executor):
         self._opt_host = jax.tree.map(host_copy, opt_state)
         self._build(pieces, self._opt_host)
 
-    def _build(self, pieces: list, opt_host: Any, restored: list | None = None) -> None:
+    def _build(self, pieces: list, opt_host: Any, restored: list | None = None,
+               record: StepRecord | None = None) -> None:
         s = self.config
         if s.carrier == "ray":
             from jreplicate.ps.ray_carrier import RayCarrier
@@ -122,7 +125,8 @@ class ParameterServerExecutor(Executor):
                 0 if relax else sum(self.coordinator.alive)),
             settle=self.client.settle, starved=self._carrier.starved,
             replace=self._carrier.replace_worker if s.carrier == "ray" else None,
-            decided=self.client.decided, skip=self.client.skip)
+            decided=self.client.decided, skip=self.client.skip, forget=self.client.forget,
+            record=record)
         self._carrier.set_live_workers(lambda: sum(self.coordinator.alive))
 
     def shard_step(self, i: int) -> int:
@@ -191,7 +195,8 @@ class ParameterServerExecutor(Executor):
                 f"ParameterServerStrategy.state(): the shards are at global steps {steps}; "
                 "a push is half committed (a worker lost mid-push whose step never ran "
                 "again). Restore the last checkpoint.")
-        return {"shards": shards, "next_step_id": np.array(self.next_id, np.int32)}
+        return {"shards": shards, "next_step_id": np.array(self.next_id, np.int32),
+                "steps": c.record.to_arrays(self.next_id)}
 
     def restore(self, state: dict[str, Any]) -> None:
         if self.coordinator is None:
@@ -209,6 +214,10 @@ class ParameterServerExecutor(Executor):
                                  f"strategy {self.config.num_ps}; restore with the same "
                                  "num_ps.")
             restored = [host_shard_state(sh) for sh in shards]
+            # (a state saved before the record was: the ids before it are all ended,
+            # which of them were skipped is unknown)
+            record = StepRecord.from_arrays(state["steps"], next_id) if "steps" in state \
+                else StepRecord(next_id)
         except (KeyError, TypeError, IndexError) as e:
             raise ValueError(
                 f"restore(state): the state is not a strategy.state() ({type(e).__name__}: "
@@ -224,12 +233,10 @@ class ParameterServerExecutor(Executor):
         self.coordinator.shutdown()
         self._carrier.close(why="strategy.restore replaced the worker actors; fetch the "
                                 "outputs you need before restoring")
-        # The steps skipped before the state was saved stay known (restart_shard reports
-        # no lost update of them); ids from next_id on are given to new steps.
-        skipped = {i for i in self.coordinator.skipped if i < next_id}
+        # The state's record of its steps (which were skipped, on which timeline) is the
+        # job's; ids from next_id on are given to new steps, in a new epoch.
         self.next_id = next_id
-        self._build([r["params"] for r in restored], self._opt_host, restored)
-        self.coordinator.skipped.update(skipped)
+        self._build([r["params"] for r in restored], self._opt_host, restored, record)
 
     def restart_shard(self, i: int, state: dict[str, Any]) -> ShardRestart:
         """Shard ``i`` back from ``state["shards"][i]`` (see
@@ -252,14 +259,8 @@ class ParameterServerExecutor(Executor):
             raise ValueError(f"restart_shard: the state has {len(shards)} shards, this "
                              f"strategy {self.config.num_ps}; pass a state of this job "
                              "(same num_ps).")
-        saved_next = int(np.asarray(state["next_step_id"]))
-        if saved_next > self.next_id:
-            raise ValueError(
-                f"restart_shard({i}, state): the state was saved when step {saved_next} "
-                f"was next, beyond this job's next step {self.next_id} (it was restored "
-                "from an older state since): its ledger has decided steps the job will "
-                "run again, whose pushes it would drop. Restore every shard from that "
-                "state with strategy.restore(state), or restart from an older one.")
+        record = self.coordinator.record
+        check_history(i, state, record, self.next_id)
         saved = host_shard_state(shards[i])
         here = self.placement.split(jax.tree.map(np.asarray, self._opt_keep[0]))[i]
         check_shard_state(i, saved, here, jax.eval_shape(self._tx.init, here) if here
@@ -279,18 +280,19 @@ class ParameterServerExecutor(Executor):
         # The live shards must agree (checked before anything is replaced); the steps
         # that ended while a shard was lost without any shard deciding them are skipped.
         undecided = self._check_live_shards(i, live)
-        others = [self.coordinator.completed_ids.to_arrays(), *live.values()]
-        skipped = self.coordinator.skipped
-        lost = lost_pushes(shards[i]["ledger"], others, skipped)
+        lost = lost_updates(shards[i]["ledger"], list(live.values()), record, self.next_id)
         for pid in undecided:
-            self.coordinator.record.skip(pid)
+            record.skip(pid)
             self.client.skip(pid)  # (the restarted shard: below, with the skipped)
+        record.ended_below(self.next_id)  # the others: decided by a live shard
         # No step is pending and every id below next_id has ended: the restarted shard
         # decides the steps skipped since the save and those whose update it lost (no
         # push of them will come), so that its ledger's watermark moves on.
         led = saved["ledger"]
-        for pid in sorted({*lost, *(j for j in skipped if j >= led.watermark)}):
-            led.skip(pid)
+        gone = set(lost)
+        for pid in range(led.watermark, self.next_id):
+            if pid in gone or record.was_skipped(pid):
+                led.skip(pid)
         self._carrier.restart_shard(i, saved)
         self.coordinator.resume()
         return ShardRestart(i, saved["step"], lost)
@@ -313,8 +315,8 @@ class ParameterServerExecutor(Executor):
             return []
         sets = [_decided_ids(led, lo, hi) for led in live.values()]
         union = set().union(*sets)
-        skipped = self.coordinator.skipped
-        some = sorted(p for p in union if p not in skipped and any(p not in d for d in sets))
+        skipped = self.coordinator.record.was_skipped
+        some = sorted(p for p in union if not skipped(p) and any(p not in d for d in sets))
         none = [p for p in range(lo, hi)
                 if p not in union and not self.coordinator.completed_ids.seen(p)]
         undecided = []
@@ -322,7 +324,7 @@ class ParameterServerExecutor(Executor):
             answers = self.client.decided(pid)
             yes = [j for j in live if answers[j]]
             no = [j for j in live if answers[j] is False]
-            if yes and no and pid not in skipped:
+            if yes and no and not skipped(pid):
                 msg = (f"restart_shard({i}, state): step {pid}'s push is on shard(s) {yes} "
                        f"and not on shard(s) {no} (a shard was lost in the middle of it), "
                        "so the live shards' parameters disagree; restarting shard "

@@ -48,12 +48,15 @@ class Ledger:
     """Outcomes of the pushes one shard received (not thread-safe: the shard's lock
     guards it)."""
 
-    def __init__(self):
+    def __init__(self, watermark: int = 0):
         self.counts = dict.fromkeys(KINDS, 0)
         self.staleness = collections.Counter()
         self._decided: set[int] = set()
-        self._watermark = 0  # every id < watermark is decided
-        self.decisions: dict[int, Any] = {}  # token-gated mode: push id -> decision
+        self._watermark = int(watermark)  # every id < watermark is decided
+        # Shard 0's decisions (token-gated mode) and the failed pushes, by push id: a
+        # rerun's push gets its step's decision back. Kept until the coordinator says
+        # that the step ended (forget).
+        self.decisions: dict[int, Any] = {}
 
     @property
     def pushes(self) -> int:
@@ -77,6 +80,13 @@ class Ledger:
         the kinds); a no-op for an id already decided."""
         if not self.seen(push_id):
             self._decide(push_id)
+
+    def forget(self, below: int) -> None:
+        """Every step with an id below ``below`` ended (the coordinator said so): no push
+        of them comes again, so their decisions are let go (at most the running
+        steps' are kept)."""
+        if any(i < below for i in self.decisions):
+            self.decisions = {i: d for i, d in self.decisions.items() if i >= below}
 
     @property
     def watermark(self) -> int:

@@ -78,7 +78,10 @@ class Decision:
         ``"backup"`` or ``"failed"`` (an update raised: no shard applies it); or
         ``"skipped"`` (:data:`SKIPPED`, sent to every shard's :meth:`PSShard.record` by
         the coordinator): the step ended for good without pushing, its id is decided
-        without counting (:meth:`jreplicate.ps.ledger.Ledger.skip`).
+        without counting (:meth:`jreplicate.ps.ledger.Ledger.skip`); or ``"forget"``
+        (:data:`FORGET`, to :meth:`PSShard.record` with a push id ``n``): every step
+        with an id below ``n`` ended, so what is kept for their reruns is let go
+        (:meth:`jreplicate.ps.ledger.Ledger.forget`).
       step: the global step the gradient counts for (accepted), else the step then.
       index: the push's position among step ``step``'s accepted gradients.
       completes: the push completed step ``step`` (shard 0 applied the aggregate).
@@ -98,6 +101,8 @@ class Decision:
 
 #: The decision that marks a push id decided without a push (see :class:`Decision`).
 SKIPPED = Decision("skipped", -1)
+#: The decision that says every step below a push id ended (see :class:`Decision`).
+FORGET = Decision("forget", -1)
 
 
 def _is_sync(state: Any) -> bool:
@@ -501,6 +506,11 @@ class PSShard:
         """
         with self._cond:
             self._check_open()
+            if decision.kind == "forget":  # every step below push_id ended
+                self.ledger.forget(push_id)
+                if any(i < push_id for i in self._staged):
+                    self._staged = {i: s for i, s in self._staged.items() if i >= push_id}
+                return self._step
             staged = self._staged.pop(push_id, {})
             if decision.kind == "skipped":  # never pushed (a no-op if decided)
                 self.ledger.skip(push_id)
@@ -527,8 +537,9 @@ class PSShard:
             return self._step
 
     def record(self, push_id: int, decision: Decision) -> None:
-        """Records shard 0's drop of a push (:meth:`commit` of a dropped decision), or
-        (:data:`SKIPPED`) that the push will never come."""
+        """Records shard 0's drop of a push (:meth:`commit` of a dropped decision),
+        (:data:`SKIPPED`) that the push will never come, or (:data:`FORGET`) that every
+        step below ``push_id`` ended."""
         self.commit(push_id, decision)
 
     def decided(self, push_id: int) -> bool:

@@ -283,7 +283,7 @@ class ParameterServerStrategy(Strategy):
         rescheduled, alive, replaced (lost workers that came back: Ray restarted their
         actors), max_alongside (the most steps one step ran alongside: a
         bound on the staleness of its update, at most ``max_staleness``), finish_times
-        (per worker, ``time.monotonic()`` of each completed step)."""
+        (per worker, ``time.monotonic()`` of each of its latest 1000 completed steps)."""
         c = self._ex().coordinator
         st = c.stats()
         return {"scheduled": st.scheduled, "completed": st.completed,
@@ -294,7 +294,9 @@ class ParameterServerStrategy(Strategy):
     def state(self) -> dict[str, Any]:
         """Every shard's state and ledger as numpy, for
         :class:`jreplicate.CheckpointManager`: a consistent snapshot, every shard at the
-        step its ledger records.
+        step its ledger records, with the record of the job's steps (``"steps"``: which
+        of its last step ids were skipped, and the timeline it is on; fixed-size arrays,
+        see :mod:`jreplicate.ps.step_record`).
 
         Raises:
           RuntimeError: steps are scheduled or running; call ``rep.join()`` first.
@@ -321,9 +323,10 @@ class ParameterServerStrategy(Strategy):
         Nothing is silently lost or applied twice: the updates shard ``i`` applied after
         the save are gone with it (the other shards still hold theirs), and the report
         names them (``lost``: the step ids another shard decided that the restarted
-        shard's ledger has not). ``ledger()[i]`` counts what the restarted shard
-        holds: the saved counts plus what it applies from now on. See
-        :mod:`jreplicate.ps.shard_restart`.
+        shard's ledger has not, less the skipped steps, which applied nothing: also
+        those skipped before a state this job was restored from, which its record
+        keeps). ``ledger()[i]`` counts what the restarted shard holds: the saved counts
+        plus what it applies from now on. See :mod:`jreplicate.ps.shard_restart`.
 
         Args:
           shard: the lost shard's index.
@@ -336,9 +339,12 @@ class ParameterServerStrategy(Strategy):
         Raises:
           RuntimeError: steps are scheduled or running (call ``rep.join()`` first).
           ValueError: token-gated training, a shard index out of range, a shard that is
-            not lost (restore every shard with :meth:`restore`), or a state whose shard
-            does not match this one (names the piece or optimizer-state leaf); nothing
-            is changed then.
+            not lost (restore every shard with :meth:`restore`), a state whose shard
+            does not match this one (names the piece or optimizer-state leaf), or a
+            state not of this job's timeline (saved on one that :meth:`restore` went
+            back from), before the history the job keeps (the last 65,536 step ids),
+            or without a record of its steps (an earlier jreplicate's); nothing is
+            changed then.
         """
         return self._ex().restart_shard(shard, state)
 
