@@ -67,10 +67,12 @@ class DonatedArgument(NamedTuple):
 
 
 class Containers(NamedTuple):
-    """The containers below ``root`` to count (:func:`container_plan`), and the flat
-    index of ``root``'s first leaf among the program's inputs."""
+    """The containers to count (:func:`container_plan`) below ``holder[key]`` (an
+    argument is not held here, so as not to add to its own count), and the flat index
+    of its first leaf among the program's inputs."""
 
-    root: Any
+    holder: Any
+    key: Any
     plan: tuple
     start: int
 
@@ -117,7 +119,7 @@ def copy_held_elsewhere(arrays: list, limit: tuple, args: tuple = (),
     held = set(_held(arrays, limit, args, arg_limit))
     below: list[int] = []
     for c in containers:
-        _held_ranges(c.root, c.plan, c.start, below)
+        _held_ranges(c.holder[c.key], c.plan, c.start, below)
     held.update(i for i in below if may_alias is None or may_alias(i))
     for i in sorted(held):
         arrays[i] = jnp.copy(arrays[i])

@@ -514,7 +514,7 @@ def _containers(args: tuple, groups: tuple, treedef: Any, state: Any
     and, for NNX state split by ``nnx.split`` (``state``; None: split as pytrees, every
     Variable holding one array), those inside Variables' values. Also the flat indices
     of that state's leaves inside Variables (the state holds the Variable, not them)."""
-    out = [donation.Containers(args[k], plan, idx[0]) for k, idx in groups
+    out = [donation.Containers(args, k, plan, idx[0]) for k, idx in groups
            if idx and (plan := donation.container_plan(args[k], 1)) is not None]
     if state is None:
         return frozenset(), out
@@ -527,7 +527,7 @@ def _containers(args: tuple, groups: tuple, treedef: Any, state: Any
         n = len(jax.tree.leaves(x))
         in_variable.extend(range(start, start + n))
         if n and (plan := donation.container_plan(x)) is not None:
-            out.append(donation.Containers(x, plan, start))
+            out.append(donation.Containers((x,), 0, plan, start))
         start += n
     return frozenset(in_variable), out
 
