@@ -157,8 +157,8 @@ _MAX_PLANS = 256
 def container_plan(root: Any, per_replica_held: int = 0) -> tuple | None:
     """What to count below ``root`` (a donated argument, or an NNX Variable whose value
     is a pytree): ``(generic, entries)``, each entry ``(key, most references, its own
-    plan or None, first leaf, end leaf)`` for a child container that has leaves below
-    it, or None when there is none (every child a leaf). ``generic``: the children are
+    plan or None, first leaf, end leaf)`` (leaves counted from the parent's first) for a
+    child container that has leaves below it, or None when there is none (every child a leaf). ``generic``: the children are
     read through ``jax.tree_util.flatten_one_level`` (``key`` their position) rather
     than by subscript (dicts, lists, tuples, NamedTuples: ``key`` the dict key or
     position). ``per_replica_held``: references ``run`` itself holds to a PerReplica
@@ -227,4 +227,4 @@ def _held_ranges(node: Any, plan: tuple, start: int, out: list[int]) -> None:
         if getrefcount(child) > limit:
             out.extend(range(start + lo, start + hi))
         elif sub is not None:
-            _held_ranges(child, sub, start, out)
+            _held_ranges(child, sub, start + lo, out)
