@@ -372,3 +372,47 @@ def test_an_unheld_nested_argument_takes_the_steady_state_path_without_copies(
         params, _ = rep.run(_plus_one, None, params, donate_argnums=(0,))
         assert counted["hit"] == 4 and len(copied) == 1
     np.testing.assert_array_equal(np.asarray(kept["d"]), [9.0, 9.5])
+
+
+def test_tpu_strategy_steps_per_run_keeps_a_held_container():
+    """A device loop of the strategy's steps_per_run over an input iterator."""
+    rep = jr.Replicator(jr.TPUStrategy(devices=jax.devices()[:2], steps_per_run=2))
+    data = [np.full((2,), float(i), np.float32) for i in range(8)]
+    it = rep.prepare_input(lambda ctx: iter(data), jr.InputReplicationMode.PER_REPLICA)
+
+    def step(ctx, batch, p):
+        return jax.tree.map(lambda x: x + 1.0, p), jnp.sum(batch)
+
+    params = {"layer": {"w": _array(rep, 1.0)}, "opt": (_Pair(_array(rep, 2.0), ()),)}
+    params, _ = rep.run(step, it, params, donate_argnums=(0,))
+    kept, pair = params["layer"], params["opt"][0]
+    before = _values((kept, pair))
+    params, _ = rep.run(step, it, params, donate_argnums=(0,))
+    for got, want in zip(_values((kept, pair)), before, strict=True):
+        np.testing.assert_array_equal(got, want)
+    np.testing.assert_array_equal(np.asarray(params["layer"]["w"]), before[0] + 2.0)
+
+
+def test_a_parameter_server_worker_still_donates_its_nested_parameters_without_a_copy():
+    """The worker donates the parameters it placed for the step (several devices): a
+    fresh pytree that nothing else holds, at any depth."""
+    from jreplicate.ps.worker import Closure, HostBatch, PSWorker
+    from tests.test_ps_forwarding import _Client
+
+    params = {"layer": {"w": np.ones((2, 3), np.float32), "b": [np.zeros(3, np.float32)]},
+              "o": (np.ones(2, np.float32),)}
+    tx = jr.ps.pushable(optax.adam(1e-3))
+    worker = PSWorker(0, jax.devices()[:2], _Client(params),
+                      jax.tree.map(np.asarray, tx.init(params)))
+
+    def step(ctx, batch, p, o):
+        u, o = tx.update(jax.tree.map(lambda a: jnp.ones_like(a) * jnp.sum(batch), p), o, p)
+        return optax.apply_updates(p, u), o
+
+    x = np.ones((2, 8), np.float32)
+    with _counting_copies() as copied:
+        for i in range(3):
+            _, decision = worker.run(Closure(i, step, True, HostBatch(
+                [[x[:1]], [x[1:]]], jax.tree.structure(0)), (None, None), 0, 1, fn_key=7))
+            assert decision.kind == "applied"
+    assert copied == []
