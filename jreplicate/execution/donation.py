@@ -158,10 +158,10 @@ def container_plan(root: Any, per_replica_held: int = 0) -> tuple | None:
     """What to count below ``root`` (a donated argument, or an NNX Variable whose value
     is a pytree): ``(generic, entries)``, each entry ``(key, most references, its own
     plan or None, first leaf, end leaf)`` (leaves counted from the parent's first) for a
-    child container that has leaves below it, or None when there is none (every child a leaf). ``generic``: the children are
-    read through ``jax.tree_util.flatten_one_level`` (``key`` their position) rather
-    than by subscript (dicts, lists, tuples, NamedTuples: ``key`` the dict key or
-    position). ``per_replica_held``: references ``run`` itself holds to a PerReplica
+    child container with leaves below it; None when there is none. ``generic``: the
+    children are read through ``jax.tree_util.flatten_one_level`` (``key`` their
+    position) rather than by subscript (dicts, lists, tuples, NamedTuples: ``key`` the
+    dict key or position). ``per_replica_held``: references ``run`` itself holds to a PerReplica
     there (the full path's flat list of leaves holds it). Leaves themselves are not in
     the plan (their limits are counted apart). Depends only on ``root``'s pytree
     structure: cached by it."""
