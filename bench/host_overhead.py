@@ -13,7 +13,8 @@ devices, where a step is mostly host work. Eight ways, interleaved rounds of 500
   ``run+input(prefetch)`` with ``prefetch_on_device=True``;
 * ``run nnx``: a Flax NNX model and ``nnx.Optimizer`` passed to ``run``;
 * ``hand no-op`` / ``run no-op``: a step that returns its arguments: their difference is
-  the host time ``run`` adds per call.
+  the host time ``run`` adds per call; ``run no-op donated`` donates them
+  (``donate_argnums=(0, 1)``: the steady-state path's donation checks).
 
 Prints median microseconds per step and the ratios the project tracks:
 run / hand (target <= 1.03), run+input / hand+put (<= 1.05), run nnx / run (<= 1.10).
@@ -176,11 +177,24 @@ def main(argv=None) -> None:
             s_noop_run[0], s_noop_run[1] = rep.run(noop, batch, *s_noop_run)
         return s_noop_run[0]
 
+    s_noop_don = state()
+
+    def run_nothing_donated():  # the donation checks: 3 + 5 containers, 12 leaves
+        # (Held by locals only: a list passed as *s_noop_don would hold them too, and
+        # run would donate copies.)
+        p, o = s_noop_don
+        s_noop_don.clear()
+        for _ in range(CALLS):
+            p, o = rep.run(noop, batch, p, o, donate_argnums=(0, 1))
+        s_noop_don[:] = [p, o]
+        return p
+
     # Four groups, each interleaved on its own, so that one group's background threads
     # (the input iterators') never run beside another group's steps.
     groups = {
         "dispatch": {"hand": (hand, 1), "run": (run, 1)},
-        "host time": {"hand no-op": (hand_nothing, 1), "run no-op": (run_nothing, 1)},
+        "host time": {"hand no-op": (hand_nothing, 1), "run no-op": (run_nothing, 1),
+                      "run no-op donated": (run_nothing_donated, 1)},
         "input": {"hand+put": (hand_put, 1), "run+input": (run_input, 1),
                   "run+input(prefetch)": (run_input_pre, 1)},
         "nnx": {"run": (run, 1), "run nnx": (run_nnx, 1)},
@@ -202,6 +216,7 @@ def main(argv=None) -> None:
         print(f"{name:24s} {statistics.median(t) / CALLS * 1e6:8.0f} us/step")
     rows = []
     for a, b, target in (("run", "hand", 1.03), ("run no-op", "hand no-op", None),
+                         ("run no-op donated", "run no-op", None),
                          ("run+input", "hand+put", 1.05),
                          ("run+input(prefetch)", "hand+put", 1.05),
                          ("run nnx", "run (nnx group)", 1.10)):
@@ -212,12 +227,17 @@ def main(argv=None) -> None:
             print(f"{a:24s} / {b:15s} {ratio:6.3f}  (target <= {target})")
     added = statistics.median(r - h for r, h in zip(times["run no-op"], times["hand no-op"]))
     print(f"host time run adds per call (no-op step, run - hand): {added / CALLS * 1e6:.0f} us")
+    donated = statistics.median(
+        d - r for d, r in zip(times["run no-op donated"], times["run no-op"]))
+    print(f"with donate_argnums=(0, 1) (no-op step, donated - not): "
+          f"{donated / CALLS * 1e6:.0f} us")
     _record.write(args.json, "host_overhead",
                   "Host overhead of a dispatch-bound step: jreplicate vs hand-written JAX",
                   ["jreplicate", "reference", "jreplicate us/step", "reference us/step",
                    "paired ratio", "target"], rows, rounds=rounds, calls=CALLS,
                   model="MLP " + "-".join(map(str, SIZES)), devices=n,
                   added_us_per_call=added / CALLS * 1e6,
+                  donation_us_per_call=donated / CALLS * 1e6,
                   default_prefetch="prefetches" if choice else "calling thread")
 
 

@@ -238,12 +238,13 @@ class Replicator:
             (``params, opt = rep.run(step, inputs, params, opt, donate_argnums=(0, 1))``),
             never state you read again (an evaluation step's ``params``). The state of
             Flax NNX arguments, which ``run`` replaces in place, is always donated.
-            An array another live object also holds (``nnx.clone(model)``, a teacher or
-            EMA sharing the model's arrays, ``best = params``, ``old = w``) is never
-            destroyed: a copy of it is donated instead (one device copy, usually once).
-            A container nested in a donated argument and held elsewhere too
-            (``best = state["params"]`` for ``donate_argnums`` on ``state``) is not
-            seen: copy it (``jax.tree.map(jnp.copy, ...)``). A step that fails while
+            An array another live object also holds, directly or through any container
+            on its way from the argument (``nnx.clone(model)``, a teacher or EMA
+            sharing the model's arrays, ``best = params``, ``old = w``,
+            ``kept = state["params"]``, ``adam = opt_state[0]``, a dict inside a
+            Variable's value), is never destroyed: a copy of it is donated instead (one
+            device copy, usually once). NNX modules and Variables are updated in place:
+            whoever holds one sees the new state. A step that fails while
             running has consumed the donated state: its error says so; reading the
             module's Variables afterwards raises the step's error.
 

@@ -24,9 +24,9 @@ running, see ``_refused``, go to the full path):
 * a NumPy array or Python number (its 64-bit values are checked on the full path), a
   tracer, a deleted (donated) array, an array placed elsewhere: the full path;
 * an argument passed twice in a call that donates: the full path (which names it);
-* a donated array (NNX state, ``donate_argnums``) that another live object holds (a
-  reference count above its holder's, :mod:`jreplicate.execution.donation`): the full
-  path, which donates a copy;
+* a donated array (NNX state, ``donate_argnums``) that another live object holds,
+  directly or through a container of its argument (a reference count above its
+  holder's, :mod:`jreplicate.execution.donation`): the full path, which donates a copy;
 * with several logical devices per replica, a leaf whose sharding differs from the
   recorded one (the program keeps model shardings it was built for): the full path;
 * an NNX Variable now shared, holding something other than an array, or of another
@@ -71,11 +71,11 @@ class SteadyCall:
     (hangs off the function's :class:`jreplicate.execution.cache.FunctionEntry`)."""
 
     __slots__ = ("program", "jitted", "num_out", "out_def", "donate", "limit", "arg_limit",
-                 "shardings", "placed", "order", "num_plain", "variables")
+                 "plans", "shardings", "placed", "order", "num_plain", "variables")
 
     def __init__(self, program: Any, out_def: Any, shardings: tuple | None,
                  order: list[int] | None, num_plain: int, variables: list | None,
-                 placed: tuple, limit: tuple, arg_limit: tuple):
+                 placed: tuple, limit: tuple, arg_limit: tuple, plans: tuple):
         self.program = program  # the cache drops this call with it
         self.jitted, self.num_out, self.out_def = program.jitted, program.num_out, out_def
         self.donate = program.jitted_donate
@@ -83,6 +83,7 @@ class SteadyCall:
         self.placed = placed  # the inputs' shardings (compared only when a call fails)
         self.limit = limit  # see donation.held_elsewhere
         self.arg_limit = arg_limit
+        self.plans = plans  # the containers in donated plain arguments
         # NNX arguments: the flat leaves in the program's order (plain leaves, then the
         # Variables, whose values are read), and how many are plain.
         self.order, self.num_plain = order, num_plain
@@ -139,7 +140,8 @@ class FastPath:
         if entry.donate:
             x = None  # the loop's reference to the last input
             if len(set(map(id, inputs))) != len(inputs) \
-                    or donation.held_elsewhere(inputs, entry.limit, args, entry.arg_limit):
+                    or donation.held_elsewhere(inputs, entry.limit, args, entry.arg_limit,
+                                               entry.plans):
                 return MISS  # the full path copies what another object holds
         if entry.shardings is not None and any(
                 x.sharding != s for x, s in zip(inputs, entry.shardings)):
@@ -205,7 +207,9 @@ class FastPath:
                            SteadyCall(
             program, out_def, shardings, order, num_plain, signature, placed,
             _donation_limit(inputs, program.jitted_donate, args, num_plain, order is not None),
-            donation.argument_limit(args, program.donate_args, 0)))
+            donation.argument_limit(args, program.donate_args, 0),
+            tuple((k, plan) for k, _ in program.donate_args
+                  if (plan := donation.container_plan(args[k])) is not None)))
 
 
 def _donation_limit(inputs: list, donated: tuple, args: tuple, num_plain: int,

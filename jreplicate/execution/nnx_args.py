@@ -82,7 +82,8 @@ def is_variable(x: Any) -> bool:
 
 def split_fast(nodes: tuple) -> tuple[PytreeDef, list, list] | None:
     """``(definition, values, Variables)`` of NNX nodes as pytrees, or None where that
-    does not apply (a shared Variable, a Variable holding several arrays)."""
+    does not apply (a shared Variable, a Variable holding a pytree rather than one
+    array)."""
     variables, vdef = jax.tree.flatten(nodes, is_leaf=is_variable)
     if not variables or not all(map(is_variable, variables)) \
             or len(set(map(id, variables))) != len(variables):
@@ -96,7 +97,10 @@ def split_fast(nodes: tuple) -> tuple[PytreeDef, list, list] | None:
         if len(_FULL_DEFS) > _MAX_ENTRIES:
             _FULL_DEFS.clear()
         cached = _FULL_DEFS[vdef] = _FullDef(treedef, sig)
-    return PytreeDef(cached.treedef), [v.get_value() for v in variables], variables
+    values = [v.get_value() for v in variables]
+    if not jax.tree_util.all_leaves(values):
+        return None  # a Variable holding a pytree of one leaf ({"w": array})
+    return PytreeDef(cached.treedef), values, variables
 
 
 def variable_signature(variables: list) -> list:

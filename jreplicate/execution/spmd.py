@@ -265,10 +265,13 @@ class SPMDExecutor(Executor):
             _check_donated_once(arrays, program.jitted_donate, treedef, node_pos)
         if program.jitted_donate:
             copied = plain is not args  # a tuple of the plain arguments holds them too
+            in_variable, containers = _containers(args, program.donate_args, treedef,
+                                                  state if variables is None else None)
             donation.copy_held_elsewhere(
                 arrays, _donation_limit(leaves, arrays, program.jitted_donate, treedef,
-                                        args, copied),
-                args, donation.argument_limit(args, program.donate_args, copied, leaves))
+                                        args, copied, in_variable),
+                args, donation.argument_limit(args, program.donate_args, copied, leaves),
+                containers, lambda i: _may_alias(leaves[i], arrays[i]))
         return Prepared(program, arrays, treedef, node_pos, state, variables, homes, traced)
 
     def _place(self, leaves: list, treedef: Any, node_pos: tuple,
@@ -504,14 +507,48 @@ def _copy_shared_state(arrays: list, treedef: Any) -> None:
         seen.add(id(arrays[i]))
 
 
+def _containers(args: tuple, groups: tuple, treedef: Any, state: Any
+                ) -> tuple[frozenset, list]:
+    """What ``_prepare`` counts of the containers in the donated arguments
+    (:class:`donation.Containers`): those inside the donated plain arguments (``groups``)
+    and, for NNX state split by ``nnx.split`` (``state``; None: split as pytrees, every
+    Variable holding one array), those inside Variables' values. Also the flat indices
+    of that state's leaves inside Variables (the state holds the Variable, not them)."""
+    out = [donation.Containers(args, k, plan, idx[0]) for k, idx in groups
+           if idx and (plan := donation.container_plan(args[k], 1)) is not None]
+    if state is None:
+        return frozenset(), out
+    in_variable = []
+    start = treedef.num_leaves - treedef.children()[2].num_leaves
+    for x in jax.tree.leaves(state, is_leaf=nnx_args.is_variable):
+        if not nnx_args.is_variable(x):
+            start += 1
+            continue
+        n = len(jax.tree.leaves(x))
+        in_variable.extend(range(start, start + n))
+        if n and (plan := donation.container_plan(x)) is not None:
+            out.append(donation.Containers((x,), 0, plan, start))
+        start += n
+    return frozenset(in_variable), out
+
+
+def _may_alias(x: Any, a: Any) -> bool:
+    """Whether the program input ``a`` (for the leaf ``x`` as passed) may share buffers
+    with what the caller holds: a concrete array passed as one, or in a PerReplica."""
+    return isinstance(a, jax.Array) and not isinstance(a, jax.core.Tracer) and \
+        isinstance(x, (jax.Array, PerReplica))
+
+
 def _donation_limit(leaves: list, arrays: list, donated: tuple[int, ...], treedef: Any,
-                    args: tuple, plain_copied: bool) -> tuple:
+                    args: tuple, plain_copied: bool, in_variable: frozenset) -> tuple:
     """The most references each donated leaf may have in ``_prepare`` for nothing else
     to hold it (see :mod:`jreplicate.execution.donation`): its holder, ``arrays``,
-    ``leaves`` (unless a PerReplica holds it), NNX state's list of values, the tuple of
-    plain arguments when it is not ``args`` itself. A leaf placed anew for the step (from
-    one logical device) may share the buffers of the leaf passed: the passed one is
-    counted then, and a copy is donated (limit 0) if anything else holds it."""
+    ``leaves`` (unless a PerReplica holds it), NNX state's list of values or, split by
+    ``nnx.split``, its State (which holds the leaves not inside a Variable: not those of
+    ``in_variable``), the tuple of plain arguments when it is not ``args`` itself. A leaf
+    placed anew for the step (from one logical device) may share the buffers of the leaf
+    passed: the passed one is counted then, and a copy is donated (limit 0) if anything
+    else holds it."""
     state_start = treedef.num_leaves - treedef.children()[2].num_leaves
     direct = {id(a) for a in args}
     out = []
@@ -522,7 +559,8 @@ def _donation_limit(leaves: list, arrays: list, donated: tuple[int, ...], treede
         x = leaves[i]
         placed = x is not a and isinstance(x, jax.Array)
         kind = donation.holder(x, x if placed else a, direct, i >= state_start)
-        own = 1 + (i >= state_start) + (kind == donation.ARGUMENT and plain_copied)
+        own = 1 + (i >= state_start and i not in in_variable) + \
+            (kind == donation.ARGUMENT and plain_copied)
         if placed:  # x: held by leaves, this loop's x, getrefcount's argument
             if sys.getrefcount(x) > kind + own + 2:
                 out.append((i, 0))
