@@ -255,7 +255,8 @@ class ProgramCache:
         standing for ``fn`` without keeping it alive, and stores it."""
         fid = identity(fn)
         entry = self._functions.get(fid)
-        if entry is None or not entry.token.holds(fn):
+        created = entry is None or not entry.token.holds(fn)
+        if created:
             token = _token(fn, self._forget)
             entry = self._functions[fid] = FunctionEntry(token, token)
         program = build(_as_callable(entry.token))
@@ -268,7 +269,7 @@ class ProgramCache:
                 self._drop_program(old, old_key)
             else:  # (its function was freed just now)
                 self._recent.pop((old_fid, old_key), None)
-        self._note_new_object(fn)
+        self._note_new_object(fn, created)
         return program
 
     def record(self, entry: FunctionEntry, shape: CallShape, call: Any) -> None:
@@ -300,15 +301,16 @@ class ProgramCache:
             for f, key in [(f, key) for f, key in list(self._recent) if f == fid]:
                 self._recent.pop((f, key), None)
 
-    def _note_new_object(self, fn: Callable) -> None:
+    def _note_new_object(self, fn: Callable, created: bool) -> None:
         """Counts ``fn`` (once per function object; a bound method once per object)
         under its code, and warns once the same code was compiled for
-        :data:`RECOMPILE_WARNING_AFTER` of them."""
+        :data:`RECOMPILE_WARNING_AFTER` of them. (A callable that cannot be weakly
+        referenced is counted when its entry is ``created``: the entry holds it.)"""
         code = _code(fn)
         if code is None or self._seen.get(fn) is not None:
             return
         self._seen[fn] = True
-        if self._seen.get(fn) is None:  # not weakly referenceable: not counted
+        if not created and self._seen.get(fn) is None:
             return
         self._objects_per_code[code] += 1
         if self._objects_per_code[code] >= RECOMPILE_WARNING_AFTER and code not in self._warned:
