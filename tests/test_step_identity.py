@@ -18,6 +18,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 import jreplicate as jr
 from tests._ps_helpers import bounded_test  # noqa: F401 - every PS test is bounded
@@ -279,10 +281,6 @@ def _label():
     return f"o{_NEXT[0]}"
 
 
-def _fixed(objs):
-    return lambda k: (lambda: objs[k]), None
-
-
 def _fresh(build):
     """``make(k)``: a new object (``getter`` returns it) and its trace label."""
     def make(k):
@@ -300,11 +298,6 @@ def _nested(k, label):
     def step(ctx, *args):
         return _apply(label, k, ctx, *args)
     return step
-
-
-def _method(k, label):
-    obj = _Model(k, label)
-    return obj
 
 
 def _make_method(k):
@@ -450,3 +443,44 @@ def test_a_freed_step_takes_its_programs_with_it(harness):
     assert [kind for kind, r in refs if r() is not None] == []
     if not harness.ps:
         assert len(harness.rep._executor._cache) == 0
+
+
+_POOL_REP: list = []
+
+
+@settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.lists(st.tuples(st.sampled_from(["new", "run", "run", "run"]), st.integers(0, 3),
+                          st.sampled_from(sorted(KINDS)), st.sampled_from([2.0, 3.0, 5.0])),
+                min_size=1, max_size=12))
+def test_steps_of_every_kind_mixed_dropped_and_rebuilt(actions):
+    """Steps of all kinds in four slots, rebuilt (the old one dropped and collected, so
+    that its id may come back for the new one) and run in any order on one Replicator
+    for every example: each run computes its own step's result, and no step is traced
+    twice."""
+    if not _POOL_REP:
+        _POOL_REP.append(_mirrored())
+    rep, x = _POOL_REP[0], jnp.arange(3.0)
+    TRACES.clear()
+    _MODE.clear()
+    # Four slots filled first, then rebuilt and run in the drawn order.
+    actions = [("new", i, kind, k) for i, (_, _, kind, k) in enumerate(actions[:4])] + \
+        [("run", i, None, None) for i in range(4)] + actions
+    slots: dict = {}
+    with warnings.catch_warnings():  # (new lambdas every example: tested above)
+        warnings.filterwarnings("ignore", "jreplicate: Replicator.run compiled")
+        _run_actions(rep, x, actions, slots)
+    assert all(n == 1 for n in TRACES.values()), TRACES
+
+
+def _run_actions(rep, x, actions, slots):
+    for op, slot, kind, k in actions:
+        if op == "new":
+            fresh, make = KINDS[kind]
+            k = k if fresh else min(k, 3.0)
+            slots.pop(slot, None)
+            gc.collect()
+            slots[slot] = (make(k)[0], k)
+        elif slot in slots:
+            get, k = slots[slot]
+            np.testing.assert_array_equal(np.asarray(rep.run(get(), None, x)),
+                                          np.arange(3.0) * k)
