@@ -96,18 +96,26 @@ class _WeakCall:
 # things, and an ``__eq__`` or ``__hash__`` that raises must not break ``run``. A bound
 # method, a new object at every access (``obj.step``), is identified by its
 # ``__self__`` and ``__func__``: the same object's method is the same step, an equal
-# but distinct object's is not. The keys are ids, valid while the function lives: each
-# is held by a token (a weak reference whose callback drops the key's entry when the
-# function is freed, before its id can be reused), or, for the few callables that
-# cannot be weakly referenced (a builtin, a class with ``__slots__``), held strongly,
-# as ``jax.jit`` does.
+# but distinct object's is not. The keys are the objects' addresses (see
+# :func:`identity`), valid while the function lives: each is held by a token (a weak
+# reference whose callback drops the key's entry when the function is freed, before
+# its address can be reused), or, for the few callables that cannot be weakly
+# referenced (a builtin, a class with ``__slots__``), held strongly, as ``jax.jit``
+# does. Every lookup also checks that the token holds the very object (``holds``).
+
+#: ``object.__hash__``: in CPython a rotation of the object's address, so distinct for
+#: live objects, whatever the type's own ``__hash__``; unlike ``id``, which raises an
+#: audit event (a Python audit hook, as filelock installs, makes each ``id`` call cost
+#: microseconds on the steady-state path).
+_address = object.__hash__
+
 
 def identity(fn: Callable) -> Any:
-    """The key identifying ``fn`` while it lives: ``id(fn)``, or ``(id(fn.__self__),
-    id(fn.__func__))`` for a bound method."""
+    """The key identifying ``fn`` while it lives: its address, or the addresses of
+    ``fn.__self__`` and ``fn.__func__`` for a bound method."""
     if type(fn) is MethodType:
-        return (id(fn.__self__), id(fn.__func__))
-    return id(fn)
+        return (_address(fn.__self__), _address(fn.__func__))
+    return _address(fn)
 
 
 class _Ref(weakref.ref):
@@ -117,7 +125,7 @@ class _Ref(weakref.ref):
 
     def __init__(self, ob: Any, callback: Callable | None = None):
         super().__init__(ob, callback)
-        self.key = id(ob)
+        self.key = _address(ob)
 
     def holds(self, fn: Callable) -> bool:
         return self() is fn
@@ -137,7 +145,7 @@ class _MethodRef(weakref.WeakMethod):
 
     def __init__(self, meth: Any, callback: Callable | None = None):
         super().__init__(meth, callback)
-        self.key = (id(meth.__self__), id(meth.__func__))
+        self.key = (_address(meth.__self__), _address(meth.__func__))
 
     def holds(self, fn: Callable) -> bool:
         return type(fn) is MethodType and weakref.ref.__call__(self) is fn.__self__ \
@@ -230,14 +238,11 @@ class ProgramCache:
     def find(self, fn: Callable) -> FunctionEntry | None:
         """``fn``'s entry (the steady-state path: a bound method of the recorded
         method's object finds it too), or None."""
-        entry = self._functions.get(id(fn))
-        if entry is not None and entry.fn() is fn:
-            return entry
         if type(fn) is MethodType:
-            entry = self._functions.get((id(fn.__self__), id(fn.__func__)))
-            if entry is not None and entry.token.holds(fn):
-                return entry
-        return None
+            entry = self._functions.get((_address(fn.__self__), _address(fn.__func__)))
+            return entry if entry is not None and entry.token.holds(fn) else None
+        entry = self._functions.get(_address(fn))
+        return entry if entry is not None and entry.fn() is fn else None
 
     def get(self, fn: Callable, key: ProgramKey) -> Any:
         """``fn``'s program for ``key``, or None."""
