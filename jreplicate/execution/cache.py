@@ -1,7 +1,10 @@
 """Which compiled program serves a call of a step function: one cache per executor
 (private).
 
-The cache holds one :class:`FunctionEntry` per step function, held weakly: a function
+The cache holds one :class:`FunctionEntry` per step function, keyed by the function
+object's identity (never its own ``__eq__``: two equal but distinct callables may
+compute different things; a bound method by its object and function, so ``obj.step``
+fetched anew every call is one step function) and held weakly: a function
 object nothing else refers to (a lambda or ``functools.partial`` built for one step, and
 whatever it closes over, such as a batch) is freed with its entry, its programs and
 their compiled executables. An entry holds the function's programs by
@@ -9,7 +12,8 @@ their compiled executables. An entry holds the function's programs by
 calls by call shape (:mod:`jreplicate.execution.fast`), each of which serves one of
 those programs and goes with it. At most ``max_programs`` programs are kept, the least
 recently used dropped first. Code compiled again and again for new function objects (a
-new lambda every step) gets a warning naming the fix.
+new lambda, partial or callable object every step, equal to the last or not) gets a
+warning naming the fix.
 """
 
 from __future__ import annotations
