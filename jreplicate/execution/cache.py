@@ -112,6 +112,7 @@ class _WeakCall:
 #: audit event (a Python audit hook, as filelock installs, makes each ``id`` call cost
 #: microseconds on the steady-state path).
 _address = object.__hash__
+_referent = weakref.ref.__call__  # (a WeakMethod's own referent: the method's object)
 
 
 def identity(fn: Callable) -> Any:
@@ -152,7 +153,7 @@ class _MethodRef(weakref.WeakMethod):
         self.key = (_address(meth.__self__), _address(meth.__func__))
 
     def holds(self, fn: Callable) -> bool:
-        return type(fn) is MethodType and weakref.ref.__call__(self) is fn.__self__ \
+        return type(fn) is MethodType and _referent(self) is fn.__self__ \
             and self._func_ref() is fn.__func__
 
     __hash__ = object.__hash__
@@ -162,7 +163,8 @@ class _MethodRef(weakref.WeakMethod):
 
 
 class _Held:
-    """A callable that cannot be weakly referenced, held strongly (its id stays valid)."""
+    """A callable that cannot be weakly referenced, held strongly (so its address, its
+    key, stays its own)."""
 
     __slots__ = ("fn", "key")
 
