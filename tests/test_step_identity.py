@@ -83,6 +83,20 @@ def test_equal_but_distinct_steps_with_steps_per_run():
     assert float(w) == 44.0
 
 
+def test_a_bound_method_fetched_every_call_takes_the_steady_state_path(counted):
+    """``obj.step`` is a new object at every access, but one step function: after its
+    first call, its calls skip the checks (and an equal object's method does not)."""
+    _MODE.clear()
+    rep = _mirrored()
+    w = rep.replicate(jnp.arange(3.0))
+    m, other = _Model(2.0, "m"), _Model(5.0, "other")
+    for _ in range(5):
+        np.testing.assert_array_equal(np.asarray(rep.run(m.step, None, w)), np.arange(3.0) * 2)
+    assert counted == {"hit": 4, "miss": 1}
+    np.testing.assert_array_equal(np.asarray(rep.run(other.step, None, w)), np.arange(3.0) * 5)
+    assert counted == {"hit": 4, "miss": 2}
+
+
 def _ps_setup():
     s = jr.ParameterServerStrategy(num_ps=1, num_workers=1)
     rep = jr.Replicator(s)
@@ -365,6 +379,7 @@ class _Harness:
             self.pending = []
 
     def close(self):
+        _MODE.clear()
         if self.ps:
             self.s.shutdown()
 
