@@ -212,7 +212,10 @@ class Replicator:
         :func:`jreplicate.compute_average_loss` to get the global-batch mean.
 
         Args:
-          fn: the step function.
+          fn: the step function, any callable. Compiled once per input signature
+            and function object, by identity: distinct objects are distinct steps even
+            when they compare equal, and ``obj.method`` is one step however often it
+            is fetched. Build it once, outside the training loop.
           inputs: an :class:`InputIterator`, a pytree of :class:`PerReplica`, or None.
           *args: the step's other arguments.
           steps: run K steps in one compiled device loop (``lax.scan``): K batches are

@@ -299,8 +299,9 @@ def test_program_cache_evicts_while_steady_calls_are_recorded_and_answers_stay_r
 
 
 def test_equal_frozen_dataclass_steps_and_bound_methods():
-    """Two equal frozen-dataclass steps share programs (equal, as jax.jit keys them);
-    the first dropped, the second still runs; bound methods of two objects keep apart."""
+    """Two equal frozen-dataclass steps (each with programs of its own: see
+    tests/test_step_identity.py); the first dropped, the second still runs; bound
+    methods of two objects keep apart."""
     import dataclasses
 
     rep = jr.Replicator(jr.MirroredStrategy(devices=jax.local_devices()[:2]))

@@ -5,7 +5,7 @@ assemble a step's input, run a step or a device loop of K steps, reduce); ``spmd
 :class:`SPMDExecutor`, shared by the strategies whose replicas form one mesh (Mirrored,
 MultiWorker, TPU); ``program.py`` the compiled program of one step signature
 (``jax.jit`` over ``jax.shard_map``); ``cache.py`` which program serves a call: one
-cache per executor, by step function (held weakly), of its programs and the
+cache per executor, by step function (its identity; held weakly), of its programs and the
 steady-state calls that skip repeated checks (``fast.py``); ``donation.py`` donation
 that never destroys an array another live object holds; ``nnx_args.py`` Flax NNX
 modules among the arguments. An executor receives a frozen

@@ -199,7 +199,7 @@ class FastPath:
         placed = tuple(x.sharding for x in inputs)
         shardings = placed if self._check_shardings else None
         function = self._find(fn)
-        if function is None:  # a bound method (new at every access): the full path only
+        if function is None:  # (its entry is gone: the full path only)
             return
         if order is not None:
             function.nnx = True
