@@ -166,6 +166,8 @@ class MultiWorkerStrategy(Strategy):
         self._agreements = itertools.count()
         if fail_fast:
             watchdog.install_fail_fast(self.process_index, self.num_processes, self._timeouts)
+        if self.num_processes > 1:
+            watchdog.settle_at_exit()  # no process leaves a peer inside a collective
 
     # -- facts ---------------------------------------------------------------------
     @property
@@ -173,7 +175,8 @@ class MultiWorkerStrategy(Strategy):
         return self._layout
 
     def make_executor(self) -> SPMDExecutor:
-        return SPMDExecutor(self._layout)
+        # (across processes, run's host-side arguments are agreed on their own channel)
+        return SPMDExecutor(self._layout, self.agreement("arguments"))
 
     @property
     def cluster(self) -> ClusterSpec:
