@@ -97,20 +97,23 @@ def placed_leaf(x: Any, kind: str) -> str:
 _trees: dict[Any, str] = {}
 
 
-def tree_text(treedef: Any) -> str:
-    """``treedef`` as sent: its text without memory addresses (an aux object's default
-    repr), capped, with a digest of the whole."""
+def tree_text(treedef: Any, shown: Any = None) -> str:
+    """``treedef`` as sent: the text of ``shown`` (a part of it the user passed; all of
+    it by default) without memory addresses (an aux object's default repr), capped, and
+    a digest of the whole."""
+    key = (treedef, shown)
     try:
-        return _trees[treedef]
+        return _trees[key]
     except (KeyError, TypeError):
         pass
-    text = _ADDRESS.sub("", str(treedef))
-    digest = hashlib.blake2b(text.encode(), digest_size=8).hexdigest()
+    whole = _ADDRESS.sub("", str(treedef))
+    text = whole if shown is None else _ADDRESS.sub("", str(shown))
+    digest = hashlib.blake2b(whole.encode(), digest_size=8).hexdigest()
     out = (text if len(text) <= _TREE_CHARS else text[:_TREE_CHARS] + "...") + f" #{digest}"
     try:
         if len(_trees) >= 256:
             _trees.clear()
-        _trees[treedef] = out
+        _trees[key] = out
     except TypeError:  # an unhashable aux: not cached
         pass
     return out
@@ -131,16 +134,17 @@ def _check(value: Any) -> dict:
     return m
 
 
-def agree(agreement: Any, treedef: Any, descs: Sequence[str], refused: list[Exception],
+def agree(agreement: Any, tree: str, descs: Sequence[str], refused: list[Exception],
           name: Callable[[int], str], what: str) -> None:
-    """One agreement round on a call's leaves (``descs``, one per leaf of ``treedef``)
-    and this process's refusals; raises what :func:`decide` finds, on every process.
+    """One agreement round on a call's structure (``tree``, see :func:`tree_text`), its
+    leaves (``descs``, one per leaf) and this process's refusals; raises what
+    :func:`decide` finds, on every process.
 
     Raises:
       ValueError, TypeError: see :func:`decide`.
       jreplicate.cluster.ClusterError: a process did not take part within the timeout.
     """
-    messages = agreement.exchange(message(tree_text(treedef), descs, refused),
+    messages = agreement.exchange(message(tree, descs, refused),
                                   f"the arguments of {what}", _check)
     report(decide(messages, refused, name, what), what)
 

@@ -159,8 +159,8 @@ class SPMDExecutor(Executor):
                 problems.append(e)
                 desc = "refused"
             descs.append(desc)
-        agreed.agree(self._agreement, treedef, descs, problems, lambda k: names[k](),
-                     "state")
+        agreed.agree(self._agreement, agreed.tree_text(treedef), descs, problems,
+                     lambda k: names[k](), "state")
         placed = dict(zip(hosts, agreed.place(list(hosts.values()), self._replicated)))
         return jax.tree.unflatten(treedef, [
             placed[k] if k in placed else jax.device_put(x, self._replicated)
@@ -381,7 +381,10 @@ class SPMDExecutor(Executor):
             else:
                 descs[i] = agreed.placed_leaf(
                     x, "per-replica" if kinds[pos] is PER_REPLICA else "mesh")
-        agreed.agree(self._agreement, treedef, descs, problems, where, "Replicator.run")
+        batch_t, plain_t, _ = treedef.children()
+        shown = plain_t if batch_t.num_leaves == 0 else treedef  # the arguments, as passed
+        agreed.agree(self._agreement, agreed.tree_text(treedef, shown), descs, problems,
+                     where, "Replicator.run")
         for pos, x in zip(hosts, agreed.place(list(hosts.values()), self._replicated)):
             arrays[pos] = x
         problems.clear()  # agreed: none, or raised above
