@@ -94,6 +94,10 @@ def test_numpy_on_one_process_jax_array_on_another():
     assert got["differ"][0][0] == "ValueError"
     assert ("argument [0] differs between the processes (float32[3] everywhere, other "
             "values on process(es) [1] than on process 0)") in got["differ"][0][1]
+    assert got["replicate"] == {0: ("ok", "[1.0, 2.0, 3.0]"), 1: ("ok", "[1.0, 2.0, 3.0]")}
+    assert got["replicate_differ"][0] == got["replicate_differ"][1], got["replicate_differ"]
+    assert got["replicate_differ"][0][0] == "ValueError"
+    assert "state ['w'] differs between the processes" in got["replicate_differ"][0][1]
 
 
 # -- the class: a generated matrix of per-process kinds ------------------------------------

@@ -67,19 +67,19 @@ def is_host_side(x: Any, mesh_addressable: bool) -> bool:
     return True
 
 
-def host_leaf(x: Any, where: str) -> tuple[np.ndarray, str]:
+def host_leaf(x: Any, where: Callable[[], str]) -> tuple[np.ndarray, str]:
     """A host-side leaf as the NumPy array every process places (native byte order,
     C order, JAX's canonical dtype: a ``jax.Array`` copied to the host) and its
     description ``"host <dtype>[<shape>] <digest of the bytes>"``.
 
     Raises:
-      TypeError, ValueError: NumPy or JAX cannot hold the value (named by ``where``).
+      TypeError, ValueError: NumPy or JAX cannot hold the value (named by ``where()``).
     """
     try:
         a = np.asarray(read_now(x))
         a = np.asarray(a, dtype=jax.dtypes.canonicalize_dtype(a.dtype), order="C")
     except (TypeError, ValueError, OverflowError) as e:
-        raise (type(e) if isinstance(e, TypeError) else ValueError)(f"{where}: {e}") from None
+        raise (type(e) if isinstance(e, TypeError) else ValueError)(f"{where()}: {e}") from None
     # (the dtype's name: ml_dtypes' float8_e4m3fn, int4 and uint4 all have str '<V1')
     h = hashlib.blake2b(f"{a.dtype.name}{a.shape}".encode(), digest_size=16)
     h.update(a.reshape(-1).view(np.uint8))

@@ -154,7 +154,7 @@ class SPMDExecutor(Executor):
                 descs.append(agreed.placed_leaf(x, "mesh"))
                 continue
             try:
-                hosts[k], desc = agreed.host_leaf(x, names[k]())
+                hosts[k], desc = agreed.host_leaf(x, names[k])
             except (TypeError, ValueError) as e:
                 problems.append(e)
                 desc = "refused"
@@ -374,8 +374,8 @@ class SPMDExecutor(Executor):
         for pos, (x, i) in enumerate(zip(arrays, leaf_of, strict=True)):
             if pos in host:
                 try:
-                    hosts[pos], descs[i] = agreed.host_leaf(leaves[i],
-                                                            f"Replicator.run: {where(i)}")
+                    hosts[pos], descs[i] = agreed.host_leaf(
+                        leaves[i], lambda i=i: f"Replicator.run: {where(i)}")
                 except (TypeError, ValueError) as e:
                     problems.append(e)
             else:

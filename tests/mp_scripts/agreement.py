@@ -88,6 +88,10 @@ def numpy_vs_jax(rep: jr.Replicator, me: int) -> None:
     # Different values: the same named error on every process, then still in step.
     result("differ", echo(x if me == 0 else jnp.asarray(x + 1)))
     result("after", echo(x))
+    # State placed by replicate() (as scope() does): the same agreement.
+    result("replicate", lambda: np.asarray(rep.replicate(
+        {"w": x if me == 0 else jnp.asarray(x)})["w"].addressable_data(0)).tolist())
+    result("replicate_differ", lambda: rep.replicate({"w": x * (1 + me)}))
 
 
 def main() -> None:
