@@ -14,9 +14,10 @@ still be in step.
   values refused on one process);
 * input cells ``in-<kind0>-<kind1>-<change>``: PER_WORKER input with
   ``partial_batch="pad"`` where process p's elements are of kind ``kind<p>``
-  (:data:`INPUT_KINDS`), two sweeps of uneven lengths (process 1's second sweep is
-  empty), and ``change`` says whether process 0's elements change kind at
-  ``reinitialize()``.
+  (:data:`INPUT_KINDS`: NumPy, ``jax.Array``, a dict, a NamedTuple, custom pytree nodes
+  with two aux data, another dtype or feature shape), two sweeps of uneven lengths
+  (process 1's second sweep is empty), and ``change`` says whether process 0's elements
+  change kind at ``reinitialize()``.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ import numpy as np  # noqa: E402
 ARG_KINDS = ("np", "np64", "jax", "jax_dev", "int32", "shape", "value", "py_float",
              "np_scalar", "py_int", "py_bool", "tuple", "named", "node", "node_b", "str",
              "big")
-INPUT_KINDS = ("arr", "dict", "named", "node", "node_b", "dtype", "feat")
+INPUT_KINDS = ("arr", "jax", "dict", "named", "node", "node_b", "dtype", "feat")
 CHANGES = ("none", "p0")
 COUNTS = ((3, 2), (2, 0))  # elements of (process 0, process 1) in sweeps 1 and 2
 BATCH = 2  # examples per element
@@ -106,7 +107,8 @@ def expected_arg_outcome(cell: Cell) -> str | None:
 
 
 def _input_canon(kind: str) -> tuple:
-    return {"arr": ("leaf", "float32", 2), "dict": ("dict", "float32", 2),
+    return {"arr": ("leaf", "float32", 2), "jax": ("leaf", "float32", 2),
+            "dict": ("dict", "float32", 2),
             "named": ("Rec", "float32", 2), "node": ("Node-a", "float32", 2),
             "node_b": ("Node-b", "float32", 2), "dtype": ("leaf", "int32", 2),
             "feat": ("leaf", "float32", 3)}[kind]
@@ -148,13 +150,14 @@ def _arg(kind: str, me: int) -> Any:
 def _element(kind: str, process: int, element: int) -> Any:
     v = _value(process, element)
     x = np.full((BATCH, 2), v, np.float32)
-    return {"arr": lambda: x, "dict": lambda: {"x": x}, "named": lambda: Rec(x),
+    return {"arr": lambda: x, "jax": lambda: jax.numpy.asarray(x), "dict": lambda: {"x": x},
+            "named": lambda: Rec(x),
             "node": lambda: Node(x, "a"), "node_b": lambda: Node(x, "b"),
             "dtype": lambda: x.astype(np.int32),
             "feat": lambda: np.full((BATCH, 3), v, np.float32)}[kind]()
 
 
-_CHANGED = {"arr": "dtype", "dict": "named", "named": "arr", "node": "node_b",
+_CHANGED = {"arr": "dtype", "jax": "node", "dict": "named", "named": "arr", "node": "node_b",
             "node_b": "node", "dtype": "arr", "feat": "arr"}
 
 
@@ -162,7 +165,7 @@ def _describe(e: Exception) -> str:
     return f"{type(e).__name__} {str(e).splitlines()[0][:600]}"
 
 
-def main() -> None:
+def main(parts: tuple[str, ...] = ("arguments", "inputs")) -> None:
     import jax.numpy as jnp
 
     import jreplicate as jr
@@ -188,7 +191,7 @@ def main() -> None:
         print(f"SYNC {'ok' if got == strategy.num_replicas else got}", flush=True)
 
     t0 = time.perf_counter()
-    for cell in arg_cells():
+    for cell in arg_cells() if "arguments" in parts else ():
         try:
             out = rep.run(arg_step, None, _arg(cell.kinds[me], me))
             detail = f"ok {float(np.asarray(out.addressable_data(0))):g}"
@@ -198,7 +201,7 @@ def main() -> None:
         sync()
 
     t1 = time.perf_counter()
-    for cell in input_cells():
+    for cell in input_cells() if "inputs" in parts else ():
         sweep = [0]
 
         def input_fn(ctx, cell=cell, sweep=sweep):
