@@ -21,6 +21,7 @@ import numpy as np
 import pytest
 
 from jreplicate.cluster.launch import tied_to_parent
+from jreplicate.execution import agreed
 from tests.mp_scripts import agreement_matrix as matrix
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -59,6 +60,36 @@ def _results(stdout: str) -> dict[str, dict[int, tuple[str, str]]]:
     for rank, name, kind, msg in re.findall(r"\[p(\d)\] RESULT (\w+) (\w+) ?(.*)", stdout):
         out.setdefault(name, {})[int(rank)] = (kind, msg)
     return out
+
+
+# -- the decision, on one process ----------------------------------------------------------
+def _msg(leaves, refused=(), tree="(*,) #1"):
+    return agreed.message(tree, leaves, list(refused))
+
+
+def test_decide_is_one_answer_from_every_process_messages():
+    a, f32 = np.arange(3, dtype=np.float32), np.float32(2)
+    host = agreed.host_leaf(a, lambda: "x")[1]
+    assert host == agreed.host_leaf(a.astype(np.float64), lambda: "x")[1]  # canonical
+    other = agreed.host_leaf(a + 1, lambda: "x")[1]
+    name = {0: "argument [0]", 1: "argument [1]"}.get
+    assert agreed.decide([_msg([host]), _msg([host])], [], name, "run") == []
+    same = [TypeError("run: argument [0] is a str")]
+    assert agreed.decide([_msg(["refused"], same)] * 2, same, name, "run") == same
+    (e,) = agreed.decide([_msg(["refused"], same), _msg([host])], same, name, "run")
+    assert type(e) is TypeError and "refused on some processes only" in str(e)
+    assert "process 0: argument [0] is a str | process 1: accepted" in str(e)
+    (e,) = agreed.decide([_msg([host]), _msg([host, host], tree="((*, *),) #2")], [],
+                         name, "run")
+    assert "another structure on some processes" in str(e) and "(2 leaves)" in str(e)
+    errors = agreed.decide([_msg([host, host]), _msg([other, agreed.host_leaf(
+        f32, lambda: "x")[1]])], [], name, "run")
+    assert [str(e).split(" (")[0] for e in errors] == [
+        "run: argument [0] differs between the processes",
+        "run: argument [1] differs between the processes"]
+    assert "(float32[3] everywhere, other values on process(es) [1]" in str(errors[0])
+    assert "(process 0: host value float32[3]; process 1: host value float32[])" \
+        in str(errors[1])
 
 
 # -- direct regressions ------------------------------------------------------------------

@@ -1,7 +1,8 @@
 """A call's host-side arguments across processes: agreed first, then placed alike (private).
 
 Across processes (:class:`jreplicate.MultiWorkerStrategy`) every process passes its own
-copy of each replicated argument of ``run`` (and of the state ``scope()`` places). A
+copy of each replicated argument of ``run`` (and of the state ``Replicator.replicate``
+places). A
 leaf that is not yet an array of the job's mesh is *host-side*: a NumPy array or
 scalar, a Python number, or a ``jax.Array`` of this process's own devices (committed to
 one or not). Whatever the kind, a host-side leaf takes one path on every process:
@@ -89,9 +90,11 @@ def host_leaf(x: Any, where: Callable[[], str]) -> tuple[np.ndarray, str]:
 def placed_leaf(x: Any, kind: str) -> str:
     """The description of a leaf that is already an array of the mesh (``kind``:
     ``"mesh"`` or ``"per-replica"``)."""
+    text = f"{kind} {np.dtype(x.dtype).name}{list(np.shape(x))}"
+    if isinstance(x, jax.core.Tracer):
+        return text + " traced"  # (under an outer jax.jit: no sharding to read)
     spec = getattr(getattr(x, "sharding", None), "spec", None)
-    return f"{kind} {np.dtype(x.dtype).name}{list(np.shape(x))}" + \
-        (f" {spec}" if spec is not None else "")
+    return text + (f" {spec}" if spec is not None else "")
 
 
 _trees: dict[Any, str] = {}
