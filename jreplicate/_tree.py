@@ -175,81 +175,26 @@ def host_copy(x: Any) -> np.ndarray:
 
 def put_host_values(xs: list, sharding: Any, wheres: list[str | Callable[[], str]]
                     ) -> tuple[list, list[Exception]]:
-    """Host data ``xs`` (NumPy, Python numbers; a ``jax.Array`` goes to
-    ``jax.device_put``) each placed on ``sharding``, read now.
+    """Host data ``xs`` (NumPy, Python numbers, ``jax.Array``) each placed on the fully
+    addressable ``sharding`` (one process), read now.
 
-    Across processes every process passes its own copies, which must be the same:
-    ``jax.device_put`` gathers each copy and compares them with ``==`` (jax 0.12), so a
-    value holding a NaN failed with an AssertionError saying that the copies differ, and
-    copies that do differ got that message without the argument's name. Here each
-    process hashes each copy (dtype, shape and bytes) and the digests of all ``xs`` are
-    gathered at once and compared on every process (each finds the same differing
-    values, named by ``wheres``): one small gather per call, whatever the number and
-    size of the values (one per value cost about 2 ms each on CPU: 100 ms a step for 50
-    NumPy leaves). Then each process builds its own shards from its copies. Every
-    process must pass as many values (as every process runs the same step).
+    (Across processes every process passes its own copies, which must be agreed on
+    first, alike on every process: see :mod:`jreplicate.execution.agreed`.)
 
     Returns:
-      The placed arrays (None where the copies differ) and one ValueError per value
-      whose copies differ.
+      The placed arrays (None where JAX refused a value) and one error per refused
+      value, named by ``wheres``.
     """
-    xs = [read_now(x) for x in xs]
-    if sharding.is_fully_addressable:
-        placed, problems = [], []
-        for x, where in zip(xs, wheres, strict=True):
-            try:
-                placed.append(jax.device_put(x, sharding))
-            except (TypeError, ValueError, OverflowError) as e:
-                placed.append(None)
-                problems.append(_named(e, where))
-        return placed, problems
-    import hashlib
-
-    from jax.experimental import multihost_utils
-    host = [k for k, x in enumerate(xs) if not isinstance(x, jax.Array)]
-    arrays, unplaceable = {}, {}
-    digests = np.zeros((len(host), 32), np.uint8)
-    for row, k in enumerate(host):
-        try:
-            a = np.asarray(xs[k])
-            # (read_now copied a NumPy array: converted only where the dtype or layout
-            # asks; np.asarray keeps a 0-d array 0-d, np.ascontiguousarray would not)
-            a = np.asarray(a, dtype=jax.dtypes.canonicalize_dtype(a.dtype), order="C")
-        except (TypeError, ValueError, OverflowError) as e:
-            unplaceable[k] = e  # gathered as zeros alike on every process
-            continue
-        # (the dtype's name: ml_dtypes' float8_e4m3fn, int4 and uint4 all have str '<V1')
-        h = hashlib.blake2b(f"{a.dtype.name}{a.shape}".encode(), digest_size=32)
-        h.update(a.reshape(-1).view(np.uint8))
-        digests[row] = np.frombuffer(h.digest(), np.uint8)
-        arrays[k] = a
-    differ: set[int] = set()
-    if host:
-        everyone = np.asarray(multihost_utils.process_allgather(digests))  # [P, n, 32]
-        differ = {host[row] for row in range(len(host))
-                  if (everyone[:, row] != everyone[:1, row]).any()}
+    if not sharding.is_fully_addressable:
+        raise RuntimeError("put_host_values places on one process's devices only; across "
+                           "processes use jreplicate.execution.agreed")
     placed, problems = [], []
-    for k, x in enumerate(xs):
-        if k in unplaceable:
-            placed.append(None)
-            problems.append(_named(unplaceable[k], wheres[k]))
-            continue
-        if k not in arrays:
+    for x, where in zip((read_now(x) for x in xs), wheres, strict=True):
+        try:
             placed.append(jax.device_put(x, sharding))
-            continue
-        a = arrays[k]
-        if k in differ:
-            where = wheres[k] if isinstance(wheres[k], str) else wheres[k]()
-            problems.append(ValueError(
-                f"{where} differs between the processes ({a.dtype.name}{list(a.shape)} on "
-                "this one): a replicated argument must be the same value on every "
-                "process. Compute it identically everywhere (the same seed), pass it as a "
-                "per-replica batch, or broadcast it from one process (jax.experimental."
-                "multihost_utils.broadcast_one_to_all)."))
+        except (TypeError, ValueError, OverflowError) as e:
             placed.append(None)
-            continue
-        placed.append(jax.make_array_from_callback(a.shape, sharding,
-                                                   lambda index, a=a: a[index]))
+            problems.append(_named(e, where))
     return placed, problems
 
 

@@ -125,13 +125,14 @@ def test_mp_big_endian_placed(io2_results):
 def test_mp_digest_names_the_dtype(io2_results):
     got = io2_results["differ_dtype"]
     assert got[0][0] == got[1][0] == "ValueError", got
-    assert "differs between the processes (float8_e4m3fn[2]" in got[0][1]
-    assert "(int4[2] on this one)" in got[1][1]
+    assert got[0][1] == got[1][1]  # one message, agreed (jreplicate.execution.agreed)
+    assert ("argument [0] differs between the processes (process 0: host value "
+            "float8_e4m3fn[2]; process 1: host value int4[2])") in got[0][1]
 
 
 def test_mp_many_host_leaves_one_gather(io2_results):
     # 50 NumPy arguments: one gather each took ~100 ms a step (2 CPU cores); one
-    # gather for them all takes a few ms. (The time is printed, not checked.)
+    # agreement round for them all takes a few ms. (The time is printed, not checked.)
     for p in (0, 1):
         status, got = io2_results["many_leaves"][p]
         assert status == "ok" and got.split("/")[0] == "1", got

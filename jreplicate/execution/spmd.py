@@ -26,7 +26,7 @@ from jreplicate._tree import (
     report,
 )
 from jreplicate.context import PerReplica
-from jreplicate.execution import donation, fast, nnx_args
+from jreplicate.execution import agreed, donation, fast, nnx_args
 from jreplicate.execution.base import Executor
 from jreplicate.execution.cache import ProgramCache, ProgramKey
 from jreplicate.execution.program import (
@@ -93,8 +93,11 @@ class SPMDExecutor(Executor):
       84.0
     """
 
-    def __init__(self, layout: Layout):
+    def __init__(self, layout: Layout, agreement: Any = None):
         super().__init__(layout)
+        # Across processes: the channel on which a call's host-side arguments are agreed
+        # (see jreplicate.execution.agreed); None on one process.
+        self._agreement = agreement
         self._mesh = layout.mesh
         self._axis = layout.replica_axis
         self._num_replicas = layout.num_replicas
@@ -137,13 +140,31 @@ class SPMDExecutor(Executor):
 
     def place(self, tree: Any) -> Any:
         # (a NumPy leaf is read now: on CPU the device array may alias what it is given)
-        # (across processes one gather checks every leaf's copies: put_host_values)
         pairs, treedef = jax.tree_util.tree_flatten_with_path(tree)
-        placed, problems = put_host_values(
-            [x for _, x in pairs], self._replicated,
-            [lambda p=p: f"state {path_str(p) or 'the root'}" for p, _ in pairs])
-        report(problems, "state")
-        return jax.tree.unflatten(treedef, placed)
+        xs = [x for _, x in pairs]
+        names = [lambda p=p: f"state {path_str(p) or 'the root'}" for p, _ in pairs]
+        if self._agreement is None:
+            placed, problems = put_host_values(xs, self._replicated, names)
+            report(problems, "state")
+            return jax.tree.unflatten(treedef, placed)
+        # Across processes: agreed first, as run's arguments (jreplicate.execution.agreed).
+        descs, hosts, problems = [], {}, []
+        for k, x in enumerate(xs):
+            if not agreed.is_host_side(x, False):
+                descs.append(agreed.placed_leaf(x, "mesh"))
+                continue
+            try:
+                hosts[k], desc = agreed.host_leaf(x, names[k])
+            except (TypeError, ValueError) as e:
+                problems.append(e)
+                desc = "refused"
+            descs.append(desc)
+        agreed.agree(self._agreement, agreed.tree_text(treedef), descs, problems,
+                     lambda k: names[k](), "state")
+        placed = dict(zip(hosts, agreed.place(list(hosts.values()), self._replicated)))
+        return jax.tree.unflatten(treedef, [
+            placed[k] if k in placed else jax.device_put(x, self._replicated)
+            for k, x in enumerate(xs)])
 
     # -- input -----------------------------------------------------------------------
     def assemble(self, elements: Sequence[Sequence[np.ndarray]], treedef: Any) -> Any:
@@ -278,11 +299,16 @@ class SPMDExecutor(Executor):
                homes: list) -> tuple[list, tuple, bool]:
         """The step's input arrays placed for the mesh, their kinds, and whether any is
         traced by an outer ``jax.jit``; logical-device arguments are noted in ``homes``.
-        Every leaf that can't be an input is named in one error (:func:`_tree.report`)."""
+        Every leaf that can't be an input is named in one error (:func:`_tree.report`).
+        Across processes a call with a host-side leaf or a refused one agrees first, and
+        every process takes the same path (:mod:`jreplicate.execution.agreed`)."""
         arrays, kinds, problems = [], [], []
-        host: list = []  # (position in arrays, host value, its name) to place
+        host: list = []  # (position in arrays, its leaf index, its name) to place
+        copies: list[int] = []  # positions placed anew (after any agreement)
+        leaf_of: list[int] = []  # the leaf index of each position (refused leaves skipped)
         traced = False
         replicated = self._replicated
+        across = self._agreement is not None
         where = _LeafNames(treedef, node_pos)
         for i, x in enumerate(leaves):
             try:
@@ -293,22 +319,21 @@ class SPMDExecutor(Executor):
                 elif isinstance(x, jax.core.Tracer):
                     traced = True  # under an outer jit: shard_map's in_specs place it
                     kind = REPLICATED
-                elif isinstance(x, jax.Array):
-                    if x.is_deleted():
-                        raise _deleted_error(where(i))
+                elif isinstance(x, jax.Array) and x.is_deleted():
+                    raise _deleted_error(where(i))
+                elif isinstance(x, jax.Array) and not (across and x.is_fully_addressable):
                     how = self._placements.get(x.sharding) or self._placement(x.sharding)
                     if how.copy:
                         if how.logical_device is not None:
                             # Lives on one logical device: a copy to the others for the
                             # step; its new value goes back there afterwards.
                             homes.append(Home(i, how.logical_device))
-                        x = jax.device_put(x, replicated)
+                        copies.append(len(arrays))
                     kind = how.kind
                 elif is_array_like(x):
-                    # Placed below, all at once (across processes one gather checks
-                    # every host argument's copies); counted before its own check, so
-                    # that every process gathers as many.
-                    host.append((len(arrays), x, lambda i=i: f"Replicator.run: {where(i)}"))
+                    # Placed below, all at once (across processes, a jax.Array of this
+                    # process's devices too: see agreed); counted before its own check.
+                    host.append((len(arrays), i, lambda i=i: f"Replicator.run: {where(i)}"))
                     if isinstance(x, (np.ndarray, np.generic, int, float)):
                         check_fits(np.asarray(x), host[-1][2])
                     kind = REPLICATED
@@ -324,18 +349,48 @@ class SPMDExecutor(Executor):
                 continue
             arrays.append(x)
             kinds.append(kind)
-        # (On one process nothing is agreed: a value already refused is not placed, as
-        # placing it could raise JAX's own error first. Across processes every process
-        # gathers as many digests, whatever failed.)
-        if host and not (problems and replicated.is_fully_addressable):
-            placed, differ = put_host_values([x for _, x, _ in host], replicated,
-                                             [w for _, _, w in host])
-            problems += differ
-            if not problems:
-                for (pos, _, _), x in zip(host, placed):
-                    arrays[pos] = x
+            leaf_of.append(i)
+        if across and (host or problems):
+            self._agree_and_place(leaves, treedef, arrays, kinds, leaf_of,
+                                  {pos for pos, _, _ in host}, problems, where)
+        elif host and not problems:
+            # (On one process nothing is agreed: a value already refused is not placed,
+            # as placing it could raise JAX's own error first.)
+            placed, problems = put_host_values([leaves[i] for _, i, _ in host], replicated,
+                                               [w for _, _, w in host])
+            for (pos, _, _), x in zip(host, placed):
+                arrays[pos] = x
         report(problems, "Replicator.run")
+        for pos in copies:  # (a collective program across processes: after the agreement)
+            arrays[pos] = jax.device_put(arrays[pos], replicated)
         return arrays, tuple(kinds), traced
+
+    def _agree_and_place(self, leaves: list, treedef: Any, arrays: list, kinds: list,
+                         leaf_of: list[int], host: set[int], problems: list,
+                         where: _LeafNames) -> None:
+        """Across processes: one agreement on every leaf of the call (each host-side
+        one, at the positions ``host`` of ``arrays``, by its digest) and on what each
+        process refused; then each host-side leaf is placed from this process's copy
+        (no collective). Raises the agreed error, the same on every process."""
+        descs = ["refused"] * len(leaves)
+        hosts = {}
+        for pos, (x, i) in enumerate(zip(arrays, leaf_of, strict=True)):
+            if pos in host:
+                try:
+                    hosts[pos], descs[i] = agreed.host_leaf(
+                        leaves[i], lambda i=i: f"Replicator.run: {where(i)}")
+                except (TypeError, ValueError) as e:
+                    problems.append(e)
+            else:
+                descs[i] = agreed.placed_leaf(
+                    x, "per-replica" if kinds[pos] is PER_REPLICA else "mesh")
+        batch_t, plain_t, _ = treedef.children()
+        shown = plain_t if batch_t.num_leaves == 0 else treedef  # the arguments, as passed
+        agreed.agree(self._agreement, agreed.tree_text(treedef, shown), descs, problems,
+                     where, "Replicator.run")
+        for pos, x in zip(hosts, agreed.place(list(hosts.values()), self._replicated)):
+            arrays[pos] = x
+        problems.clear()  # agreed: none, or raised above
 
     def _placement(self, s: Any) -> _Placement:
         """How ``run`` takes an argument with sharding ``s``: as it is, replicated or

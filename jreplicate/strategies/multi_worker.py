@@ -69,8 +69,11 @@ class MultiWorkerStrategy(Strategy):
       exception (measured with the default timeouts: the group stops 5.4 s after the
       exception, of which 5 s are the launcher's ``--grace``).
     * validation that decides between continuing and raising (device counts, input
-      structure and shapes, end of input, a failing ``input_fn``, checkpoint errors) is
+      structure and shapes, end of input, a failing ``input_fn``, checkpoint errors,
+      ``run``'s host-side arguments: see :mod:`jreplicate.execution.agreed`) is
       computed from facts every process shares, so all processes raise together.
+    * at exit a process waits for the computations it dispatched before it joins the
+      runtime's shutdown barrier, so none leaves while a peer waits for it in one.
 
     Args:
       coordinator_address: ``host:port`` of process 0, where the coordination service
@@ -166,6 +169,8 @@ class MultiWorkerStrategy(Strategy):
         self._agreements = itertools.count()
         if fail_fast:
             watchdog.install_fail_fast(self.process_index, self.num_processes, self._timeouts)
+        if self.num_processes > 1:
+            watchdog.settle_at_exit()  # no process leaves a peer inside a collective
 
     # -- facts ---------------------------------------------------------------------
     @property
@@ -173,7 +178,8 @@ class MultiWorkerStrategy(Strategy):
         return self._layout
 
     def make_executor(self) -> SPMDExecutor:
-        return SPMDExecutor(self._layout)
+        # (across processes, run's host-side arguments are agreed on their own channel)
+        return SPMDExecutor(self._layout, self.agreement("arguments"))
 
     @property
     def cluster(self) -> ClusterSpec:
