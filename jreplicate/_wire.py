@@ -404,7 +404,15 @@ CHIEF_RESULT = record(value=optional(natural), error=optional(string))
 #: the agreed spec (None: it could, or had none to build).
 BUILD_RESULT = record(error=optional(string))
 
+#: One process's view of a call's replicated arguments (``jreplicate/execution/agreed.py``):
+#: its structure, one description per host-side leaf, and what it refused (``[error
+#: type, message]`` each).
+RUN_ARGUMENTS = record(
+    tree=string, leaves=list_of(string),
+    refused=list_of(sequence(string, string, what="an [error type, message] pair")))
+
 #: Every message processes exchange through the coordination service, by what it
 #: agrees on (walked by the tests: every number in each is bounded).
 MESSAGES = {"this step's input": input_report, "a checkpoint decision": CHIEF_RESULT,
-            "building this step's padded input": BUILD_RESULT}
+            "building this step's padded input": BUILD_RESULT,
+            "the arguments of a call": RUN_ARGUMENTS}

@@ -58,11 +58,11 @@ def test_an_nnx_model_with_rngs_runs_with_its_keys(carrier):
     def step(ctx, model, optimizer):
         loss, g = nnx.value_and_grad(loss_fn)(model)
         optimizer.update(model, g)
-        return loss, model.drop.rngs.key.value
+        return loss, model.drop.rngs.key.get_value()
 
     ref = _folded(model, 0)  # step 0's own streams (tests/test_ps_nnx_state.py)
     want_loss = loss_fn(ref)
-    want_key = ref.drop.rngs.key.value
+    want_key = ref.drop.rngs.key.get_value()
     loss, key = rep.run(step, None, model, opt).fetch()
     rep.join()
     s.shutdown()

@@ -41,11 +41,6 @@ import numpy as np
 from jreplicate import _wire
 from jreplicate._tree import LeafErrors, read_now, report
 
-#: Fields of one process's message (see :func:`message`).
-MESSAGE = _wire.record(
-    tree=_wire.string, leaves=_wire.list_of(_wire.string),
-    refused=_wire.list_of(_wire.list_of(_wire.string)))
-
 #: At most this many characters of a structure are sent (its digest is sent too).
 _TREE_CHARS = 400
 _ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")
@@ -129,14 +124,6 @@ def message(tree: str, leaves: Sequence[str], refused: Sequence[Exception]) -> d
             "refused": [[type(e).__name__, str(e)] for e in refused]}
 
 
-def _check(value: Any) -> dict:
-    m = MESSAGE(value)
-    for i, pair in enumerate(m["refused"]):
-        if len(pair) != 2:
-            raise ValueError(f"the message.refused[{i}] must be [type, message]")
-    return m
-
-
 def agree(agreement: Any, tree: str, descs: Sequence[str], refused: list[Exception],
           name: Callable[[int], str], what: str) -> None:
     """One agreement round on a call's structure (``tree``, see :func:`tree_text`), its
@@ -148,7 +135,7 @@ def agree(agreement: Any, tree: str, descs: Sequence[str], refused: list[Excepti
       jreplicate.cluster.ClusterError: a process did not take part within the timeout.
     """
     messages = agreement.exchange(message(tree, descs, refused),
-                                  f"the arguments of {what}", _check)
+                                  f"the arguments of {what}", _wire.RUN_ARGUMENTS)
     report(decide(messages, refused, name, what), what)
 
 
