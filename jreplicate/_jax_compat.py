@@ -253,3 +253,19 @@ def set_gloo_hostname(hostname: str | None) -> None:
 
     factory._jreplicate_original = original
     xla_bridge._backend_factories["cpu"] = dataclasses.replace(reg, factory=factory)
+
+
+def weakly_typed(x: jax.Array) -> jax.Array:
+    """``x`` (a global ``jax.Array``) with a weak type, as ``jax.device_put`` gives a
+    Python scalar on one process: ``jax.make_array_from_callback`` always makes a strong
+    one. Rebuilds the array around the same device buffers (no copy); where the private
+    constructor is unavailable, a jitted conversion does it (one dispatch)."""
+    try:
+        from jax._src import array as _array
+        return _array.ArrayImpl(x.aval.update(weak_type=True), x.sharding, x._arrays,
+                                committed=x.committed, _skip_checks=True)
+    except (ImportError, AttributeError, TypeError) as e:
+        logging.getLogger("jreplicate").debug("weakly_typed: private path failed (%s)", e)
+        from jax._src.lax import lax as _lax
+        return jax.jit(lambda v: _lax._convert_element_type(v, weak_type=True),
+                       out_shardings=x.sharding)(x)

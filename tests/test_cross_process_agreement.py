@@ -129,6 +129,10 @@ def test_numpy_on_one_process_jax_array_on_another():
     assert got["replicate_differ"][0] == got["replicate_differ"][1], got["replicate_differ"]
     assert got["replicate_differ"][0][0] == "ValueError"
     assert "state ['w'] differs between the processes" in got["replicate_differ"][0][1]
+    # A Python number keeps its weak type across processes (it was placed float32, so
+    # a bfloat16 step computed in float32 under MultiWorker and bfloat16 under Mirrored).
+    for name in ("weak_float", "weak_int"):
+        assert got[name] == {0: ("ok", "bfloat16"), 1: ("ok", "bfloat16")}, got[name]
 
 
 # -- the class: a generated matrix of per-process kinds ------------------------------------

@@ -39,6 +39,7 @@ import jax
 import numpy as np
 
 from jreplicate import _wire
+from jreplicate._jax_compat import weakly_typed
 from jreplicate._tree import LeafErrors, read_now, report
 
 #: At most this many characters of a structure are sent (its digest is sent too).
@@ -79,7 +80,14 @@ def host_leaf(x: Any, where: Callable[[], str]) -> tuple[np.ndarray, str]:
     # (the dtype's name: ml_dtypes' float8_e4m3fn, int4 and uint4 all have str '<V1')
     h = hashlib.blake2b(f"{a.dtype.name}{a.shape}".encode(), digest_size=16)
     h.update(a.reshape(-1).view(np.uint8))
-    return a, f"host {a.dtype.name}{list(a.shape)} {h.hexdigest()}"
+    weak = " weak" if is_weak(x) else ""
+    return a, f"host {a.dtype.name}{weak}{list(a.shape)} {h.hexdigest()}"
+
+
+def is_weak(x: Any) -> bool:
+    """Whether JAX gives leaf ``x`` a weak type (a Python int, float or complex: ``x *
+    0.1`` keeps a bfloat16 ``x`` bfloat16), as one process's ``jax.device_put`` does."""
+    return type(x) in (int, float, complex)
 
 
 def placed_leaf(x: Any, kind: str) -> str:
@@ -199,8 +207,11 @@ def _kind_name(kind: str) -> str:
             "per-replica": "PerReplica", "refused": "refused"}.get(kind, kind)
 
 
-def place(arrays: Sequence[np.ndarray], sharding: Any) -> list:
+def place(arrays: Sequence[np.ndarray], sharding: Any, weak: Sequence[bool]) -> list:
     """Each agreed host array placed on ``sharding`` from this process's copy, with no
-    collective."""
-    return [jax.make_array_from_callback(a.shape, sharding, lambda index, a=a: a[index])
-            for a in arrays]
+    collective; weakly typed where ``weak`` says so (see :func:`is_weak`)."""
+    out = []
+    for a, w in zip(arrays, weak, strict=True):
+        x = jax.make_array_from_callback(a.shape, sharding, lambda index, a=a: a[index])
+        out.append(weakly_typed(x) if w else x)
+    return out

@@ -161,7 +161,8 @@ class SPMDExecutor(Executor):
             descs.append(desc)
         agreed.agree(self._agreement, agreed.tree_text(treedef), descs, problems,
                      lambda k: names[k](), "state")
-        placed = dict(zip(hosts, agreed.place(list(hosts.values()), self._replicated)))
+        placed = dict(zip(hosts, agreed.place(list(hosts.values()), self._replicated,
+                                              [agreed.is_weak(xs[k]) for k in hosts])))
         return jax.tree.unflatten(treedef, [
             placed[k] if k in placed else jax.device_put(x, self._replicated)
             for k, x in enumerate(xs)])
@@ -388,7 +389,8 @@ class SPMDExecutor(Executor):
         shown = plain_t if batch_t.num_leaves == 0 else treedef  # the arguments, as passed
         agreed.agree(self._agreement, agreed.tree_text(treedef, shown), descs, problems,
                      where, "Replicator.run")
-        for pos, x in zip(hosts, agreed.place(list(hosts.values()), self._replicated)):
+        weak = [agreed.is_weak(leaves[leaf_of[pos]]) for pos in hosts]
+        for pos, x in zip(hosts, agreed.place(list(hosts.values()), self._replicated, weak)):
             arrays[pos] = x
         problems.clear()  # agreed: none, or raised above
 

@@ -92,6 +92,10 @@ def numpy_vs_jax(rep: jr.Replicator, me: int) -> None:
     result("replicate", lambda: np.asarray(rep.replicate(
         {"w": x if me == 0 else jnp.asarray(x)})["w"].addressable_data(0)).tolist())
     result("replicate_differ", lambda: rep.replicate({"w": x * (1 + me)}))
+    # A Python number is weakly typed, as on one process: bfloat16 * 0.5 stays bfloat16.
+    h = jnp.ones(3, jnp.bfloat16)
+    result("weak_float", lambda: str(rep.run(lambda ctx, h, lr: h * lr, None, h, 0.5).dtype))
+    result("weak_int", lambda: str(rep.run(lambda ctx, h, k: h * k, None, h, 3).dtype))
 
 
 def main() -> None:

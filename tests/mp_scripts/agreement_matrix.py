@@ -84,8 +84,8 @@ def _canon(kind: str) -> tuple | None:
             "shape": np.arange(4, dtype=np.float32) + 1, "value": _X * 2,
             "py_float": np.float32(2.0), "np_scalar": np.float32(2.0),
             "py_int": np.int32(2), "py_bool": np.bool_(True)}
-    if kind in leaf:
-        return ("leaf", (leaf[kind],))
+    if kind in leaf:  # (a Python int or float is weakly typed, as on one process)
+        return ("weak" if kind in ("py_float", "py_int") else "leaf", (leaf[kind],))
     return {"tuple": ("tuple", (_X, _X)), "named": ("Pair", (_X, _X)),
             "node": ("Node-a", (_X,)), "node_b": ("Node-b", (_X,))}.get(kind)
 
