@@ -10,6 +10,7 @@ import sys
 import pytest
 
 from bench import _record, figures, report
+from tests._optional import needs
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -27,6 +28,7 @@ def _machine():
             "python": "3.12.1", "jax": "0.12.0", "jaxlib": "0.12.0", "host": "h"}
 
 
+@needs("matplotlib")
 def test_every_figure_is_drawn_from_records_alone(tmp_path):
     rep = {"machine": _machine(), "quick": False, "benchmarks": {
         "steps_per_run": _result("steps_per_run", ["model", "K", "steps/s", "speed-up"],

@@ -9,6 +9,7 @@ import sys
 import pytest
 
 from jreplicate import demo
+from tests._optional import needs
 
 
 class _Terminal(io.StringIO):
@@ -16,6 +17,7 @@ class _Terminal(io.StringIO):
         return True
 
 
+@needs("sklearn")
 def test_demo_reaches_accuracy_with_plain_progress_lines():
     stream = io.StringIO()  # not a terminal: plain lines, no progress bar
     metrics = demo.train(steps=300, progress=stream)
@@ -35,6 +37,7 @@ def test_demo_reaches_accuracy_with_plain_progress_lines():
     assert max(len(line) for line in lines) < 80
 
 
+@needs("sklearn", "tqdm")
 def test_demo_progress_bar_on_a_terminal_starts_after_compilation():
     stream = _Terminal()
     metrics = demo.train(steps=40, progress=stream)
@@ -49,6 +52,7 @@ def test_demo_progress_bar_on_a_terminal_starts_after_compilation():
     assert f"loss={metrics['final_loss']:.4f}" in bars[-1], bars[-1]
 
 
+@needs("sklearn")
 def test_demo_cli_keeps_stdout_for_results(capsys):
     assert demo.main(["--steps", "300"]) == 0
     captured = capsys.readouterr()
@@ -87,6 +91,7 @@ def test_demo_bad_arguments_are_argparse_errors(argv, message, capsys):
     assert err.startswith("usage:") and message in err, err
 
 
+@needs("sklearn")
 def test_demo_train_rejects_bad_values():
     with pytest.raises(ValueError, match="steps must be at least 1, got 0"):
         demo.train(steps=0, progress=False)
@@ -94,6 +99,7 @@ def test_demo_train_rejects_bad_values():
         demo.train(global_batch=100, progress=False)
 
 
+@needs("sklearn")
 def test_demo_diverging_learning_rate_says_so(capsys):
     assert demo.main(["--lr", "10", "--steps", "30"]) == 1
     err = capsys.readouterr().err
@@ -101,6 +107,7 @@ def test_demo_diverging_learning_rate_says_so(capsys):
     assert "try a smaller one, e.g. --lr 0.003 (the default)" in err, err
 
 
+@needs("sklearn")
 def test_demo_piped_with_devices_flag():
     """Piped (as under the launcher): short plain lines, --devices honoured over XLA_FLAGS."""
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8")

@@ -3,9 +3,10 @@
 import os
 import pathlib
 
-import nbformat
 import pytest
-from nbclient import NotebookClient
+
+nbformat = pytest.importorskip("nbformat", reason="nbformat is not installed")
+NotebookClient = pytest.importorskip("nbclient", reason="nbclient is not installed").NotebookClient
 
 COLAB = pathlib.Path(__file__).parent.parent / "colab"
 NOTEBOOKS = sorted(COLAB.glob("*.ipynb"))
