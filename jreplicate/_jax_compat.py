@@ -14,7 +14,18 @@ Moving jreplicate to a new JAX release should be a change to this file alone:
   forwarding of the parameters a step returns unchanged);
 * :func:`backends_are_initialized`, :func:`cluster_env_present`,
   :func:`distributed_client` and :func:`set_gloo_hostname` reach into ``jax._src`` for
-  the distributed runtime.
+  the distributed runtime;
+* :data:`MIN_JAX` is the oldest jax/jaxlib release supported (``pyproject.toml``
+  declares the same range; ``.ci/run``'s compatibility job runs a subset of the tests on
+  it): importing jreplicate with an older one raises an ImportError naming the fix
+  (:func:`unsupported_jax`), and a release newer than the tested range warns.
+
+What differs between the supported releases, and how each is handled:
+
+* jaxlib 0.11 and older, on CPU: an array that NumPy has read (``np.asarray``, which
+  aliases the CPU buffer) is never donated afterwards; XLA copies it instead. Results
+  are the same, only the memory is not reused (tests compare on the devices where they
+  check buffer reuse). GPUs and TPUs copy to the host, so this is CPU-only.
 """
 
 from __future__ import annotations
@@ -23,16 +34,75 @@ import dataclasses
 import functools
 import inspect
 import logging
+import re
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
+import jaxlib
 import numpy as np
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
+#: The oldest jax and jaxlib release jreplicate supports (tested in .ci/run).
+MIN_JAX = (0, 10, 0)
+#: The first release past the tested range (pyproject.toml's upper bound).
+NEXT_UNTESTED_JAX = (0, 13)
+
 # Tests set this to True to exercise the eval_shape fallback on any JAX.
 FORCE_TWO_PASS_OUT_SPECS = False
+
+
+def release(version: str) -> tuple[int, ...]:
+    """The numeric release of a version string: ``"0.12.0.1"`` -> ``(0, 12, 0, 1)``,
+    ``"0.13.0.dev20260101"`` -> ``(0, 13, 0)``."""
+    parts = []
+    for part in version.split("."):
+        m = re.match(r"\d+", part)
+        if m is None:
+            break
+        parts.append(int(m.group()))
+        if m.end() != len(part):  # "0rc1", "dev...": the release ends here
+            break
+    return tuple(parts)
+
+
+def _shown(v: tuple[int, ...]) -> str:
+    return ".".join(map(str, v))
+
+
+def unsupported_jax(jax_version: str, jaxlib_version: str) -> str | None:
+    """Why jreplicate refuses this jax/jaxlib pair (None: it is supported).
+
+    Older than :data:`MIN_JAX` is refused: jreplicate is tested on it and newer only.
+    The message names the versions found and the fix.
+    """
+    old = [(name, v) for name, v in (("jax", jax_version), ("jaxlib", jaxlib_version))
+           if release(v) < MIN_JAX]
+    if not old:
+        return None
+    found = ", ".join(f"{name} {v}" for name, v in old)
+    return (f"jreplicate needs jax and jaxlib >= {_shown(MIN_JAX)}, < "
+            f"{_shown(NEXT_UNTESTED_JAX)}; this environment has {found}. Upgrade JAX "
+            f"(pip install -U 'jax>={_shown(MIN_JAX)},<{_shown(NEXT_UNTESTED_JAX)}', with "
+            "the extra of your accelerator, e.g. 'jax[cuda13]' or 'jax[tpu]'), or on a "
+            "hosted runtime (Colab) choose one whose JAX is at least that.")
+
+
+def _check_versions() -> None:
+    why = unsupported_jax(jax.__version__, jaxlib.__version__)
+    if why is not None:
+        raise ImportError(why)
+    if release(jax.__version__)[:2] >= NEXT_UNTESTED_JAX:
+        warnings.warn(
+            f"jreplicate was tested with jax >= {_shown(MIN_JAX)}, < "
+            f"{_shown(NEXT_UNTESTED_JAX)}; this is jax {jax.__version__}, which may have "
+            "changed what jreplicate relies on (its version-specific code is in "
+            "jreplicate/_jax_compat.py).", stacklevel=3)
+
+
+_check_versions()
 
 
 def varying_axes(x: Any) -> frozenset:

@@ -91,6 +91,7 @@ def test_a_record_row_of_the_wrong_length_is_refused(tmp_path):
 def test_every_benchmark_script_is_listed():
     listed = {os.path.basename(b.script) for b in report.BENCHES}
     not_benchmarks = {"_timing.py", "_record.py", "report.py", "figures.py", "__init__.py",
-                      "exit_soak.py", "parameter_server_soak.py"}  # soak tests, not figures
+                      "exit_soak.py", "parameter_server_soak.py",  # soak tests, not figures
+                      "device_check.py"}  # runs the tests and report --gpu
     scripts = {f for f in os.listdir(os.path.join(ROOT, "bench")) if f.endswith(".py")}
     assert scripts - not_benchmarks <= listed
