@@ -46,9 +46,13 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 #: The oldest jax and jaxlib release jreplicate supports (tested in .ci/run).
-MIN_JAX = (0, 10, 0)
+MIN_JAX = (0, 11, 2)
 #: The first release past the tested range (pyproject.toml's upper bound).
 NEXT_UNTESTED_JAX = (0, 13)
+#: The oldest orbax-checkpoint jreplicate's checkpoints work with: with 0.12.2 and older
+#: (tried on jax 0.11.2) ``save`` returned but never committed its step, so a restore
+#: found no checkpoint; 0.11.x does not import on jax 0.11.2.
+MIN_ORBAX = (0, 12, 3)
 
 # Tests set this to True to exercise the eval_shape fallback on any JAX.
 FORCE_TWO_PASS_OUT_SPECS = False
@@ -75,8 +79,12 @@ def _shown(v: tuple[int, ...]) -> str:
 def unsupported_jax(jax_version: str, jaxlib_version: str) -> str | None:
     """Why jreplicate refuses this jax/jaxlib pair (None: it is supported).
 
-    Older than :data:`MIN_JAX` is refused: jreplicate is tested on it and newer only.
-    The message names the versions found and the fix.
+    Older than :data:`MIN_JAX` is refused: jreplicate is tested on it and newer only,
+    and jaxlib 0.11.1 and older (0.10.x, 0.11.0 and 0.11.1 were tried) crash the whole
+    process (a segmentation fault in ``Execute``) when an array that was donated is
+    passed to a compiled step again: where jreplicate raises an error naming the
+    argument (NNX state is donated by default), the Python process or notebook kernel
+    would die. The message names the versions found and the fix.
     """
     old = [(name, v) for name, v in (("jax", jax_version), ("jaxlib", jaxlib_version))
            if release(v) < MIN_JAX]
@@ -84,10 +92,27 @@ def unsupported_jax(jax_version: str, jaxlib_version: str) -> str | None:
         return None
     found = ", ".join(f"{name} {v}" for name, v in old)
     return (f"jreplicate needs jax and jaxlib >= {_shown(MIN_JAX)}, < "
-            f"{_shown(NEXT_UNTESTED_JAX)}; this environment has {found}. Upgrade JAX "
+            f"{_shown(NEXT_UNTESTED_JAX)}; this environment has {found} (older jaxlib "
+            "releases crash the process when a donated array is used again). Upgrade JAX "
             f"(pip install -U 'jax>={_shown(MIN_JAX)},<{_shown(NEXT_UNTESTED_JAX)}', with "
             "the extra of your accelerator, e.g. 'jax[cuda13]' or 'jax[tpu]'), or on a "
             "hosted runtime (Colab) choose one whose JAX is at least that.")
+
+
+def unsupported_orbax() -> str | None:
+    """Why jreplicate's checkpoints refuse the installed orbax-checkpoint (None: fine)."""
+    from importlib import metadata
+    try:
+        version = metadata.version("orbax-checkpoint")
+    except metadata.PackageNotFoundError:
+        return ("jreplicate's checkpoints need orbax-checkpoint, which is not installed: "
+                f"pip install 'orbax-checkpoint>={_shown(MIN_ORBAX)}'.")
+    if release(version) < MIN_ORBAX:
+        return (f"jreplicate's checkpoints need orbax-checkpoint >= {_shown(MIN_ORBAX)}, "
+                f"this environment has {version}, whose saves jreplicate cannot commit (a "
+                "restore would find no checkpoint): pip install -U "
+                f"'orbax-checkpoint>={_shown(MIN_ORBAX)}'.")
+    return None
 
 
 def _check_versions() -> None:
