@@ -30,7 +30,8 @@ with their ratios to hand-written ``jax.jit(shard_map)`` (``overhead``, Keras le
 host overhead per call (``host_overhead``), device loops K = 1 / 10 / 100
 (``steps_per_run``), peak memory with and without donation from XLA's memory analysis
 (``donation``) and the cost of ``sync_replicas`` (``sync_replicas`` on every device of
-the default backend). Without a GPU it runs the same on CPU, and says so. Its folder is
+the default backend). Without a GPU it runs the same on CPU in the smoke-test sizes
+(``--quick``: the GPU's sizes would not fit the budget), and says so. Its folder is
 ``bench/results/<date>_<platform>`` (``<date>_gpu`` on a GPU; on CPU
 ``<date>_cpu-device-check``, apart from the full CPU runs).
 A full run took 12 minutes of benchmarks on a 2-core CPU machine (2026-11-25).
@@ -239,11 +240,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         listed = GPU_BENCHES if args.gpu else BENCHES
         benches = [b for b in listed if not args.only or b.name in args.only]
         budget = args.budget if args.budget is not None or not args.gpu else 270.0
+        quick = args.quick
         if args.gpu:
             platform_ = machine()["platform"]
-            print("GPU mode: " + ("no GPU found, running on CPU" if platform_ == "cpu"
-                                  else f"running on {platform_}"), file=sys.stderr)
-        report = run_all(benches, out, args.quick, budget)
+            quick = quick or platform_ == "cpu"  # the sizes for a GPU would not fit the budget
+            print("GPU mode: " + ("no GPU found, running on CPU (smoke-test sizes)"
+                                  if platform_ == "cpu" else f"running on {platform_}"),
+                  file=sys.stderr)
+        report = run_all(benches, out, quick, budget)
         report["gpu_mode"] = args.gpu
         with open(os.path.join(out, "report.json"), "w") as f:
             json.dump(report, f, indent=1)

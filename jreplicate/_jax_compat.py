@@ -22,6 +22,13 @@ Moving jreplicate to a new JAX release should be a change to this file alone:
 
 What differs between the supported releases, and how each is handled:
 
+* jaxlib 0.11, on CPU with more simulated devices than the machine's cores can serve
+  (8 devices on 2 cores): an all-reduce can deadlock, and XLA aborts the process after
+  40 s ("Termination timeout for all reduce"). The CPU client needs more threads:
+  :func:`_cpu_collective_threads` sets ``PJRT_NPROC = 2 * devices + 2`` (the value
+  ``jreplicate.cluster.launch`` gives its processes) when jreplicate is imported before
+  JAX's backend starts, and warns with the fix when it started already. jaxlib 0.12
+  needs nothing.
 * jaxlib 0.11 and older, on CPU: an array that NumPy has read (``np.asarray``, which
   aliases the CPU buffer) is never donated afterwards; XLA copies it instead. Results
   are the same, only the memory is not reused (tests compare on the devices where they
@@ -34,6 +41,7 @@ import dataclasses
 import functools
 import inspect
 import logging
+import os
 import re
 import warnings
 from collections.abc import Callable, Sequence
@@ -127,7 +135,34 @@ def _check_versions() -> None:
             "jreplicate/_jax_compat.py).", stacklevel=3)
 
 
-_check_versions()
+def simulated_cpu_devices() -> int:
+    """The CPU device count asked for before JAX starts (``XLA_FLAGS``'s
+    ``--xla_force_host_platform_device_count`` or ``jax_num_cpu_devices``; 1 if none)."""
+    found = re.findall(r"--xla_force_host_platform_device_count=(\d+)",
+                       os.environ.get("XLA_FLAGS", ""))
+    n = int(found[-1]) if found else 1
+    configured = getattr(jax.config, "jax_num_cpu_devices", -1)
+    return max(n, configured if isinstance(configured, int) else -1)
+
+
+def _cpu_collective_threads() -> None:
+    """Gives jaxlib 0.11's CPU client the threads its all-reduce needs (see the module's
+    docstring); nothing on jaxlib 0.12, with one device, or if ``PJRT_NPROC`` is set."""
+    n = simulated_cpu_devices()
+    if release(jaxlib.__version__) >= (0, 12) or n <= 1 or "PJRT_NPROC" in os.environ:
+        return
+    threads = 2 * n + 2
+    if not backends_are_initialized():
+        os.environ["PJRT_NPROC"] = str(threads)
+        return
+    warnings.warn(
+        f"jaxlib {jaxlib.__version__} can deadlock in CPU all-reduce with {n} simulated "
+        f"devices on {os.cpu_count()} cores (XLA aborts after 40 s), and JAX started before "
+        f"jreplicate could give it more threads: set PJRT_NPROC={threads} in the "
+        "environment before JAX starts (or import jreplicate before using JAX).",
+        stacklevel=3)
+
+
 
 
 def varying_axes(x: Any) -> frozenset:
@@ -348,3 +383,9 @@ def set_gloo_hostname(hostname: str | None) -> None:
 
     factory._jreplicate_original = original
     xla_bridge._backend_factories["cpu"] = dataclasses.replace(reg, factory=factory)
+
+
+# At import (jreplicate/__init__.py imports this module first): refuse an unsupported JAX,
+# and give jaxlib 0.11's CPU client its threads while the backend has not started.
+_check_versions()
+_cpu_collective_threads()

@@ -80,3 +80,49 @@ def test_an_orbax_whose_saves_never_commit_is_refused(monkeypatch, tmp_path):
                        r"has 0\.12\.2.*pip install -U 'orbax-checkpoint>=0\.12\.3'"):
         jr.CheckpointManager(tmp_path, rep)
     assert not any(tmp_path.iterdir())  # nothing written
+
+
+def test_jaxlib_0_11_cpu_client_gets_threads_for_its_all_reduce(monkeypatch):
+    """jaxlib 0.11 aborts in CPU all-reduce with 8 simulated devices on 2 cores (host
+    overhead bench: 'Termination timeout for all reduce' after 40 s) unless PJRT_NPROC
+    gives its client threads: set at import, before the backend starts."""
+    monkeypatch.delenv("PJRT_NPROC", raising=False)
+    monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+    monkeypatch.setattr(compat.jaxlib, "__version__", "0.11.2")
+    monkeypatch.setattr(compat, "backends_are_initialized", lambda: False)
+    compat._cpu_collective_threads()
+    assert compat.os.environ["PJRT_NPROC"] == "18"
+
+
+def test_a_started_backend_gets_the_fix_named(monkeypatch):
+    monkeypatch.delenv("PJRT_NPROC", raising=False)
+    monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+    monkeypatch.setattr(compat.jaxlib, "__version__", "0.11.2")
+    monkeypatch.setattr(compat, "backends_are_initialized", lambda: True)
+    with pytest.warns(UserWarning, match="set PJRT_NPROC=18 in the environment before JAX"):
+        compat._cpu_collective_threads()
+    assert "PJRT_NPROC" not in compat.os.environ
+
+
+def test_the_simulated_device_count_is_read_from_the_flags_and_the_config(monkeypatch):
+    monkeypatch.setenv("XLA_FLAGS", "--a=1 --xla_force_host_platform_device_count=16")
+    assert compat.simulated_cpu_devices() == 16
+    monkeypatch.setenv("XLA_FLAGS", "")
+    assert compat.simulated_cpu_devices() == 8  # conftest's jax_num_cpu_devices
+
+
+@pytest.mark.parametrize("jaxlib_v, devices, env, want", [
+    ("0.12.0", 8, {}, None),  # jaxlib 0.12 needs nothing
+    ("0.11.2", 1, {}, None),  # one CPU device
+    ("0.11.2", 4, {"PJRT_NPROC": "3"}, "3"),  # the user's own setting is kept
+])
+def test_no_threads_are_asked_for_where_none_are_needed(monkeypatch, jaxlib_v, devices, env,
+                                                        want):
+    monkeypatch.delenv("PJRT_NPROC", raising=False)
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.setattr(compat, "simulated_cpu_devices", lambda: devices)
+    monkeypatch.setattr(compat.jaxlib, "__version__", jaxlib_v)
+    monkeypatch.setattr(compat, "backends_are_initialized", lambda: False)
+    compat._cpu_collective_threads()
+    assert compat.os.environ.get("PJRT_NPROC") == want
