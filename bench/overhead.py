@@ -246,10 +246,15 @@ def check_losses(impls: dict[str, Impl], steps: int) -> None:
     for name, t in traj.items():
         err = np.max(np.abs(np.array(t) - ref) / np.abs(ref))
         print(f"  {name:17s} " + " ".join(f"{v:.6f}" for v in t) + f"   max rel diff {err:.1e}")
+    # On CPU jreplicate's program is the hand-written one (bit-identical losses); on a GPU
+    # each compilation autotunes its own matmul algorithms (TF32 by default), so the two
+    # agree to TF32's precision only.
+    exact = 1e-6 if jax.devices()[0].platform == "cpu" else 2e-3
     for name, t in traj.items():
-        tol = 1e-6 if name.startswith("jreplicate") else 1e-3
+        tol = exact if name.startswith("jreplicate") else max(exact, 1e-3)
         np.testing.assert_allclose(t, ref, rtol=tol, err_msg=name)
-    print("  check passed (jreplicate rtol 1e-6, keras rtol 1e-3 vs hand-written)\n")
+    print(f"  check passed (jreplicate rtol {exact:g}, keras rtol {max(exact, 1e-3):g} vs "
+          "hand-written)\n")
 
 
 def bench(sizes, rounds: int, steps: int, distribution) -> list[list]:

@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -95,3 +96,31 @@ def test_every_benchmark_script_is_listed():
                       "device_check.py"}  # runs the tests and report --gpu
     scripts = {f for f in os.listdir(os.path.join(ROOT, "bench")) if f.endswith(".py")}
     assert scripts - not_benchmarks <= listed
+
+
+def test_gpu_mode_on_cpu_says_so_and_records_the_donation_peaks(tmp_path):
+    """bench.report --gpu (the device check's benchmarks) where no GPU is: it says so, runs
+    the smoke sizes within its budget and records XLA's peak memory with and without
+    donation."""
+    out = tmp_path / "gpu"
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "bench.report", "--gpu", "--only", "donation", "--out",
+         str(out)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert "GPU mode: no GPU found, running on CPU" in proc.stderr
+    got = json.loads((out / "report.json").read_text())
+    assert got["gpu_mode"] is True and got["quick"] is True and got["budget_s"] == 270.0
+    rec = got["benchmarks"]["donation"]["record"]
+    assert [r[0] for r in rec["rows"]] == ["donated", "kept"]
+    donated, kept = (r[1] for r in rec["rows"])
+    assert kept > donated > 0 and rec["meta"]["platform"] == "cpu"
+    assert [b.name for b in report.GPU_BENCHES] == [
+        "overhead", "host_overhead", "steps_per_run", "donation", "sync_replicas"]
+
+
+def test_a_benchmark_left_without_time_is_skipped_not_run(tmp_path):
+    os.makedirs(tmp_path / "logs")
+    got = report.run_one(report.GPU_BENCHES[0], str(tmp_path), True,
+                         deadline=time.monotonic() + 5)
+    assert got == {"status": "skipped", "why": "no time left in the budget"}
