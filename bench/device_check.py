@@ -116,7 +116,10 @@ def run_tests(out: str, env: dict[str, str], budget: float, on_gpu: bool) -> dic
     t0 = time.monotonic()
     rc, text = _run(cmd, env, budget, os.path.join(out, "tests.log"))
     summary = [ln for ln in text.splitlines() if " passed" in ln or " failed" in ln]
-    result = {"command": " ".join(cmd[1:]), "seconds": round(time.monotonic() - t0, 1),
+    shown = " ".join("--junitxml=tests.xml" if a.startswith("--junitxml=") else a
+                     for a in cmd[1:])  # tests.xml: in the results folder
+    result = {"command": f"JREPLICATE_TEST_DEVICES=native python {shown}",
+              "seconds": round(time.monotonic() - t0, 1),
               "exit_status": rc, "summary": summary[-1] if summary else None,
               **_junit_counts(xml)}
     if rc is None:
