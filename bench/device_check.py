@@ -20,7 +20,7 @@ on ``PYTHONPATH``. Three parts, each in its own processes, each with a deadline:
 Everything lands in ``--out`` (default ``$OUT`` where the device tool sets it, else
 ``bench/results/<date>_<platform>-device-check``): ``device_check.json`` and
 ``device_check.md`` (the summary), ``tests.log``, ``tests.xml`` (JUnit),
-``bench/report.json``, ``bench/report.md`` and the benchmarks' logs. Exit status 0 when
+``report.json``, ``report.md`` and ``logs/`` (the benchmarks'). Exit status 0 when
 every selected test passed and no benchmark failed.
 """
 
@@ -128,8 +128,10 @@ def run_tests(out: str, env: dict[str, str], budget: float, on_gpu: bool) -> dic
 
 
 def run_bench(out: str, env: dict[str, str], budget: float) -> dict[str, Any]:
-    """``python -m bench.report --gpu`` into ``out/bench`` within ``budget`` seconds."""
-    bench_out = os.path.join(out, "bench")
+    """``python -m bench.report --gpu`` into ``out`` within ``budget`` seconds (its
+    report.md beside device_check.md: both are pages of the documentation site once the
+    folder is in bench/results/, which docs/benchmarks links to)."""
+    bench_out = out
     cmd = [sys.executable, "-m", "bench.report", "--gpu", "--budget", str(int(budget - 15)),
            "--out", bench_out]
     t0 = time.monotonic()
@@ -156,7 +158,7 @@ def _markdown(summary: dict[str, Any]) -> str:
              f"## Tests ({t['seconds']:.0f} s)", "",
              f"`{t['command']}`: {t.get('summary') or t.get('why') or 'no summary'}", "",
              f"## Benchmarks ({b['seconds']:.0f} s)", "",
-             "Tables in [bench/report.md](bench/report.md).", ""]
+             "The tables: `report.md` in this folder.", ""]
     for name, r in b.get("benchmarks", {}).items():
         lines.append(f"- `{name}`: {r['status']}" + (f" ({r['why']})" if "why" in r else ""))
     return "\n".join(lines) + "\n"
