@@ -316,7 +316,11 @@ def main(argv: list[str] | None = None) -> int:
                      f"devices; use a multiple of {n}")
     print(f"jreplicate demo: {n} {platform} devices, global batch {args.global_batch}, "
           f"{args.steps} steps, lr {args.lr:g}", flush=True)
-    m = train(steps=args.steps, global_batch=args.global_batch, lr=args.lr, seed=args.seed)
+    try:
+        m = train(steps=args.steps, global_batch=args.global_batch, lr=args.lr, seed=args.seed)
+    except ImportError as e:  # the data set's scikit-learn is missing: say so, no traceback
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     print(f"held-out accuracy: {m['accuracy']:.4f} on {m['test_examples']} digits "
           f"(final loss {m['final_loss']:.4f}; compile {m['compile_seconds']:.1f}s, "
           f"{m['steps_run']} steps in {m['train_seconds']:.1f}s on {m['num_replicas']} "

@@ -121,3 +121,22 @@ def test_demo_piped_with_devices_flag():
     assert len(progress) == 10 and max(map(len, progress)) < 80, proc.stderr
     # 20 steps do not reach the target: exit 1 with the reason and the fix.
     assert proc.returncode == 1 and "try more steps (--steps 600)" in proc.stderr, proc.stderr
+
+
+def test_demo_without_scikit_learn_names_it(monkeypatch, capsys):
+    """The GPU image has no scikit-learn: the demo's data set says so in one line."""
+    monkeypatch.setitem(sys.modules, "sklearn", None)
+    monkeypatch.setitem(sys.modules, "sklearn.datasets", None)
+    assert demo.main(["--steps", "5"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: the demo's data set is scikit-learn's bundled digits")
+    assert "pip install scikit-learn" in err and "Traceback" not in err
+
+
+def test_demo_progress_without_tqdm_is_plain_lines(monkeypatch):
+    monkeypatch.setitem(sys.modules, "tqdm", None)
+    stream = _Terminal()  # a terminal, but no tqdm: the plain lines
+    progress = demo._Progress(stream, 20, "training")
+    assert progress.bar is None
+    progress.update(2, 0.5)
+    assert stream.getvalue().startswith("step  2/20  loss 0.5000")
