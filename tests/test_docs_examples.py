@@ -62,10 +62,12 @@ def test_the_fence_parser():
 @pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(DOCS)))
 def test_page_code_runs(page, tmp_path, monkeypatch):
     code = "\n".join(source for _, source in python_blocks(page.read_text()))
-    # The demo's data set (load_digits_split) is scikit-learn's; where a package beyond
-    # jreplicate's own is missing (the GPU image), the page is skipped, naming it.
+    # The demo's data set (load_digits_split) is scikit-learn's, Ray checks its actors'
+    # options; where a package beyond jreplicate's own is missing (the GPU image), the
+    # page is skipped, naming it.
     missing = [m for m, used in (("sklearn", "sklearn" in code or "load_digits" in code),
-                                 ("matplotlib", "matplotlib" in code)) if used
+                                 ("matplotlib", "matplotlib" in code),
+                                 ("ray", 'carrier="ray"' in code)) if used
                and not installed(m)]
     if missing:
         pytest.skip(f"the page's code needs {', '.join(missing)} (not installed)")
