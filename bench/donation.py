@@ -6,7 +6,8 @@ exact and free of timing noise. An MLP 784-1024-1024-10 with Adam on 8 simulated
 jreplicate's ``run(..., donate_argnums=(0, 1))`` against ``jax.jit(shard_map(...),
 donate_argnums=...)`` of the same step, and both without donation.
 
-Run: ``python bench/donation.py`` (a few seconds).
+Run: ``python bench/donation.py [--json PATH]`` (a few seconds). On an accelerator the
+devices are the machine's own (one GPU: one replica).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import os
 os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
 
+import argparse  # noqa: E402
 import sys  # noqa: E402
 
 import jax  # noqa: E402
@@ -25,6 +27,7 @@ from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(__file__))
+import _record  # noqa: E402
 import _timing  # noqa: E402
 
 import jreplicate as jr  # noqa: E402
@@ -43,7 +46,10 @@ def peak(compiled) -> int:
             + m.temp_size_in_bytes)
 
 
-def main() -> None:
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    _record.add_argument(ap)
+    args = ap.parse_args(argv)
     rep = jr.Replicator(jr.MirroredStrategy())
     n = rep.num_replicas
     rng = np.random.default_rng(0)
@@ -77,6 +83,14 @@ def main() -> None:
         print(f"{name:8s} {ours / 2**20:15.2f} {theirs / 2**20:17.2f} "
               f"{ours / theirs:6.3f}")
     print(f"jreplicate kept / donated: {rows['kept'][0] / rows['donated'][0]:.3f}")
+    _record.write(args.json, "donation",
+                  "Peak memory of an Adam step with and without donation (XLA's analysis)",
+                  ["state", "jreplicate MiB", "hand-written MiB", "jreplicate / hand-written"],
+                  [[name, ours / 2**20, theirs / 2**20, ours / theirs]
+                   for name, (ours, theirs) in rows.items()],
+                  model="MLP " + "-".join(map(str, SIZES)), state_mib_per_device=state / 2**20,
+                  kept_over_donated=rows["kept"][0] / rows["donated"][0], replicas=n,
+                  platform=jax.devices()[0].platform)
 
 
 if __name__ == "__main__":

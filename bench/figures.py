@@ -153,6 +153,16 @@ FIGURES: dict[str, tuple[str, Callable[[dict, str], bool]]] = {
 }
 
 
+def _draw(plot: Callable[[dict[str, Any], str], bool], report: dict[str, Any],
+          path: str) -> bool:
+    """Draws one figure; False (the table alone) where matplotlib is not installed."""
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        return False
+    return plot(report, path)
+
+
 def write_markdown(report: dict[str, Any], out: str) -> str:
     """Draws the figures into ``out`` and writes ``out/report.md``; returns its text."""
     m = report["machine"]
@@ -166,7 +176,7 @@ def write_markdown(report: dict[str, Any], out: str) -> str:
         fig = FIGURES.get(name)
         if name == "ray_baseline" and "parameter_server" not in report["benchmarks"]:
             fig = FIGURES["parameter_server"]  # the same figure, drawn once
-        drawn = fig is not None and fig[1](report, os.path.join(out, fig[0]))
+        drawn = fig is not None and _draw(fig[1], report, os.path.join(out, fig[0]))
         title = result.get("record", {}).get("title", name)
         lines += [f"## {title}", "", f"`{name}`, {result.get('seconds', 0):.0f} s"
                   + (f", arguments `{' '.join(result['args'])}`" if result.get("args") else "")

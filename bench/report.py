@@ -1,6 +1,7 @@
 """Runs every benchmark and records its figures: one JSON record, markdown tables, PNGs.
 
     python -m bench.report [--quick] [--only NAME ...] [--out DIR]
+    python -m bench.report --gpu [--budget SECONDS] [--out DIR]
 
 Each benchmark runs in its own process (each sets up its own devices), one after the
 other, with a progress line per benchmark on stderr. The results go to
@@ -20,6 +21,19 @@ other, with a progress line per benchmark on stderr. The results go to
 * ``logs/<name>.log``: each benchmark's own output.
 
 So the day the suite runs on a GPU or a TPU, this one command records its figures.
+
+``--gpu`` is the device check's mode (``bench/device_check.py``; bench/README.md, "On an
+accelerator"): the benchmarks one accelerator answers, on the machine's own devices and
+sized for it, within ``--budget`` seconds in all (a benchmark left without time is
+recorded as skipped): absolute step times of a compute-bound and a dispatch-bound MLP
+with their ratios to hand-written ``jax.jit(shard_map)`` (``overhead``, Keras left out),
+host overhead per call (``host_overhead``), device loops K = 1 / 10 / 100
+(``steps_per_run``), peak memory with and without donation from XLA's memory analysis
+(``donation``) and the cost of ``sync_replicas`` (``sync_replicas`` on every device of
+the default backend). Without a GPU it runs the same on CPU in the smoke-test sizes
+(``--quick``: the GPU's sizes would not fit the budget), and says so. Its folder is
+``bench/results/<date>_<platform>`` (``<date>_gpu`` on a GPU; on CPU
+``<date>_cpu-device-check``, apart from the full CPU runs).
 A full run took 12 minutes of benchmarks on a 2-core CPU machine (2026-11-25).
 ``--quick`` runs every benchmark in its smoke-test size: good for checking the pipeline,
 too noisy for conclusions.
@@ -78,6 +92,24 @@ BENCHES: tuple[Bench, ...] = (
 )
 
 
+# The device check's benchmarks (--gpu), in the order they run, each with a time limit
+# that fits the budget; "full" is the size measured on an accelerator, "quick" a smoke run.
+GPU_BENCHES: tuple[Bench, ...] = (
+    Bench("overhead", "bench/overhead.py",
+          full=("--no-keras", "--rounds", "8", "--steps", "10", "--sizes", "784,4096,4096,10",
+                "--global-batch", "4096"),
+          quick=("--no-keras", "--quick"), timeout_s=150),
+    Bench("host_overhead", "bench/host_overhead.py", full=("--rounds", "5"), timeout_s=150),
+    Bench("steps_per_run", "bench/steps_per_run.py",
+          full=("--rounds", "5", "--models", "mlp-16-32-32-10"),
+          quick=("--quick", "--models", "mlp-16-32-32-10"), timeout_s=90),
+    Bench("donation", "bench/donation.py", quick=(), timeout_s=60),
+    Bench("sync_replicas", "bench/sync_replicas.py",
+          full=("--backend", "default", "--repeats", "10"),
+          quick=("--backend", "default", "--repeats", "3", "--steps", "5"), timeout_s=90),
+)
+
+
 def machine() -> dict[str, Any]:
     """What the figures were measured on (on CPU: the 8 simulated devices the benchmarks
     set up for themselves)."""
@@ -107,12 +139,19 @@ def _missing(needs: Sequence[str]) -> list[str]:
     return [m for m in needs if importlib.util.find_spec(m) is None]
 
 
-def run_one(bench: Bench, out: str, quick: bool) -> dict[str, Any]:
-    """Runs one benchmark in its own process; its record, or why there is none."""
+def run_one(bench: Bench, out: str, quick: bool,
+            deadline: float | None = None) -> dict[str, Any]:
+    """Runs one benchmark in its own process; its record, or why there is none.
+    ``deadline`` (``time.monotonic()``) cuts its time limit short."""
     missing = _missing(bench.needs)
     if missing:
         return {"status": "skipped",
                 "why": f"needs {', '.join(missing)}: pip install -e '.[bench]'"}
+    timeout = bench.timeout_s
+    if deadline is not None:
+        timeout = min(timeout, deadline - time.monotonic())
+        if timeout < 10:
+            return {"status": "skipped", "why": "no time left in the budget"}
     args = list(bench.quick if quick else bench.full)
     path = os.path.join(out, f"{bench.name}.json")
     if bench.json:
@@ -125,7 +164,7 @@ def run_one(bench: Bench, out: str, quick: bool) -> dict[str, Any]:
         try:
             rc = subprocess.run([sys.executable, os.path.join(ROOT, bench.script), *args],
                                 cwd=ROOT, stdout=f, stderr=subprocess.STDOUT,
-                                timeout=bench.timeout_s).returncode
+                                timeout=timeout).returncode
         except subprocess.TimeoutExpired:
             rc = None
     took = time.perf_counter() - t0
@@ -133,7 +172,7 @@ def run_one(bench: Bench, out: str, quick: bool) -> dict[str, Any]:
     result: dict[str, Any] = {"seconds": round(took, 1), "args": shown}
     if rc != 0:
         result.update(status="failed", why=f"exit status {rc}" if rc is not None
-                      else f"no result in {bench.timeout_s:.0f} s", log=_tail(log))
+                      else f"no result in {timeout:.0f} s", log=_tail(log))
     elif bench.json:
         with open(path) as f:
             result.update(status="ok", record=json.load(f))
@@ -148,13 +187,18 @@ def _tail(path: str, lines: int = 20) -> str:
         return "".join(f.readlines()[-lines:])
 
 
-def run_all(benches: Sequence[Bench], out: str, quick: bool) -> dict[str, Any]:
-    """Runs ``benches`` in order, reporting progress on stderr; the whole report."""
+def run_all(benches: Sequence[Bench], out: str, quick: bool,
+            budget_s: float | None = None) -> dict[str, Any]:
+    """Runs ``benches`` in order, reporting progress on stderr; the whole report.
+    With ``budget_s``, all of them together get at most that many seconds."""
     os.makedirs(os.path.join(out, "logs"), exist_ok=True)
+    deadline = None if budget_s is None else time.monotonic() + budget_s
     report: dict[str, Any] = {"machine": machine(), "quick": quick, "benchmarks": {}}
+    if budget_s is not None:
+        report["budget_s"] = budget_s
     for i, bench in enumerate(benches, 1):
         print(f"[{i}/{len(benches)}] {bench.name} ...", end=" ", file=sys.stderr, flush=True)
-        result = run_one(bench, out, quick)
+        result = run_one(bench, out, quick, deadline)
         report["benchmarks"][bench.name] = result
         print(f"{result['status']} ({result.get('seconds', 0):.0f} s)"
               + (f": {result['why']}" if "why" in result else ""), file=sys.stderr)
@@ -162,15 +206,23 @@ def run_all(benches: Sequence[Bench], out: str, quick: bool) -> dict[str, Any]:
     return report
 
 
-def default_out() -> str:
+def default_out(gpu: bool = False) -> str:
     from bench import figures
     m = machine()
+    if gpu:
+        tag = m["platform"] if m["platform"] != "cpu" else "cpu-device-check"
+        return os.path.join(HERE, "results", f"{m['date'][:10]}_{tag}")
     return os.path.join(HERE, "results", f"{m['date'][:10]}_{figures.slug(m['device_kind'])}")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="smoke-test sizes (minutes)")
+    ap.add_argument("--gpu", action="store_true",
+                    help="the device check's benchmarks, sized for one accelerator (on CPU "
+                    "where there is none)")
+    ap.add_argument("--budget", type=float, default=None, metavar="SECONDS",
+                    help="the most seconds all benchmarks together may take (--gpu: 270)")
     ap.add_argument("--only", nargs="+", metavar="NAME", choices=[b.name for b in BENCHES],
                     help="run only these benchmarks")
     ap.add_argument("--out", default=None, help="folder (default bench/results/<date>_<kind>)")
@@ -184,9 +236,19 @@ def main(argv: Sequence[str] | None = None) -> int:
             report = json.load(f)
         out = args.out or os.path.dirname(os.path.abspath(args.render))
     else:
-        out = args.out or default_out()
-        benches = [b for b in BENCHES if not args.only or b.name in args.only]
-        report = run_all(benches, out, args.quick)
+        out = args.out or default_out(args.gpu)
+        listed = GPU_BENCHES if args.gpu else BENCHES
+        benches = [b for b in listed if not args.only or b.name in args.only]
+        budget = args.budget if args.budget is not None or not args.gpu else 270.0
+        quick = args.quick
+        if args.gpu:
+            platform_ = machine()["platform"]
+            quick = quick or platform_ == "cpu"  # the sizes for a GPU would not fit the budget
+            print("GPU mode: " + ("no GPU found, running on CPU (smoke-test sizes)"
+                                  if platform_ == "cpu" else f"running on {platform_}"),
+                  file=sys.stderr)
+        report = run_all(benches, out, quick, budget)
+        report["gpu_mode"] = args.gpu
         with open(os.path.join(out, "report.json"), "w") as f:
             json.dump(report, f, indent=1)
     figures.write_markdown(report, out)

@@ -7,7 +7,8 @@ Every K reads its batches through ``prepare_input`` (a PER_WORKER generator) and
 with Adam; K = 1 is one ``run`` per step. Each round runs 200 steps per K, interleaved;
 the table gives median steps/s and the paired ratio to K = 1 (median of per-round ratios).
 
-Run: ``python bench/steps_per_run.py`` (about a minute on 2 cores) or ``--quick``.
+Run: ``python bench/steps_per_run.py`` (about a minute on 2 cores) or ``--quick``;
+``--models`` picks the models (without scikit-learn, the digits model is left out).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
 
 import argparse  # noqa: E402
+import importlib.util  # noqa: E402
 import itertools  # noqa: E402
 import statistics  # noqa: E402
 import sys  # noqa: E402
@@ -26,7 +28,6 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
-from sklearn.datasets import load_digits  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(__file__))
 import _record  # noqa: E402
@@ -36,10 +37,12 @@ import jreplicate as jr  # noqa: E402
 
 KS = (1, 10, 100)
 STEPS_PER_ROUND = 200
+MODELS = ("logreg-digits", "mlp-16-32-32-10")
 
 
 def _data(model: str):
     if model == "logreg-digits":
+        from sklearn.datasets import load_digits
         x, y = load_digits(return_X_y=True)
         return (x / 16.0).astype(np.float32), y.astype(np.int32), (64, 10), 64
     rng = np.random.default_rng(0)
@@ -89,14 +92,19 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=7, help="interleaved rounds (default 7)")
     ap.add_argument("--quick", action="store_true", help="3 rounds")
+    ap.add_argument("--models", nargs="+", choices=MODELS, default=list(MODELS))
     _record.add_argument(ap)
     args = ap.parse_args(argv)
     rounds = 3 if args.quick else args.rounds
+    models = list(args.models)
+    if "logreg-digits" in models and importlib.util.find_spec("sklearn") is None:
+        print("scikit-learn is not installed: the logreg-digits model is left out")
+        models.remove("logreg-digits")
     rows = []
     print(f"{jax.device_count()} {jax.devices()[0].platform} devices; {rounds} rounds of "
           f"{STEPS_PER_ROUND} steps per K")
     print(f"{'model':16s} {'K':>4s} {'steps/s':>9s} {'vs K=1':>7s}")
-    for model in ("logreg-digits", "mlp-16-32-32-10"):
+    for model in models:
         impls = {f"K={k}": (build(model, k), 1) for k in KS}
         times = _timing.interleaved(impls, rounds, warmup=1)
         for k in KS:
@@ -106,7 +114,8 @@ def main(argv=None) -> None:
             rows.append([model, k, sps, ratio])
     _record.write(args.json, "steps_per_run", "Device loops: steps/s of run(..., steps=K)",
                   ["model", "K", "steps/s", "speed-up vs K=1"], rows, rounds=rounds,
-                  steps_per_round=STEPS_PER_ROUND, devices=jax.device_count())
+                  steps_per_round=STEPS_PER_ROUND, devices=jax.device_count(),
+                  platform=jax.devices()[0].platform)
 
 
 if __name__ == "__main__":

@@ -4,7 +4,12 @@ Runs on 8 simulated CPU devices (or the first 8 devices of the default backend w
 ``--backend default``), in one process, with the variants interleaved in every repeat,
 and prints the ratio of median step times (target: <= 1.05 for ``sync 8/0``).
 
-    python bench/sync_replicas.py [--repeats 30] [--steps 20]
+    python bench/sync_replicas.py [--repeats 30] [--steps 20] [--backend default --replicas N]
+
+``--replicas`` sets the replica count N (default 8; with ``--backend default`` every
+device up to 8); the variants are then ``sync N/0``
+and, from 4 replicas on, ``sync N-2/2`` with and without the schedule (one GPU: N = 1,
+``plain`` against ``sync 1/0``: the accumulator's own cost).
 
 Variants (all ``jax.jit(jax.shard_map(...))`` over a 1-D ``"replica"`` mesh):
 
@@ -65,6 +70,14 @@ def loss_fn(params, x, y):
     return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits), y[:, None], axis=1))
 
 
+def variants_for(n: int) -> list[str]:
+    """The variants timed with ``n`` replicas (backups need at least 4)."""
+    out = ["plain", f"sync {n}/0"]
+    if n >= 4:
+        out += [f"sync {n - 2}/2", f"sync {n - 2}/2 sched"]
+    return out
+
+
 def build(mesh, variant, inner):
     if variant == "plain":
         tx = inner
@@ -76,7 +89,7 @@ def build(mesh, variant, inner):
             return optax.apply_updates(p, u), s
 
     else:
-        k = {"sync 8/0": 8, "sync 6/2": 6, "sync 6/2 sched": 6}[variant]
+        k = int(variant.split()[1].split("/")[0])
         tx = sync_replicas(inner, replicas_to_aggregate=k)
         sched = variant.endswith("sched")
 
@@ -100,16 +113,20 @@ def build(mesh, variant, inner):
 
 
 def main(argv=None):
+    global N
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--repeats", type=int, default=30)
     ap.add_argument("--steps", type=int, default=20, help="steps timed per repeat")
     ap.add_argument("--batch", type=int, default=32, help="per-replica batch")
     ap.add_argument("--sizes", default="64,512,512,10", help="MLP layer sizes")
     ap.add_argument("--backend", default="cpu", choices=["cpu", "default"])
+    ap.add_argument("--replicas", type=int, default=None,
+                    help="replicas (default 8 on cpu, else every device up to 8)")
     _record.add_argument(ap)
     args = ap.parse_args(argv)
-
-    devices = jax.devices("cpu" if args.backend == "cpu" else None)[:N]
+    found = jax.devices("cpu" if args.backend == "cpu" else None)
+    N = args.replicas or (8 if args.backend == "cpu" else min(8, len(found)))
+    devices = found[:N]
     if len(devices) < N:
         raise SystemExit(f"needs {N} devices, found {len(devices)}")
     mesh = jax.make_mesh((N,), ("replica",), devices=devices)
@@ -122,7 +139,7 @@ def main(argv=None):
     t = jax.device_put(t_host, shard)
     t_sched = jax.device_put(t_host, NamedSharding(mesh, P()))
 
-    variants = ["plain", "sync 8/0", "sync 6/2", "sync 6/2 sched"]
+    variants = variants_for(N)
     inner = optax.adam(1e-3)
     state = {}
     for v in variants:

@@ -25,6 +25,8 @@ Example:
   [28.0, 28.0]
 """
 
+# First: an unsupported JAX is refused with the fix before anything else uses it.
+from jreplicate import _jax_compat  # noqa: F401, I001
 from jreplicate import checkpoint, cluster, execution, input, ps, strategies, sync
 from jreplicate.checkpoint import CheckpointManager
 from jreplicate.context import PerReplica, ReplicaContext

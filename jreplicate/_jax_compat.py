@@ -14,7 +14,25 @@ Moving jreplicate to a new JAX release should be a change to this file alone:
   forwarding of the parameters a step returns unchanged);
 * :func:`backends_are_initialized`, :func:`cluster_env_present`,
   :func:`distributed_client` and :func:`set_gloo_hostname` reach into ``jax._src`` for
-  the distributed runtime.
+  the distributed runtime;
+* :data:`MIN_JAX` is the oldest jax/jaxlib release supported (``pyproject.toml``
+  declares the same range; ``.ci/run``'s compatibility job runs a subset of the tests on
+  it): importing jreplicate with an older one raises an ImportError naming the fix
+  (:func:`unsupported_jax`), and a release newer than the tested range warns.
+
+What differs between the supported releases, and how each is handled:
+
+* jaxlib 0.11, on CPU with more simulated devices than the machine's cores can serve
+  (8 devices on 2 cores): an all-reduce can deadlock, and XLA aborts the process after
+  40 s ("Termination timeout for all reduce"). The CPU client needs more threads:
+  :func:`_cpu_collective_threads` sets ``PJRT_NPROC = 2 * devices + 2`` (the value
+  ``jreplicate.cluster.launch`` gives its processes) when jreplicate is imported before
+  JAX's backend starts, and warns with the fix when it started already. jaxlib 0.12
+  needs nothing.
+* jaxlib 0.11 and older, on CPU: an array that NumPy has read (``np.asarray``, which
+  aliases the CPU buffer) is never donated afterwards; XLA copies it instead. Results
+  are the same, only the memory is not reused (tests compare on the devices where they
+  check buffer reuse). GPUs and TPUs copy to the host, so this is CPU-only.
 """
 
 from __future__ import annotations
@@ -23,16 +41,128 @@ import dataclasses
 import functools
 import inspect
 import logging
+import os
+import re
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
+import jaxlib
 import numpy as np
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
+#: The oldest jax and jaxlib release jreplicate supports (tested in .ci/run).
+MIN_JAX = (0, 11, 2)
+#: The first release past the tested range (pyproject.toml's upper bound).
+NEXT_UNTESTED_JAX = (0, 13)
+#: The oldest orbax-checkpoint jreplicate's checkpoints work with: with 0.12.2 and older
+#: (tried on jax 0.11.2) ``save`` returned but never committed its step, so a restore
+#: found no checkpoint; 0.11.x does not import on jax 0.11.2.
+MIN_ORBAX = (0, 12, 3)
+
 # Tests set this to True to exercise the eval_shape fallback on any JAX.
 FORCE_TWO_PASS_OUT_SPECS = False
+
+
+def release(version: str) -> tuple[int, ...]:
+    """The numeric release of a version string: ``"0.12.0.1"`` -> ``(0, 12, 0, 1)``,
+    ``"0.13.0.dev20260101"`` -> ``(0, 13, 0)``."""
+    parts = []
+    for part in version.split("."):
+        m = re.match(r"\d+", part)
+        if m is None:
+            break
+        parts.append(int(m.group()))
+        if m.end() != len(part):  # "0rc1", "dev...": the release ends here
+            break
+    return tuple(parts)
+
+
+def _shown(v: tuple[int, ...]) -> str:
+    return ".".join(map(str, v))
+
+
+def unsupported_jax(jax_version: str, jaxlib_version: str) -> str | None:
+    """Why jreplicate refuses this jax/jaxlib pair (None: it is supported).
+
+    Older than :data:`MIN_JAX` is refused: jreplicate is tested on it and newer only,
+    and jaxlib 0.11.1 and older (0.10.x, 0.11.0 and 0.11.1 were tried) crash the whole
+    process (a segmentation fault in ``Execute``) when an array that was donated is
+    passed to a compiled step again: where jreplicate raises an error naming the
+    argument (NNX state is donated by default), the Python process or notebook kernel
+    would die. The message names the versions found and the fix.
+    """
+    old = [(name, v) for name, v in (("jax", jax_version), ("jaxlib", jaxlib_version))
+           if release(v) < MIN_JAX]
+    if not old:
+        return None
+    found = ", ".join(f"{name} {v}" for name, v in old)
+    return (f"jreplicate needs jax and jaxlib >= {_shown(MIN_JAX)}, < "
+            f"{_shown(NEXT_UNTESTED_JAX)}; this environment has {found} (older jaxlib "
+            "releases crash the process when a donated array is used again). Upgrade JAX "
+            f"(pip install -U 'jax>={_shown(MIN_JAX)},<{_shown(NEXT_UNTESTED_JAX)}', with "
+            "the extra of your accelerator, e.g. 'jax[cuda13]' or 'jax[tpu]'), or on a "
+            "hosted runtime (Colab) choose one whose JAX is at least that.")
+
+
+def unsupported_orbax() -> str | None:
+    """Why jreplicate's checkpoints refuse the installed orbax-checkpoint (None: fine)."""
+    from importlib import metadata
+    try:
+        version = metadata.version("orbax-checkpoint")
+    except metadata.PackageNotFoundError:
+        return ("jreplicate's checkpoints need orbax-checkpoint, which is not installed: "
+                f"pip install 'orbax-checkpoint>={_shown(MIN_ORBAX)}'.")
+    if release(version) < MIN_ORBAX:
+        return (f"jreplicate's checkpoints need orbax-checkpoint >= {_shown(MIN_ORBAX)}, "
+                f"this environment has {version}, whose saves jreplicate cannot commit (a "
+                "restore would find no checkpoint): pip install -U "
+                f"'orbax-checkpoint>={_shown(MIN_ORBAX)}'.")
+    return None
+
+
+def _check_versions() -> None:
+    why = unsupported_jax(jax.__version__, jaxlib.__version__)
+    if why is not None:
+        raise ImportError(why)
+    if release(jax.__version__)[:2] >= NEXT_UNTESTED_JAX:
+        warnings.warn(
+            f"jreplicate was tested with jax >= {_shown(MIN_JAX)}, < "
+            f"{_shown(NEXT_UNTESTED_JAX)}; this is jax {jax.__version__}, which may have "
+            "changed what jreplicate relies on (its version-specific code is in "
+            "jreplicate/_jax_compat.py).", stacklevel=3)
+
+
+def simulated_cpu_devices() -> int:
+    """The CPU device count asked for before JAX starts (``XLA_FLAGS``'s
+    ``--xla_force_host_platform_device_count`` or ``jax_num_cpu_devices``; 1 if none)."""
+    found = re.findall(r"--xla_force_host_platform_device_count=(\d+)",
+                       os.environ.get("XLA_FLAGS", ""))
+    n = int(found[-1]) if found else 1
+    configured = getattr(jax.config, "jax_num_cpu_devices", -1)
+    return max(n, configured if isinstance(configured, int) else -1)
+
+
+def _cpu_collective_threads() -> None:
+    """Gives jaxlib 0.11's CPU client the threads its all-reduce needs (see the module's
+    docstring); nothing on jaxlib 0.12, with one device, or if ``PJRT_NPROC`` is set."""
+    n = simulated_cpu_devices()
+    if release(jaxlib.__version__) >= (0, 12) or n <= 1 or "PJRT_NPROC" in os.environ:
+        return
+    threads = 2 * n + 2
+    if not backends_are_initialized():
+        os.environ["PJRT_NPROC"] = str(threads)
+        return
+    warnings.warn(
+        f"jaxlib {jaxlib.__version__} can deadlock in CPU all-reduce with {n} simulated "
+        f"devices on {os.cpu_count()} cores (XLA aborts after 40 s), and JAX started before "
+        f"jreplicate could give it more threads: set PJRT_NPROC={threads} in the "
+        "environment before JAX starts (or import jreplicate before using JAX).",
+        stacklevel=3)
+
+
 
 
 def varying_axes(x: Any) -> frozenset:
@@ -269,3 +399,9 @@ def weakly_typed(x: jax.Array) -> jax.Array:
         from jax._src.lax import lax as _lax
         return jax.jit(lambda v: _lax._convert_element_type(v, weak_type=True),
                        out_shardings=x.sharding)(x)
+
+
+# At import (jreplicate/__init__.py imports this module first): refuse an unsupported JAX,
+# and give jaxlib 0.11's CPU client its threads while the backend has not started.
+_check_versions()
+_cpu_collective_threads()

@@ -46,8 +46,14 @@ def _simulate_devices(n: int | None) -> None:
 def load_digits_split(seed: int = 0):
     """scikit-learn's bundled 8x8 digits (1797 images), scaled and split 80/20."""
     import numpy as np
-    from sklearn.datasets import load_digits
-    from sklearn.model_selection import train_test_split
+    try:
+        from sklearn.datasets import load_digits
+        from sklearn.model_selection import train_test_split
+    except ImportError as e:
+        raise ImportError(
+            "the demo's data set is scikit-learn's bundled digits, and scikit-learn is not "
+            "installed: pip install scikit-learn (jreplicate itself does not need it)."
+        ) from e
 
     x, y = load_digits(return_X_y=True)
     x = (x / 16.0).astype(np.float32)
@@ -56,7 +62,8 @@ def load_digits_split(seed: int = 0):
 
 
 class _Progress:
-    """Training progress on a stream: a tqdm bar on a terminal, else plain lines.
+    """Training progress on a stream: a tqdm bar on a terminal (where tqdm is installed),
+    else plain lines.
 
     The bar starts after the first (compiling) step, so its rate and ETA measure
     training steps only. Off a terminal (a pipe, a log file, the launcher's prefixed
@@ -72,8 +79,10 @@ class _Progress:
         self.every = max(1, math.ceil(steps / 10))
         self.bar = None
         if stream is not None and _isatty(stream) and steps > 1:
-            from tqdm import tqdm
-
+            try:
+                from tqdm import tqdm
+            except ImportError:  # no bar without tqdm: the plain lines instead
+                return
             self.bar = tqdm(total=steps, initial=1, desc=desc, file=stream,
                             mininterval=0.5, dynamic_ncols=True)
 
@@ -307,7 +316,11 @@ def main(argv: list[str] | None = None) -> int:
                      f"devices; use a multiple of {n}")
     print(f"jreplicate demo: {n} {platform} devices, global batch {args.global_batch}, "
           f"{args.steps} steps, lr {args.lr:g}", flush=True)
-    m = train(steps=args.steps, global_batch=args.global_batch, lr=args.lr, seed=args.seed)
+    try:
+        m = train(steps=args.steps, global_batch=args.global_batch, lr=args.lr, seed=args.seed)
+    except ImportError as e:  # the data set's scikit-learn is missing: say so, no traceback
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     print(f"held-out accuracy: {m['accuracy']:.4f} on {m['test_examples']} digits "
           f"(final loss {m['final_loss']:.4f}; compile {m['compile_seconds']:.1f}s, "
           f"{m['steps_run']} steps in {m['train_seconds']:.1f}s on {m['num_replicas']} "

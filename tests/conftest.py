@@ -1,15 +1,28 @@
-"""Test configuration: 8 simulated CPU devices, set before JAX initialises."""
+"""Test configuration: 8 simulated CPU devices, set before JAX initialises.
+
+With ``JREPLICATE_TEST_DEVICES=native`` the tests run on the machine's own devices
+instead (one GPU in bench/device_check.py; one CPU device where there is none): JAX picks
+its platform, nothing is simulated, matrix products run in full float32 (GPUs otherwise
+use TF32, too coarse for the one-device references), and the ``strategy`` fixture offers
+only the strategies those devices can host. Only the files bench/device_check.py selects
+are written for any device count.
+"""
 
 import os
 
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
-_flags = os.environ.get("XLA_FLAGS", "")
-if "--xla_force_host_platform_device_count" not in _flags:
-    os.environ["XLA_FLAGS"] = (_flags + " --xla_force_host_platform_device_count=8").strip()
+NATIVE = os.environ.get("JREPLICATE_TEST_DEVICES") == "native"
+if not NATIVE:
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    _flags = os.environ.get("XLA_FLAGS", "")
+    if "--xla_force_host_platform_device_count" not in _flags:
+        os.environ["XLA_FLAGS"] = (_flags + " --xla_force_host_platform_device_count=8").strip()
 
 import jax  # noqa: E402
 
-jax.config.update("jax_num_cpu_devices", 8)
+if NATIVE:
+    jax.config.update("jax_default_matmul_precision", "highest")
+else:
+    jax.config.update("jax_num_cpu_devices", 8)
 
 import pytest  # noqa: E402
 
@@ -31,6 +44,15 @@ STRATEGY_FACTORIES = {
     "ps-1": lambda: jr.ParameterServerStrategy(num_ps=2, num_workers=1),
     "ps-3x2": lambda: jr.ParameterServerStrategy(num_ps=2, num_replicas_in_sync=2),
 }
+
+if NATIVE:  # what one device (or a few) can host: each uses every device, or the first
+    STRATEGY_FACTORIES = {
+        "mirrored-all": lambda: jr.MirroredStrategy(),
+        "mirrored-1": lambda: jr.MirroredStrategy(devices=[0]),
+        "tpu-all": lambda: jr.TPUStrategy(devices=jax.devices()),  # laid out as on a TPU
+        "ps-1": lambda: jr.ParameterServerStrategy(num_ps=1, num_workers=1,
+                                                   devices=jax.devices()[:1]),
+    }
 
 
 @pytest.fixture(params=sorted(STRATEGY_FACTORIES))

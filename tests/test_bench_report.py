@@ -6,10 +6,12 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 
 from bench import _record, figures, report
+from tests._optional import needs
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -27,6 +29,7 @@ def _machine():
             "python": "3.12.1", "jax": "0.12.0", "jaxlib": "0.12.0", "host": "h"}
 
 
+@needs("matplotlib")
 def test_every_figure_is_drawn_from_records_alone(tmp_path):
     rep = {"machine": _machine(), "quick": False, "benchmarks": {
         "steps_per_run": _result("steps_per_run", ["model", "K", "steps/s", "speed-up"],
@@ -89,6 +92,35 @@ def test_a_record_row_of_the_wrong_length_is_refused(tmp_path):
 def test_every_benchmark_script_is_listed():
     listed = {os.path.basename(b.script) for b in report.BENCHES}
     not_benchmarks = {"_timing.py", "_record.py", "report.py", "figures.py", "__init__.py",
-                      "exit_soak.py", "parameter_server_soak.py"}  # soak tests, not figures
+                      "exit_soak.py", "parameter_server_soak.py",  # soak tests, not figures
+                      "device_check.py"}  # runs the tests and report --gpu
     scripts = {f for f in os.listdir(os.path.join(ROOT, "bench")) if f.endswith(".py")}
     assert scripts - not_benchmarks <= listed
+
+
+def test_gpu_mode_on_cpu_says_so_and_records_the_donation_peaks(tmp_path):
+    """bench.report --gpu (the device check's benchmarks) where no GPU is: it says so, runs
+    the smoke sizes within its budget and records XLA's peak memory with and without
+    donation."""
+    out = tmp_path / "gpu"
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "bench.report", "--gpu", "--only", "donation", "--out",
+         str(out)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert "GPU mode: no GPU found, running on CPU" in proc.stderr
+    got = json.loads((out / "report.json").read_text())
+    assert got["gpu_mode"] is True and got["quick"] is True and got["budget_s"] == 270.0
+    rec = got["benchmarks"]["donation"]["record"]
+    assert [r[0] for r in rec["rows"]] == ["donated", "kept"]
+    donated, kept = (r[1] for r in rec["rows"])
+    assert kept > donated > 0 and rec["meta"]["platform"] == "cpu"
+    assert [b.name for b in report.GPU_BENCHES] == [
+        "overhead", "host_overhead", "steps_per_run", "donation", "sync_replicas"]
+
+
+def test_a_benchmark_left_without_time_is_skipped_not_run(tmp_path):
+    os.makedirs(tmp_path / "logs")
+    got = report.run_one(report.GPU_BENCHES[0], str(tmp_path), True,
+                         deadline=time.monotonic() + 5)
+    assert got == {"status": "skipped", "why": "no time left in the budget"}

@@ -197,7 +197,7 @@ def test_scope_places_nnx_modules_and_run_places_stray_arguments(strategy):
     # Arguments created outside the scope (numpy, or committed to one device) are placed
     # replicated by run itself.
     host = np.arange(4.0, dtype=np.float32)
-    on_one = jax.device_put(jnp.ones(4), jax.local_devices()[7])
+    on_one = jax.device_put(jnp.ones(4), jax.local_devices()[-1])  # the last device
     out = rep.run(lambda ctx, a, b: a + b + ctx.all_sum(0.0), None, host, on_one)
     np.testing.assert_array_equal(out, host + 1)
     assert out.sharding.device_set == set(strategy.mesh.devices.flat)

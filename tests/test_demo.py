@@ -9,6 +9,7 @@ import sys
 import pytest
 
 from jreplicate import demo
+from tests._optional import needs
 
 
 class _Terminal(io.StringIO):
@@ -16,6 +17,7 @@ class _Terminal(io.StringIO):
         return True
 
 
+@needs("sklearn")
 def test_demo_reaches_accuracy_with_plain_progress_lines():
     stream = io.StringIO()  # not a terminal: plain lines, no progress bar
     metrics = demo.train(steps=300, progress=stream)
@@ -35,6 +37,7 @@ def test_demo_reaches_accuracy_with_plain_progress_lines():
     assert max(len(line) for line in lines) < 80
 
 
+@needs("sklearn", "tqdm")
 def test_demo_progress_bar_on_a_terminal_starts_after_compilation():
     stream = _Terminal()
     metrics = demo.train(steps=40, progress=stream)
@@ -49,6 +52,7 @@ def test_demo_progress_bar_on_a_terminal_starts_after_compilation():
     assert f"loss={metrics['final_loss']:.4f}" in bars[-1], bars[-1]
 
 
+@needs("sklearn")
 def test_demo_cli_keeps_stdout_for_results(capsys):
     assert demo.main(["--steps", "300"]) == 0
     captured = capsys.readouterr()
@@ -87,6 +91,7 @@ def test_demo_bad_arguments_are_argparse_errors(argv, message, capsys):
     assert err.startswith("usage:") and message in err, err
 
 
+@needs("sklearn")
 def test_demo_train_rejects_bad_values():
     with pytest.raises(ValueError, match="steps must be at least 1, got 0"):
         demo.train(steps=0, progress=False)
@@ -94,6 +99,7 @@ def test_demo_train_rejects_bad_values():
         demo.train(global_batch=100, progress=False)
 
 
+@needs("sklearn")
 def test_demo_diverging_learning_rate_says_so(capsys):
     assert demo.main(["--lr", "10", "--steps", "30"]) == 1
     err = capsys.readouterr().err
@@ -101,6 +107,7 @@ def test_demo_diverging_learning_rate_says_so(capsys):
     assert "try a smaller one, e.g. --lr 0.003 (the default)" in err, err
 
 
+@needs("sklearn")
 def test_demo_piped_with_devices_flag():
     """Piped (as under the launcher): short plain lines, --devices honoured over XLA_FLAGS."""
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8")
@@ -114,3 +121,22 @@ def test_demo_piped_with_devices_flag():
     assert len(progress) == 10 and max(map(len, progress)) < 80, proc.stderr
     # 20 steps do not reach the target: exit 1 with the reason and the fix.
     assert proc.returncode == 1 and "try more steps (--steps 600)" in proc.stderr, proc.stderr
+
+
+def test_demo_without_scikit_learn_names_it(monkeypatch, capsys):
+    """The GPU image has no scikit-learn: the demo's data set says so in one line."""
+    monkeypatch.setitem(sys.modules, "sklearn", None)
+    monkeypatch.setitem(sys.modules, "sklearn.datasets", None)
+    assert demo.main(["--steps", "5"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: the demo's data set is scikit-learn's bundled digits")
+    assert "pip install scikit-learn" in err and "Traceback" not in err
+
+
+def test_demo_progress_without_tqdm_is_plain_lines(monkeypatch):
+    monkeypatch.setitem(sys.modules, "tqdm", None)
+    stream = _Terminal()  # a terminal, but no tqdm: the plain lines
+    progress = demo._Progress(stream, 20, "training")
+    assert progress.bar is None
+    progress.update(2, 0.5)
+    assert stream.getvalue().startswith("step  2/20  loss 0.5000")

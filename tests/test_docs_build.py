@@ -16,6 +16,8 @@ import pytest
 
 from tests.test_public_api import NAMESPACES
 
+pytest.importorskip("sphinx", reason="Sphinx is not installed: pip install -e '.[docs]'")
+
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs"
 

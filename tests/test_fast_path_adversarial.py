@@ -453,7 +453,9 @@ def test_donate_argnums_forms_switched_in_steady_state(rep, forms):
     for i, d in enumerate(forms * 2):
         before = _buffers(w)  # (holding w itself elsewhere would make run copy it)
         w, _ = rep.run(_add, x, w, donate_argnums=d)
-        np.testing.assert_array_equal(np.asarray(w), np.full(3, i + 1.0))
+        # Compared on the devices: on CPU, jaxlib 0.11 never donates a buffer NumPy has
+        # read (np.asarray aliases it), so a host read here would defeat the next step's.
+        assert bool(jnp.all(w == i + 1.0)), (i, d)
         donated = not (isinstance(d, (tuple, list)) and len(d) == 0)
         assert (_buffers(w) == before) == donated  # the donated buffers were reused
 

@@ -3,7 +3,6 @@
 import threading
 import time
 
-import grain
 import jax
 import numpy as np
 import pytest
@@ -157,6 +156,8 @@ def test_as_numpy_iterator_source():
 
 
 def test_grain_sources():
+    grain = pytest.importorskip(
+        "grain", reason="Grain is not installed: pip install 'jreplicate[examples]'")
     rep = _rep(2)
     data = np.arange(32, dtype=np.float32).reshape(16, 2)
 

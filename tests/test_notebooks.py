@@ -3,9 +3,10 @@
 import os
 import pathlib
 
-import nbformat
 import pytest
-from nbclient import NotebookClient
+
+nbformat = pytest.importorskip("nbformat", reason="nbformat is not installed")
+NotebookClient = pytest.importorskip("nbclient", reason="nbclient is not installed").NotebookClient
 
 COLAB = pathlib.Path(__file__).parent.parent / "colab"
 NOTEBOOKS = sorted(COLAB.glob("*.ipynb"))
@@ -86,3 +87,36 @@ def test_every_notebook_opens_by_installing_from_the_repository(path):
     assert "import jax" not in first
     assert all(c.outputs for c in code[1:]), "save the notebook with its outputs"
     assert not any(o.get("output_type") == "error" for c in code for o in c.outputs)
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
+def test_install_cell_keeps_the_runtimes_jax(path, monkeypatch):
+    """Where jreplicate is missing, the first cell installs it with the runtime's own jax,
+    jaxlib, CUDA plugins and libtpu as pip constraints (never replaced: a TPU runtime
+    breaks when jaxlib and libtpu drift apart), and where pip cannot satisfy both (the
+    runtime's JAX is too old) it stops with an error saying so. pip itself is not run."""
+    import importlib.util
+    import subprocess
+
+    import jax
+    import jaxlib
+
+    first = [c for c in nbformat.read(path, as_version=4).cells if c.cell_type == "code"][0]
+    calls = []
+
+    def pip(cmd, *args, **kwargs):
+        constraints = cmd[cmd.index("-c") + 1]
+        calls.append((cmd, pathlib.Path(constraints).read_text().split()))
+        return subprocess.CompletedProcess(cmd, 1)  # as pip fails beside a too-old JAX
+
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "jreplicate" else find_spec(name, *a))
+    monkeypatch.setattr(subprocess, "run", pip)
+    monkeypatch.setenv("JREPLICATE_SOURCE", str(COLAB.parent))
+    monkeypatch.setenv("XLA_FLAGS", os.environ.get("XLA_FLAGS", ""))
+    with pytest.raises(RuntimeError, match=r"jreplicate needs jax and jaxlib >= 0\.11\.2, < 0\.13"):
+        exec(compile(first.source, str(path), "exec"), {})  # noqa: S102 - the cell itself
+    (cmd, kept), = calls
+    assert cmd[-1] == str(COLAB.parent) and "--upgrade" not in cmd and "-U" not in cmd
+    assert f"jax=={jax.__version__}" in kept and f"jaxlib=={jaxlib.__version__}" in kept

@@ -7,7 +7,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from sklearn.datasets import load_digits
 
 import jreplicate as jr
 
@@ -15,6 +14,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def _digits_eval_setup():
+    load_digits = pytest.importorskip(
+        "sklearn.datasets", reason="scikit-learn is not installed").load_digits
     x, y = load_digits(return_X_y=True)
     x = (x / 16.0).astype(np.float32)
     y = y.astype(np.int32)

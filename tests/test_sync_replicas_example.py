@@ -6,6 +6,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from tests._optional import needs
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -16,6 +18,7 @@ def _load_example():
     return module
 
 
+@needs("sklearn", "matplotlib")
 def test_stragglers_example_runs(tmp_path, capsys):
     stragglers = _load_example()
     out = tmp_path / "plot.png"

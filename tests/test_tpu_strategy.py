@@ -10,6 +10,7 @@ import pytest
 
 import jreplicate as jr
 from jreplicate.strategies.tpu import tpu_mesh
+from tests._optional import needs
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -84,6 +85,7 @@ def _load_example(name):
     return module
 
 
+@needs("sklearn")
 def test_mixed_precision_example_keeps_float32_state_and_learns():
     mp = _load_example("mixed_precision")
     params, opt, losses, acc = mp.train(steps=60, steps_per_run=10)

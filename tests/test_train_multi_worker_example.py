@@ -16,12 +16,15 @@ from pathlib import Path
 
 import pytest
 
+from tests._optional import needs
+
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLE = ROOT / "examples" / "train_multi_worker.py"
 TIMEOUTS = {"JREPLICATE_HEARTBEAT_TIMEOUT": "4", "JREPLICATE_COLLECTIVE_TIMEOUT": "8",
             "JREPLICATE_SHUTDOWN_TIMEOUT": "3", "JREPLICATE_INITIALIZATION_TIMEOUT": "60"}
 
 
+@needs("sklearn")
 def test_train_multi_worker_example_under_the_launcher_resumes_after_a_failure(tmp_path):
     env = {k: v for k, v in os.environ.items()
            if not k.startswith(("JREPLICATE_", "JAX_", "XLA_")) and k != "TF_CONFIG"}

@@ -54,6 +54,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jreplicate import _wire
+from jreplicate._jax_compat import unsupported_orbax
 from jreplicate._tree import native
 from jreplicate.checkpoint.checks import mismatch, one_line, path_problem, quiet_orbax
 from jreplicate.checkpoint.dirlock import LOCK_NAME, DirectoryLock, LockHeldError
@@ -147,6 +148,9 @@ class CheckpointManager:
 
     def __init__(self, directory: str | os.PathLike, strategy: Any, *,
                  max_to_keep: int | None = 3, save_interval_steps: int = 1):
+        why = unsupported_orbax()
+        if why is not None:
+            raise ImportError(why)
         strategy = getattr(strategy, "strategy", strategy)  # a Replicator works too
         if not isinstance(strategy, Strategy):
             raise TypeError(
