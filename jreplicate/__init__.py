@@ -2,7 +2,8 @@
 
 The top level holds what a researcher types daily: :class:`Replicator`, the four
 strategies, :class:`ReplicaContext` and :class:`PerReplica`, the input API,
-:func:`compute_average_loss`, :func:`sync_replicas`, :class:`CheckpointManager` and the
+:func:`compute_average_loss`, :func:`scale_regularization_loss`,
+:func:`sync_replicas`, :class:`CheckpointManager` and the
 mesh axis names. The rest lives in namespaces, as ``tf.distribute`` tiers its
 ``cluster_resolver`` and ``coordinator``:
 
@@ -32,7 +33,7 @@ from jreplicate.checkpoint import CheckpointManager
 from jreplicate.context import PerReplica, ReplicaContext
 from jreplicate.input import InputContext, InputIterator, InputReplicationMode
 from jreplicate.layout import MODEL_AXIS, REPLICA_AXIS
-from jreplicate.losses import compute_average_loss
+from jreplicate.losses import compute_average_loss, scale_regularization_loss
 from jreplicate.replicator import Replicator
 from jreplicate.strategies import (
     MirroredStrategy,
@@ -64,6 +65,7 @@ __all__ = [
     "execution",
     "input",
     "ps",
+    "scale_regularization_loss",
     "strategies",
     "sync",
     "sync_replicas",

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from jreplicate.layout import REPLICA_AXIS
 
 
 def compute_average_loss(
@@ -66,3 +70,95 @@ def compute_average_loss(
     if sample_weight is not None:
         loss = loss * jnp.asarray(sample_weight, dtype=loss.dtype)
     return jnp.sum(loss) / global_batch_size
+
+
+def scale_regularization_loss(
+    regularization_loss: jax.Array | Sequence[jax.Array],
+    *,
+    axis_name: str = REPLICA_AXIS,
+) -> jax.Array:
+    """This replica's share of a batch-independent loss term (TF's
+    ``tf.nn.scale_regularization_loss``).
+
+    A term that does not depend on the batch (an L2 penalty ``wd * sum(w ** 2)``, a KL
+    prior) is computed identically on every replica. Since the gradient of a replicated
+    parameter is the **sum** over the replicas in sync (see
+    :func:`compute_average_loss`), adding the term as is to every replica's loss applies
+    it ``num_replicas_in_sync`` times: N-times weight decay, silently. This divides it by
+    the number of replicas in sync, so the summed gradient is the term's gradient once,
+    and an N-replica step with ``compute_average_loss(...) +
+    scale_regularization_loss(term)`` equals a one-device step on the global batch with
+    ``mean loss + term``.
+
+    Inside :meth:`jreplicate.Replicator.run` (any strategy; the ``axis_name`` mesh axis
+    is bound) it returns ``sum(terms) / ctx.num_replicas_in_sync``: under
+    ``ParameterServerStrategy`` that is the size of a worker's sync group (1 without
+    sync groups), whose replicas all-reduce into one push, exactly the replicas
+    :func:`compute_average_loss`'s ``global_batch_size`` counts. Outside a replica
+    context (a one-device step) it returns ``sum(terms)`` unchanged.
+
+    It pairs with gradients summed over the replicas (plain ``jax.grad`` in the step).
+    With :func:`jreplicate.sync.replica_grad`, which gives each replica its own
+    gradient for ``sync_replicas`` to average, add the term unscaled.
+
+    To report the term itself, sum it: ``ctx.all_sum(scaled)`` is the term.
+
+    Args:
+      regularization_loss: a scalar, or a list/tuple of scalars which are summed.
+      axis_name: the replica mesh axis (``jr.REPLICA_AXIS``; set it only for your own
+        ``jax.shard_map`` over another axis name).
+
+    Returns:
+      A scalar: the (summed) term divided by the number of replicas in sync.
+
+    Raises:
+      ValueError: a term is not a scalar, or the list is empty.
+
+    Example:
+      >>> import jax, jax.numpy as jnp, jreplicate as jr
+      >>> w = jnp.array([1.0, 2.0])
+      >>> float(jr.scale_regularization_loss(0.1 * jnp.sum(w ** 2)))  # one device
+      0.5
+      >>> rep = jr.Replicator(jr.MirroredStrategy(devices=jax.local_devices()[:4]))
+      >>> float(rep.run(lambda ctx: jr.scale_regularization_loss(
+      ...     [0.1 * jnp.sum(w ** 2), jnp.float32(1.5)])))  # 2.0 / 4 replicas
+      0.5
+    """
+    terms = _regularization_terms(regularization_loss)
+    total = terms[0]
+    for t in terms[1:]:
+        total = total + t
+    try:
+        n = int(jax.lax.axis_size(axis_name))
+    except NameError:  # not inside a replica context: nothing is summed over replicas
+        return total
+    return total / n
+
+
+def _regularization_terms(regularization_loss: object) -> list[jax.Array]:
+    """The terms as scalar arrays; ``ValueError`` naming the offending one otherwise."""
+    many = isinstance(regularization_loss, (list, tuple))
+    items = list(regularization_loss) if many else [regularization_loss]
+    if not items:
+        raise ValueError(
+            "scale_regularization_loss(regularization_loss=[]) got no term: pass a scalar "
+            "or a non-empty list of scalars."
+        )
+    terms = []
+    for i, item in enumerate(items):
+        where = f"regularization_loss[{i}]" if many else "regularization_loss"
+        try:
+            term = jnp.asarray(item)
+        except TypeError as e:
+            raise TypeError(
+                f"scale_regularization_loss({where}=...) must be a scalar array or number, "
+                f"got {type(item).__name__}."
+            ) from e
+        if term.ndim != 0:
+            raise ValueError(
+                f"scale_regularization_loss({where}=...) must be a scalar, got shape "
+                f"{term.shape}: reduce it first, e.g. jnp.sum(term) (a penalty "
+                "wd * jnp.sum(w ** 2) is already one)."
+            )
+        terms.append(term)
+    return terms

@@ -20,7 +20,8 @@ NAMESPACES = [jreplicate] + [importlib.import_module(f"jreplicate.{n}") for n in
 TOP_LEVEL = {
     "Replicator", "ReplicaContext", "PerReplica", "InputContext", "InputIterator",
     "InputReplicationMode", "MirroredStrategy", "MultiWorkerStrategy", "TPUStrategy",
-    "ParameterServerStrategy", "compute_average_loss", "sync_replicas",
+    "ParameterServerStrategy", "compute_average_loss", "scale_regularization_loss",
+    "sync_replicas",
     "CheckpointManager", "MODEL_AXIS", "REPLICA_AXIS",
 }
 
