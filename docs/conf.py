@@ -52,7 +52,8 @@ intersphinx_mapping = {}
 
 # Notebooks are stored executed; the guides' code runs in the tests.
 nb_execution_mode = "off"
-myst_enable_extensions = ["colon_fence", "deflist"]
+myst_enable_extensions = ["colon_fence", "deflist", "substitution"]
+myst_substitutions = {"release": release}  # the front page states the version
 myst_heading_anchors = 3
 
 html_theme = "furo"

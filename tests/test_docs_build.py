@@ -134,3 +134,26 @@ def test_properties_render_without_a_type_field(site):
                  "jreplicate.strategies.Layout.first_devices",
                  "jreplicate.strategies.Strategy.worker_index"]:
         assert name in bodies, name
+
+
+def test_changelog_is_a_page(site):
+    html = (site / "changelog.html").read_text()
+    first_entry = next(line for line in (ROOT / "CHANGELOG.md").read_text().splitlines()
+                       if line.startswith("## "))
+    assert "<h1>Changelog" in html and first_entry[3:].split(" (")[0] in html
+    assert 'href="changelog.html"' in (site / "index.html").read_text()
+
+
+def test_front_page_has_pitch_install_example_and_version(site):
+    import jreplicate
+
+    html = (site / "index.html").read_text()
+    text = re.sub(r"<[^>]+>", "", html)
+    assert f"Version {jreplicate.__version__}" in text
+    assert "pip install -e ." in text
+    assert "JAX form of TensorFlow" in text  # the README's pitch
+    assert "rep.run(step, inputs, params, opt_state)" in text  # the README's example
+    assert 'class="highlight-python' in html
+    for page in ["guides/getting_started.html", "porting/index.html", "notebooks.html",
+                 "api/index.html", "changelog.html"]:
+        assert f'href="{page}"' in html, page
