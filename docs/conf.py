@@ -52,10 +52,58 @@ intersphinx_mapping = {}
 
 # Notebooks are stored executed; the guides' code runs in the tests.
 nb_execution_mode = "off"
-myst_enable_extensions = ["colon_fence", "deflist"]
+myst_enable_extensions = ["colon_fence", "deflist", "substitution"]
+myst_substitutions = {"release": release}  # the front page states the version
 myst_heading_anchors = 3
 
 html_theme = "furo"
 html_title = "jreplicate"
 html_static_path = ["_static"]
 
+
+
+# --- Docstring fixes applied as autodoc reads the docstrings ---------------------------
+
+def _module_comment(name: str, obj) -> list[str] | None:
+    """The ``#:`` comment above ``name``'s assignment in the jreplicate module defining it.
+
+    A constant re-exported by a namespace (``jreplicate.MODEL_AXIS``, defined in
+    jreplicate/layout.py) has its comment in the defining module, which autodoc does not
+    read: it would show the docstring of the value's type (``str``) instead.
+    """
+    from sphinx.pycode import ModuleAnalyzer
+
+    attr = name.rsplit(".", 1)[-1]
+    for modname in sorted(sys.modules):
+        module = sys.modules[modname]
+        if not modname.startswith("jreplicate") or getattr(module, attr, None) is not obj:
+            continue
+        try:
+            comment = ModuleAnalyzer.for_module(modname).find_attr_docs().get(("", attr))
+        except Exception:  # noqa: BLE001 - a module without source: try the next one
+            continue
+        if comment:
+            return list(comment)
+    return None
+
+
+def _fix_docstring(app, what, name, obj, options, lines):
+    """Documentation of constants, and no NamedTuple boilerplate, in the API pages."""
+    if what == "data" and getattr(obj, "__doc__", None) == type(obj).__doc__:
+        comment = _module_comment(name, obj)
+        if comment is None:
+            from sphinx.util import logging as sphinx_logging
+
+            sphinx_logging.getLogger(__name__).warning(
+                "%s has no documentation: put a '#:' comment above its assignment", name)
+        lines[:] = comment or []
+    elif what == "class" and hasattr(obj, "_fields"):  # a NamedTuple: drop __new__'s doc
+        boilerplate = f"Create new instance of {obj.__name__}({', '.join(obj._fields)})"
+        lines[:] = [line for line in lines if line != boilerplate]
+    elif what in ("attribute", "property") and len(lines) <= 2 and lines and (
+            lines[0].startswith("Alias for field number ")):
+        lines[:] = []
+
+
+def setup(app):
+    app.connect("autodoc-process-docstring", _fix_docstring)

@@ -73,8 +73,8 @@ class ReplicaContext:
 
     @property
     def batch_mask(self) -> jax.Array:
-        """This replica's mask of real examples: float32 ``[per-replica batch]``, 1 for
-        an example of the input, 0 for padding (all ones on full steps).
+        """This replica's mask of real examples, float32 ``[per-replica batch]``, 1 for
+        an example of the input and 0 for padding (all ones on full steps).
 
         Available when the input comes from ``prepare_input(..., partial_batch="pad")``;
         use it as ``compute_average_loss(losses, global_batch_size,

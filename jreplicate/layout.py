@@ -73,8 +73,8 @@ class Layout:
 
     @property
     def first_devices(self) -> tuple[jax.Device, ...]:
-        """The first device (logical device 0) of each replica, by replica id: one device
-        per replica, all of them when a replica spans one device."""
+        """The first device (logical device 0) of each replica, by replica id (one device
+        per replica; all of them when a replica spans one device)."""
         return tuple(d[0] for d in self.replica_devices)
 
     @functools.cached_property

@@ -58,8 +58,9 @@ class Replicator:
 
     @property
     def mesh(self) -> jax.sharding.Mesh:
-        """The strategy's ``("replica", "model")`` mesh: its ``"replica"`` axis enumerates
-        the replicas, its ``"model"`` axis the logical devices of each replica."""
+        """The strategy's ``("replica", "model")`` mesh, whose ``"replica"`` axis
+        enumerates the replicas and whose ``"model"`` axis the logical devices of each
+        replica."""
         return self._layout.mesh
 
     @property

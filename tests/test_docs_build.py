@@ -76,3 +76,84 @@ def test_every_notebook_and_guide_is_a_page(site):
         assert "cell_output" in html, f"{stem}: rendered without its stored outputs"
     for guide in (DOCS / "guides").glob("*.md"):
         assert (site / "guides" / f"{guide.stem}.html").exists(), guide
+
+
+def _entries(site):
+    """``(kind, id, body)`` of every entry of the API pages (body: up to the next entry)."""
+    for path in sorted((site / "api").glob("*.html")):
+        parts = re.split(r'<dl class="py (\w+)">\s*<dt[^>]*id="([^"]+)"', path.read_text())
+        yield from zip(parts[1::3], parts[2::3], parts[3::3])
+
+
+def test_constants_show_their_own_documentation(site):
+    """A re-exported constant shows the ``#:`` comment of its assignment, not the
+    docstring of ``str`` (autodoc reads comments only in the documented module)."""
+    bodies = {name: body for _, name, body in _entries(site)}
+    for name, words in [("jreplicate.MODEL_AXIS", "logical devices of one replica"),
+                        ("jreplicate.REPLICA_AXIS", "enumerating replicas"),
+                        ("jreplicate.checkpoint.COMMIT_MARKER", "last act of a save")]:
+        assert words in bodies[name], name
+    leaked = [name for name, body in bodies.items() if "bytes_or_buffer" in body]
+    assert not leaked, f"the docstring of str shown for {leaked}"
+
+
+def test_no_namedtuple_boilerplate(site):
+    for _, name, body in _entries(site):
+        assert "Create new instance of" not in body, name
+        assert "Alias for field number" not in body, name
+
+
+def _public_properties():
+    for module in NAMESPACES:
+        for name in module.__all__:
+            cls = getattr(module, name)
+            if not isinstance(cls, type):
+                continue
+            for attr, value in vars(cls).items():
+                if isinstance(value, property) and not attr.startswith("_"):
+                    yield f"{module.__name__}.{name}.{attr}", inspect.getdoc(value) or ""
+
+
+def test_property_docstrings_have_no_bogus_type():
+    """Napoleon reads a property docstring whose first line holds a colon ("X: ...") as
+    "TYPE: description", and shows the words before the colon as the property's type."""
+    from sphinx.ext.napoleon import Config, GoogleDocstring
+
+    bogus = [name for name, doc in _public_properties()
+             if ":type:" in str(GoogleDocstring(doc, Config(), what="property", name=name))]
+    assert not bogus, f"reword the first line of these docstrings (no colon): {bogus}"
+
+
+def test_properties_render_without_a_type_field(site):
+    typed = [name for kind, name, body in _entries(site)
+             if kind == "property" and 'Type<span class="colon">' in body]
+    assert not typed, f"napoleon read the first line as a type: {typed}"
+    bodies = {name: body for _, name, body in _entries(site)}
+    for name in ["jreplicate.ReplicaContext.batch_mask", "jreplicate.Replicator.mesh",
+                 "jreplicate.InputIterator.prefetching", "jreplicate.MultiWorkerStrategy.cluster",
+                 "jreplicate.strategies.Layout.first_devices",
+                 "jreplicate.strategies.Strategy.worker_index"]:
+        assert name in bodies, name
+
+
+def test_changelog_is_a_page(site):
+    html = (site / "changelog.html").read_text()
+    first_entry = next(line for line in (ROOT / "CHANGELOG.md").read_text().splitlines()
+                       if line.startswith("## "))
+    assert "<h1>Changelog" in html and first_entry[3:].split(" (")[0] in html
+    assert 'href="changelog.html"' in (site / "index.html").read_text()
+
+
+def test_front_page_has_pitch_install_example_and_version(site):
+    import jreplicate
+
+    html = (site / "index.html").read_text()
+    text = re.sub(r"<[^>]+>", "", html)
+    assert f"Version {jreplicate.__version__}" in text
+    assert "pip install -e ." in text
+    assert "JAX form of TensorFlow" in text  # the README's pitch
+    assert "rep.run(step, inputs, params, opt_state)" in text  # the README's example
+    assert 'class="highlight-python' in html
+    for page in ["guides/getting_started.html", "porting/index.html", "notebooks.html",
+                 "api/index.html", "changelog.html"]:
+        assert f'href="{page}"' in html, page

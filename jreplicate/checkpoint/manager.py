@@ -77,6 +77,8 @@ from jreplicate.strategies.base import Strategy
 logger = logging.getLogger("jreplicate")
 
 T = TypeVar("T")
+#: The file Orbax writes into a step directory as the last act of a save: a step
+#: directory without it is incomplete, never restored, and moved aside by the chief.
 COMMIT_MARKER = "commit_success.txt"
 
 

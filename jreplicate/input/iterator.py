@@ -117,12 +117,13 @@ class InputIterator:
 
     @property
     def prefetching(self) -> bool:
-        """Whether batches are read ahead on a background thread: always with
-        ``prefetch_on_device=True``, never with ``False``; with the default (None), once
-        reads take more than a tenth of the time from one step to the next and a trial
-        of a few steps shows prefetching makes steps faster (see
-        :mod:`jreplicate.input.auto`), and always across processes (except in
-        ``SINGLE`` mode, whose broadcast stays on the calling thread)."""
+        """Whether batches are read ahead on a background thread.
+
+        Always with ``prefetch_on_device=True``, never with ``False``; with the default
+        (None), once reads take more than a tenth of the time from one step to the next
+        and a trial of a few steps shows prefetching makes steps faster (see
+        :mod:`jreplicate.input.auto`), and always across processes (except in ``SINGLE``
+        mode, whose broadcast stays on the calling thread)."""
         return self._staging.prefetching
 
     @property

@@ -70,7 +70,8 @@ class ClosureQueue:
     # -- the state (read under the lock for a consistent view) --------------------------
     @property
     def error(self) -> BaseException | None:
-        """The error that stopped the queue (``mark_failed``): no closure is taken."""
+        """The error that stopped the queue (``mark_failed``), after which no closure is
+        taken."""
         return self._error
 
     @property

@@ -259,7 +259,8 @@ class WorkerInputIterator(InputIterator):
 
     @property
     def prefetching(self) -> bool:
-        """False: the workers read in line (a worker's read overlaps the others' steps)."""
+        """Always False, as the workers read in line (a worker's read overlaps the others'
+        steps)."""
         return False
 
     def get_next(self) -> WorkerInput:

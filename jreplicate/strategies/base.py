@@ -112,7 +112,7 @@ class Strategy(abc.ABC):
 
     @property
     def worker_index(self) -> int:
-        """This process's index among the workers (SPMD strategies: its process index)."""
+        """This process's index among the workers (its process index, for SPMD strategies)."""
         return self.layout.process_index
 
     @property

@@ -183,7 +183,7 @@ class MultiWorkerStrategy(Strategy):
 
     @property
     def cluster(self) -> ClusterSpec:
-        """Where this process stands: coordinator, number of processes, id, source."""
+        """Where this process stands (coordinator, number of processes, id, source)."""
         return self._cluster
 
     @property

@@ -265,7 +265,7 @@ class ParameterServerStrategy(Strategy):
 
     @property
     def global_step(self) -> int:
-        """Shard 0's step: updates it applied (async) or ``global_step`` (token-gated)."""
+        """Shard 0's step, the updates it applied (async) or ``global_step`` (token-gated)."""
         return self._ex().shard_step(0)
 
     def ledger(self) -> list[dict[str, Any]]:
