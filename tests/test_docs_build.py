@@ -157,3 +157,10 @@ def test_front_page_has_pitch_install_example_and_version(site):
     for page in ["guides/getting_started.html", "porting/index.html", "notebooks.html",
                  "api/index.html", "changelog.html"]:
         assert f'href="{page}"' in html, page
+
+
+def test_notebooks_are_listed_in_reading_order(site):
+    html = (site / "notebooks.html").read_text()
+    at = [html.find(f'href="notebooks/{stem}.html"') for stem in
+          ("quickstart", "model_parallel_and_device_loops", "parameter_server")]
+    assert -1 not in at and at == sorted(at), at
