@@ -10,19 +10,18 @@ tests/mp_scripts/agreement.py and tests/mp_scripts/agreement_matrix.py.
 
 from __future__ import annotations
 
-import os
 import re
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from jreplicate.cluster.launch import tied_to_parent
 from jreplicate.execution import agreed
 from tests.mp_scripts import agreement_matrix as matrix
+from tests.test_multi_worker_processes import _base_env
+from tests.test_multi_worker_processes import _launch as launch
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPTS = ROOT / "tests" / "mp_scripts"
@@ -30,29 +29,14 @@ SCRIPTS = ROOT / "tests" / "mp_scripts"
 
 def _launch(script: str, args: list[str], timeout: float, collective: float = 8
             ) -> tuple[subprocess.CompletedProcess, float]:
-    """Runs ``script`` on 2 processes; returns the launcher's result and when it ended
-    (``time.time()``). The group is killed if it outlives ``timeout``."""
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("JREPLICATE_", "JAX_", "XLA_")) and k != "TF_CONFIG"}
-    env.update({"JREPLICATE_HEARTBEAT_TIMEOUT": "4", "JREPLICATE_SHUTDOWN_TIMEOUT": "3",
-                "JREPLICATE_INITIALIZATION_TIMEOUT": "60",
-                "JREPLICATE_COLLECTIVE_TIMEOUT": str(collective), "PYTHONPATH": str(ROOT)})
-    cmd = [sys.executable, "-m", "jreplicate.cluster.launch", "--nproc", "2",
-           "--devices-per-proc", "2", "--timeout", str(timeout - 10),
-           str(SCRIPTS / script), *args]
-    p = subprocess.Popen(tied_to_parent(cmd), cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                         stderr=subprocess.PIPE, text=True, start_new_session=True)
-    try:
-        out, err = p.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        p.terminate()  # the launcher stops its processes on SIGTERM...
-        try:
-            out, err = p.communicate(timeout=20)
-        except subprocess.TimeoutExpired:
-            p.kill()  # ...and they die with it (tied_to_parent) if it is killed
-            out, err = p.communicate()
-        pytest.fail(f"launcher did not finish in {timeout}s:\n{out[-3000:]}\n{err[-3000:]}")
-    return subprocess.CompletedProcess(cmd, p.returncode, out, err), time.time()
+    """Runs ``script`` on 2 processes (2 CPU devices each); returns the launcher's result
+    and when it ended (``time.time()``). The group is killed if it outlives ``timeout``."""
+    env = _base_env(JREPLICATE_HEARTBEAT_TIMEOUT="4", JREPLICATE_SHUTDOWN_TIMEOUT="3",
+                    JREPLICATE_INITIALIZATION_TIMEOUT="60",
+                    JREPLICATE_COLLECTIVE_TIMEOUT=str(collective))
+    r = launch(["--nproc", "2", "--devices-per-proc", "2", str(SCRIPTS / script), *args],
+               timeout=timeout, env=env)
+    return r, time.time()
 
 
 def _results(stdout: str) -> dict[str, dict[int, tuple[str, str]]]:

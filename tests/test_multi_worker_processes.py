@@ -49,10 +49,12 @@ def _base_env(**extra: str) -> dict[str, str]:
     return env
 
 
-def _launch(args: list[str], timeout: float = 150) -> subprocess.CompletedProcess:
-    """Runs ``python -m jreplicate.cluster.launch args``, killing its whole group on timeout."""
+def _launch(args: list[str], timeout: float = 150, env: dict[str, str] | None = None
+            ) -> subprocess.CompletedProcess:
+    """Runs ``python -m jreplicate.cluster.launch args`` (with ``env``, by default
+    :func:`_base_env`'s), killing its whole group on timeout."""
     cmd = [sys.executable, "-m", "jreplicate.cluster.launch", "--timeout", str(timeout - 10), *args]
-    p = subprocess.Popen(tied_to_parent(cmd), cwd=ROOT, env=_base_env(),
+    p = subprocess.Popen(tied_to_parent(cmd), cwd=ROOT, env=env or _base_env(),
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                          start_new_session=True)
     try:
