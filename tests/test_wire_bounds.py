@@ -25,6 +25,7 @@ from jreplicate import _jax_compat, _wire
 from jreplicate.cluster.agreement import Agreement
 from jreplicate.cluster.spec import MessageError
 from jreplicate.ps import wire as ps_wire
+from tests.test_security import _FakeKV
 
 ROOT = Path(__file__).resolve().parents[1]
 SCHEMAS = {**_wire.MESSAGES, "the parameter server's packed meta data": ps_wire.META}
@@ -124,22 +125,6 @@ def test_every_checker_is_tagged_and_every_int_bounded(name):
             lo, hi = check.schema[1:]
             assert -2**63 <= lo <= hi <= 2**63 - 1, check.schema
     SCHEMAS[name](example(SCHEMAS[name]), "the message")  # the example is valid
-
-
-class _FakeKV:
-    """The coordination service's key-value store, with other processes' values."""
-
-    def __init__(self, values):
-        self.values = dict(values)
-
-    def key_value_set_bytes(self, key, value):
-        self.values[key] = value
-
-    def blocking_key_value_get_bytes(self, key, timeout_ms):
-        return self.values[key]
-
-    def key_value_delete(self, key):
-        self.values.pop(key, None)
 
 
 def _refusal(monkeypatch, name, message) -> str:
