@@ -3,8 +3,8 @@
 The top level holds what a researcher types daily: :class:`Replicator`, the four
 strategies, :class:`ReplicaContext` and :class:`PerReplica`, the input API,
 :func:`compute_average_loss`, :func:`scale_regularization_loss`,
-:func:`sync_replicas`, :class:`CheckpointManager` and the
-mesh axis names. The rest lives in namespaces, as ``tf.distribute`` tiers its
+:func:`sync_replicas`, :class:`CheckpointManager`, the
+mesh axis names and :class:`ReplicationHabitWarning` (pmap habits ``run`` warns about). The rest lives in namespaces, as ``tf.distribute`` tiers its
 ``cluster_resolver`` and ``coordinator``:
 
 * ``jr.ps``: parameter-server training (:func:`jreplicate.ps.pushable`,
@@ -31,6 +31,7 @@ from jreplicate import _jax_compat  # noqa: F401, I001
 from jreplicate import checkpoint, cluster, execution, input, ps, strategies, sync
 from jreplicate.checkpoint import CheckpointManager
 from jreplicate.context import PerReplica, ReplicaContext
+from jreplicate.execution.habits import ReplicationHabitWarning
 from jreplicate.input import InputContext, InputIterator, InputReplicationMode
 from jreplicate.layout import MODEL_AXIS, REPLICA_AXIS
 from jreplicate.losses import compute_average_loss, scale_regularization_loss
@@ -57,6 +58,7 @@ __all__ = [
     "ParameterServerStrategy",
     "PerReplica",
     "ReplicaContext",
+    "ReplicationHabitWarning",
     "Replicator",
     "TPUStrategy",
     "checkpoint",

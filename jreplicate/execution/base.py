@@ -67,9 +67,12 @@ class Executor(abc.ABC):
 
     @abc.abstractmethod
     def run(self, fn: Callable, has_batch: bool, batch: Any, args: tuple, *,
-            steps: int | None, donate_argnums: tuple[int, ...]) -> Any:
+            steps: int | None, donate_argnums: tuple[int, ...],
+            allow: frozenset = frozenset()) -> Any:
         """Runs ``fn`` on every replica, once (``steps=None``) or as a loop of ``steps``
-        steps over a batch whose per-replica leaves have a leading axis of that length."""
+        steps over a batch whose per-replica leaves have a leading axis of that length.
+        ``allow``: the names of the pmap habits not to warn about
+        (:mod:`jreplicate.execution.habits`), read when a step is first compiled."""
 
     def run_again(self, fn: Callable, has_batch: bool, batch: Any, args: tuple,
                   steps: int | None, donate_argnums: tuple[int, ...]) -> Any:

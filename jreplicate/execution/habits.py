@@ -64,6 +64,22 @@ class ReplicationHabitWarning(UserWarning):
     allow=("mean_loss",))`` (names: ``"mean_loss"``, ``"batch_independent_term"``,
     ``"invariant_all_reduce"``), or make it an error with
     ``warnings.simplefilter("error", jr.ReplicationHabitWarning)``.
+
+    Example (a pmap port's per-replica mean loss: 2 replicas, a 2x update):
+      >>> import warnings, jax, jax.numpy as jnp, jreplicate as jr
+      >>> rep = jr.Replicator(jr.MirroredStrategy(devices=jax.local_devices()[:2]))
+      >>> with rep.scope():
+      ...     w = jnp.ones(3)
+      >>> def step(ctx, x, w):
+      ...     return w - 0.1 * jax.grad(lambda w: jnp.mean((x @ w) ** 2))(w)
+      >>> with warnings.catch_warnings(record=True) as caught:
+      ...     warnings.simplefilter("always")
+      ...     _ = rep.run(step, jnp.ones((4, 3)), w)
+      >>> [type(c.message).__name__ for c in caught]
+      ['ReplicationHabitWarning']
+      >>> "jr.compute_average_loss(per_example_loss, global_batch_size)" in str(
+      ...     caught[0].message)
+      True
     """
 
 
@@ -332,7 +348,7 @@ def _check(g: _Graph, axis: str, n: int) -> list[Finding]:
                 and not g.divided_by(src.ins[0], n):
             op = "pmean" if g.then_divided_by(node.outs[0], n) else "psum"
             found.append(Finding(INVARIANT_ALL_REDUCE, op, node.source))
-    return found + _mean_losses(g, grads, axis, n) + _terms(g, grads, axis)
+    return _mean_losses(g, grads, axis, n) + _terms(g, grads, axis) + found
 
 
 def _mean_losses(g: _Graph, grads: list[_Node], axis: str, n: int) -> list[Finding]:
@@ -432,6 +448,14 @@ def _location(source: tuple) -> tuple | None:
     return None
 
 
+def log_failure(fn: Callable, error: Exception) -> None:
+    """Logs that reading a step's jaxpr failed (an equation this module does not know
+    how to read): the step runs unchecked, as it would have before this check."""
+    _log.warning("jreplicate: the check for pmap habits could not read step %s's "
+                 "program (%s: %s); the step runs unchecked.", step_name(fn),
+                 type(error).__name__, error)
+
+
 def step_name(fn: Callable) -> str:
     """How a warning names the step function."""
     name = getattr(fn, "__qualname__", None) or getattr(fn, "__name__", None)
@@ -450,18 +474,19 @@ def report(found: Iterable[Finding], step: str, allow: frozenset, num_replicas: 
         key = (step, f.habit, where)
         if key in reported:
             continue
-        if len(reported) < 4096:
-            reported.add(key)
         message = _message(f, step, where, num_replicas)
         if where is None:
             warnings.warn(message, ReplicationHabitWarning, stacklevel=2)
         else:
             warnings.warn_explicit(message, ReplicationHabitWarning, where[0], where[1])
+        # (only once warned: where the warning is made an error, every call raises)
+        if len(reported) < 4096:
+            reported.add(key)
 
 
 def _message(f: Finding, step: str, where: tuple | None, n: int) -> str:
     at = f"{where[0]}:{where[1]}" if where else "an unknown line"
-    head = f"Replicator.run: step {step!r}, line {at}: "
+    head = f"Replicator.run: step {step!r} at {at}: "
     silence = (f" If this is intended, pass allow=({f.habit!r},) to Replicator.run "
                "(see jr.ReplicationHabitWarning).")
     if f.habit == MEAN_LOSS:
