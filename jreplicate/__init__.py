@@ -3,9 +3,9 @@
 The top level holds what a researcher types daily: :class:`Replicator`, the four
 strategies, :class:`ReplicaContext` and :class:`PerReplica`, the input API,
 :func:`compute_average_loss`, :func:`scale_regularization_loss`,
-:func:`sync_replicas`, :class:`CheckpointManager`, the
-mesh axis names and :class:`ReplicationHabitWarning` (pmap habits ``run`` warns about). The rest lives in namespaces, as ``tf.distribute`` tiers its
-``cluster_resolver`` and ``coordinator``:
+:func:`sync_replicas`, :class:`CheckpointManager`, the mesh axis names and
+:class:`ReplicationHabitWarning` (the pmap habits ``run`` warns about). The rest lives
+in namespaces, as ``tf.distribute`` tiers its ``cluster_resolver`` and ``coordinator``:
 
 * ``jr.ps``: parameter-server training (:func:`jreplicate.ps.pushable`,
   :class:`jreplicate.ps.RemoteValue` and its errors);

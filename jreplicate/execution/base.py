@@ -31,9 +31,9 @@ class Executor(abc.ABC):
       >>> w = ex.place(jnp.ones(2))  # replicated for the replicas
       >>> w.sharding.is_fully_replicated
       True
-      >>> ex.run(lambda ctx, w: ctx.all_sum(w), False, None, (w,), steps=None,
-      ...        donate_argnums=()).tolist()
-      [8.0, 8.0]
+      >>> ex.run(lambda ctx, w: ctx.all_sum(w * ctx.replica_id), False, None, (w,),
+      ...        steps=None, donate_argnums=()).tolist()  # 0 + 1 + ... + 7
+      [28.0, 28.0]
     """
 
     def __init__(self, layout: Layout):
