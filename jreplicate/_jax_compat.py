@@ -334,8 +334,13 @@ def aval_varying_axes(aval: Any) -> frozenset:
 
 def is_literal(atom: Any) -> bool:
     """Whether a jaxpr equation's operand is a literal constant (not a variable)."""
+    return isinstance(atom, _literal_type())
+
+
+@functools.cache
+def _literal_type() -> type:
     from jax.extend.core import Literal
-    return isinstance(atom, Literal)
+    return Literal
 
 
 def sub_jaxprs(params: dict) -> list:

@@ -28,6 +28,7 @@ every process of a multi-process job finds the same habits.
 
 from __future__ import annotations
 
+import gc
 import itertools
 import logging
 import math
@@ -314,6 +315,18 @@ def find(closed_jaxpr: Any, axis: str, num_replicas: int) -> list[Finding]:
     order. None with one replica (nothing is then summed)."""
     if num_replicas <= 1:
         return []
+    # A large step is tens of thousands of small tuples: the collector's passes over
+    # them (and over the jaxpr) would cost more than the reading itself.
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        return _find(closed_jaxpr, axis, num_replicas)
+    finally:
+        if was_enabled:
+            gc.enable()
+
+
+def _find(closed_jaxpr: Any, axis: str, num_replicas: int) -> list[Finding]:
     found: list[Finding] = []
     todo, seen = [(closed_jaxpr, False, ())], set()
     while todo:
