@@ -217,7 +217,7 @@ class _Graph:
         elif a in self.consts:
             val = self.consts[a]
         else:
-            p = self.producer.get(a)
+            p = self.made(a)
             if p is None or p.prim not in _SAME_VALUE or not p.ins or depth > 8:
                 return None
             return self.const(p.ins[0], depth + 1)
@@ -262,7 +262,7 @@ class _Graph:
         """Whether ``a`` is a value divided by ``n`` (``x / num_replicas``, as
         :func:`jreplicate.scale_regularization_loss` computes)."""
         for _ in range(8):
-            p = self.producer.get(a)
+            p = self.made(a)
             if p is None:
                 return False
             if _near(self.factor(p), 1.0 / n):
@@ -288,9 +288,13 @@ class _Graph:
                     todo.extend(c.outs)
         return False
 
+    def made(self, a: Any) -> _Node | None:
+        """The equation that made ``a`` (None for a literal or an input)."""
+        return self.producer.get(a) if isinstance(a, tuple) else None
+
     def back(self, a: Any) -> _Node | None:
         """The transposed equation that made ``a``, else None."""
-        p = self.producer.get(a)
+        p = self.made(a)
         return p if p is not None and p.transposed else None
 
 
@@ -356,7 +360,7 @@ def _check(g: _Graph, axis: str, n: int) -> list[Finding]:
             if not g.then_divided_by(node.outs[0], n):  # (grads / num_replicas: a mean)
                 grads.append(node)
             continue
-        src = g.producer.get(node.ins[0])
+        src = g.made(node.ins[0])
         if src is not None and src.prim == "pvary" and axis in _axes(src) \
                 and not g.divided_by(src.ins[0], n):
             op = "pmean" if g.then_divided_by(node.outs[0], n) else "psum"
@@ -382,7 +386,8 @@ def _mean_losses(g: _Graph, grads: list[_Node], axis: str, n: int) -> list[Findi
             q = g.back(node.ins[0])
             while q is not None and q.prim == "convert_element_type":
                 q = g.back(q.ins[0])
-            if q is not None and size > 0 and _near(g.factor(q), 1.0 / size):
+            # (a mean of one element is also its sum: right, and not told apart)
+            if q is not None and size > 1 and _near(g.factor(q), 1.0 / size):
                 if not _averaged(g, g.through(q), axis, n):
                     found.append(Finding(MEAN_LOSS, "mean", q.source, float(size)))
         todo.extend(a for a in node.ins if isinstance(a, tuple))
@@ -466,7 +471,7 @@ def log_failure(fn: Callable, error: Exception) -> None:
     how to read): the step runs unchecked, as it would have before this check."""
     _log.warning("jreplicate: the check for pmap habits could not read step %s's "
                  "program (%s: %s); the step runs unchecked.", step_name(fn),
-                 type(error).__name__, error)
+                 type(error).__name__, str(error))  # (not the error: its frames hold the step)
 
 
 def step_name(fn: Callable) -> str:
