@@ -418,3 +418,40 @@ def test_warned_iff_the_update_differs_from_one_device_or_an_invariant_is_reduce
     expected |= {"batch_independent_term"} if term == "l2" else set()
     expected |= {"invariant_all_reduce"} if reduces_invariant else set()
     assert set(_habits(found)) == expected
+
+
+def test_the_check_reads_every_kind_of_step_without_failing(caplog):
+    """Loops, conditionals, custom derivatives, checkpointing, jitted helpers and
+    constants: the check reads them all (a reading failure would log and skip it)."""
+    @jax.custom_vjp
+    def clip(v):
+        return v
+
+    clip.defvjp(lambda v: (v, None), lambda _, g: (jnp.clip(g, -1.0, 1.0),))
+    captured = np.float32(3.0)
+
+    def step(ctx, batch, w):
+        x, y = batch
+
+        def loss(w):
+            def body(c, row):
+                return c + jnp.sum(_per_example(clip(w), row[None, :3], row[3:])), None
+            total, _ = jax.lax.scan(body, 0.0 * jnp.sum(x), jnp.concatenate([x, y[:, None]], 1))
+            total = jax.lax.cond(total > 0, lambda t: t, lambda t: -t, total)
+            return jr.compute_average_loss(total[None], GLOBAL)
+
+        g = jax.grad(jax.checkpoint(loss))(w)
+        n = jax.lax.while_loop(lambda k: k < 3, lambda k: k + 1, 0)
+        helper = jax.jit(lambda v: ctx.all_gather(v))
+        return (w - LR * g, ctx.all_sum(jnp.sum(x) * captured), helper(y), n,
+                ctx.all_max(captured))
+
+    def constant(ctx, w):  # a NumPy constant all-reduced: a literal operand
+        return ctx.all_sum(captured) + w
+
+    with caplog.at_level("WARNING", logger="jreplicate"):
+        _silent(step)
+        rep = _rep()
+        _, found = _caught(lambda: rep.run(constant, None, jnp.ones(3)))
+    assert not [r for r in caplog.records if "could not read" in r.getMessage()]
+    assert _habits(found) == ["invariant_all_reduce"]
