@@ -446,12 +446,13 @@ def test_the_check_reads_every_kind_of_step_without_failing(caplog):
         return (w - LR * g, ctx.all_sum(jnp.sum(x) * captured), helper(y), n,
                 ctx.all_max(captured))
 
-    def constant(ctx, w):  # a NumPy constant all-reduced: a literal operand
-        return ctx.all_sum(captured) + w
+    def constant(ctx, w):  # constants all-reduced (literal operands) count replicas
+        return ctx.all_sum(captured) + ctx.all_sum(1.0) + w, ctx.all_sum(jnp.sum(w))
 
     with caplog.at_level("WARNING", logger="jreplicate"):
         _silent(step)
         rep = _rep()
         _, found = _caught(lambda: rep.run(constant, None, jnp.ones(3)))
     assert not [r for r in caplog.records if "could not read" in r.getMessage()]
-    assert _habits(found) == ["invariant_all_reduce"]
+    assert _habits(found) == ["invariant_all_reduce"]  # (the last one only)
+    assert found[0].lineno == _line(constant, "jnp.sum(w)")

@@ -361,8 +361,9 @@ def _check(g: _Graph, axis: str, n: int) -> list[Finding]:
                 grads.append(node)
             continue
         src = g.made(node.ins[0])
+        # (a constant all-reduced counts the replicas, as ctx.all_sum(1.0): on purpose)
         if src is not None and src.prim == "pvary" and axis in _axes(src) \
-                and not g.divided_by(src.ins[0], n):
+                and g.const(src.ins[0]) is None and not g.divided_by(src.ins[0], n):
             op = "pmean" if g.then_divided_by(node.outs[0], n) else "psum"
             found.append(Finding(INVARIANT_ALL_REDUCE, op, node.source))
     return _mean_losses(g, grads, axis, n) + _terms(g, grads, axis) + found
