@@ -124,12 +124,19 @@ def check_logical_devices_per_replica(value: object, where: str) -> int:
     return int(value)
 
 
+#: Characters XLA's compiler mangles in a mesh axis name (found by
+#: tests/test_axis_name.py's property test; a name ending in a backslash aborts).
+_UNCOMPILABLE = frozenset("\\'")
+
+
 def check_axis_name(value: object, where: str) -> str:
-    """Validates a strategy's ``axis_name=`` (a non-empty str other than the model axis).
+    """Validates a strategy's ``axis_name=`` (a non-empty str other than the model axis,
+    without the characters XLA cannot compile in a mesh axis name).
 
     Raises:
       TypeError: ``value`` is not a str.
-      ValueError: ``value`` is empty or is :data:`MODEL_AXIS`.
+      ValueError: ``value`` is empty, is :data:`MODEL_AXIS`, or holds a backslash or a
+        single quote.
     """
     if not isinstance(value, str):
         raise TypeError(
@@ -149,6 +156,14 @@ def check_axis_name(value: object, where: str) -> str:
             f"({MODEL_AXIS!r}) names the logical devices inside a replica on the same mesh. "
             f"Choose another name for the replica axis, e.g. axis_name='batch', or leave it "
             f"out for jr.REPLICA_AXIS ({REPLICA_AXIS!r})."
+        )
+    bad = sorted({c for c in value if c in _UNCOMPILABLE})
+    if bad:
+        raise ValueError(
+            f"{where}(axis_name={value!r}) contains {' and '.join(map(repr, bad))}, which "
+            "XLA cannot carry in a mesh axis name (jax 0.12: the step fails to compile, "
+            "or the process aborts). Use a name without backslashes and single quotes, "
+            "e.g. axis_name='batch'."
         )
     return value
 

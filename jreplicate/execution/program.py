@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-import re
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -167,27 +166,24 @@ def _call(fn: Callable, ctx: ReplicaContext, sig: Signature, batch: Any, plain: 
         if better is None:
             raise
         raise better from e
-    except NameError as e:
-        better = _unbound_axis(e, ctx.axis_name)
-        if better is None:
+    except (NameError, AssertionError) as e:
+        name = _jax_compat.unbound_axis_in(e)
+        if name is None:
             raise
-        raise better from e
+        raise _unbound_axis(name, ctx.axis_name) from e
     if sig.graphdef is None:
         return out, None
     nnx_args.check_static_unchanged(sig.graphdef, state, nodes, sig.node_pos)
     return out, nnx_args.state_of(nodes, sig.graphdef)
 
 
-def _unbound_axis(e: NameError, axis: str) -> NameError | None:
-    """JAX's ``unbound axis name: X`` in a step, explained: the step names an axis that
-    is not the strategy's replica axis (None for any other NameError)."""
-    found = re.search(r"unbound axis name: (\S+)", str(e))
-    if found is None:
-        return None
-    name = found.group(1)
+def _unbound_axis(name: str, axis: str) -> NameError:
+    """JAX's error for an unbound axis ``name`` in a step, explained: the step names an
+    axis that is not the strategy's replica axis ``axis``."""
     return NameError(
-        f"{e}. Replicator.run: the step uses mesh axis {name!r} (e.g. jax.lax.pmean(x, "
-        f"{name!r}) or nnx.BatchNorm(..., axis_name={name!r}), as in a jax.pmap program), "
+        f"unbound axis name: {name}. Replicator.run: the step uses mesh axis {name!r} "
+        f"(e.g. jax.lax.pmean(x, {name!r}) or nnx.BatchNorm(..., axis_name={name!r}), as "
+        "in a jax.pmap program), "
         f"but this strategy's replica axis is {axis!r}. Create the strategy with "
         f"axis_name={name!r} (e.g. jr.MirroredStrategy(axis_name={name!r})), or use "
         "ctx.axis_name in the step."
