@@ -334,3 +334,134 @@ def test_any_accepted_name_gives_the_default_names_numbers(name):
     assert (float(total), float(doubled)) == (4.0, 8.0)
     assert [int(i) for i in ids] == [0, 1] and [float(r) for r in reg] == [0.5, 1.5]
     assert isinstance(own, jr.PerReplica) and own.axis_name == name
+
+
+# -- a Flax NNX model written for jax.pmap: BatchNorm(axis_name="batch") ------------------
+
+class PmapNet(nnx.Module):
+    """A model as a jax.pmap program writes it: batch statistics over axis "batch"."""
+
+    def __init__(self, axis_name, *, rngs):
+        self.l1 = nnx.Linear(5, 8, rngs=rngs)
+        self.bn = nnx.BatchNorm(8, axis_name=axis_name, momentum=0.8, rngs=rngs)
+        self.l2 = nnx.Linear(8, 2, rngs=rngs)
+
+    def __call__(self, x):
+        return self.l2(jax.nn.relu(self.bn(self.l1(x))))
+
+
+GB = 16  # the global batch: 8 replicas x 2, or 4 replicas x 4
+
+
+def _bn_reference():
+    """One device, the global batch, no axis: losses and the final state."""
+    model = PmapNet(None, rngs=nnx.Rngs(0))
+    opt = nnx.Optimizer(model, optax.sgd(0.1, momentum=0.9), wrt=nnx.Param)
+    losses = []
+    for s in range(STEPS):
+        x, y = XS[s], YS[s]
+        loss, g = nnx.value_and_grad(
+            lambda m, x=x, y=y: jnp.mean(jnp.sum((m(x) - y) ** 2, -1)))(model)
+        opt.update(model, g)
+        losses.append(float(loss))
+    return losses, nnx.state(model)
+
+
+def _bn_inputs(rep):
+    def input_fn(ctx):
+        b = ctx.get_per_replica_batch_size(GB)
+        return [(XS[s, r * b:(r + 1) * b], YS[s, r * b:(r + 1) * b])
+                for s in range(STEPS) for r in range(ctx.num_replicas)]
+
+    return rep.prepare_input(input_fn, replication_mode=jr.InputReplicationMode.SINGLE,
+                             enforce_ordering=True)
+
+
+def _bn_loss(m, x, y):
+    return jr.compute_average_loss(jnp.sum((m(x) - y) ** 2, -1), GB)
+
+
+def _bn_nnx(rep, steps):
+    """The model and optimizer as NNX arguments (their state is donated by run)."""
+    with rep.scope():
+        model = PmapNet("batch", rngs=nnx.Rngs(0))
+        opt = nnx.Optimizer(model, optax.sgd(0.1, momentum=0.9), wrt=nnx.Param)
+
+    def step(ctx, batch, model, opt):
+        loss, g = nnx.value_and_grad(lambda m: _bn_loss(m, *batch))(model)
+        opt.update(model, g)
+        return jax.lax.psum(loss, "batch")  # pmap code's all-reduce, by name
+
+    inputs, losses = _bn_inputs(rep), []
+    loop = steps or rep.strategy.steps_per_run  # a device loop of that many steps per run
+    for _ in range(STEPS // (loop or 1)):
+        losses += [float(v) for v in np.asarray(
+            rep.run(step, inputs, model, opt, steps=steps)).reshape(-1)]
+    return losses, nnx.state(model)
+
+
+def _buffers(tree) -> set:
+    """The device buffers of the leaves' shards (their addresses)."""
+    return {shard.data.unsafe_buffer_pointer() for x in jax.tree.leaves(tree)
+            for shard in x.addressable_shards}
+
+
+def _bn_functional_donated(rep, steps):
+    """The state as plain pytrees (nnx.split), donated with donate_argnums."""
+    tx = optax.sgd(0.1, momentum=0.9)
+    with rep.scope():
+        graphdef, params, stats = nnx.split(PmapNet("batch", rngs=nnx.Rngs(0)),
+                                            nnx.Param, nnx.BatchStat)
+        params, stats = nnx.as_pure(params), nnx.as_pure(stats)  # arrays, not Variables
+        opt_state = tx.init(params)
+
+    def step(ctx, batch, params, stats, opt_state):
+        def loss_fn(params, stats):
+            m = nnx.merge(graphdef, params, stats)
+            return _bn_loss(m, *batch), nnx.as_pure(nnx.state(m, nnx.BatchStat))
+
+        (loss, stats), g = jax.value_and_grad(loss_fn, has_aux=True)(params, stats)
+        u, opt_state = tx.update(g, opt_state, params)
+        return optax.apply_updates(params, u), stats, opt_state, jax.lax.psum(loss, "batch")
+
+    inputs, losses = _bn_inputs(rep), []
+    for _ in range(STEPS // (steps or 1)):
+        before = _buffers((params, stats, opt_state))  # (holding none of the arrays)
+        params, stats, opt_state, loss = rep.run(step, inputs, params, stats, opt_state,
+                                                 steps=steps, donate_argnums=(0, 1, 2))
+        assert before & _buffers((params, stats, opt_state))  # donated: buffers reused
+        losses += [float(v) for v in np.asarray(loss).reshape(-1)]
+    return losses, nnx.merge_state(params, stats)
+
+
+BN_CASES = {
+    "8-replicas": (lambda: jr.MirroredStrategy(axis_name="batch"), _bn_nnx, None),
+    "device-loop-3": (lambda: jr.MirroredStrategy(axis_name="batch"), _bn_nnx, 3),
+    "logical-devices-2": (lambda: jr.MirroredStrategy(logical_devices_per_replica=2,
+                                                      axis_name="batch"), _bn_nnx, None),
+    "donated-pytrees": (lambda: jr.MirroredStrategy(axis_name="batch"),
+                        _bn_functional_donated, None),
+    "donated-pytrees-loop-3-logical-2": (
+        lambda: jr.MirroredStrategy(logical_devices_per_replica=2, axis_name="batch"),
+        _bn_functional_donated, 3),
+    "tpu-steps-per-run-3": (lambda: jr.TPUStrategy(devices=jax.devices(), axis_name="batch",
+                                                   steps_per_run=3), _bn_nnx, None),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BN_CASES))
+def test_pmap_batch_norm_trains_as_one_device_on_the_global_batch(case):
+    """``nnx.BatchNorm(axis_name="batch")`` under ``axis_name="batch"``: its batch
+    statistics are the global batch's (the losses, the parameters and the running
+    mean and variance equal one device's on the concatenated batch)."""
+    make, train, steps = BN_CASES[case]
+    losses, state = train(jr.Replicator(make()), steps)
+    ref_losses, ref_state = _bn_reference()
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+    have, want = jax.tree.leaves(state), jax.tree.leaves(ref_state)
+    assert len(have) == len(want) == 8  # two Linear layers (2 each), BatchNorm (4)
+    for a, b in zip(have, want):
+        assert not isinstance(a, jr.PerReplica)  # running statistics stay replicated
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
+    # The running statistics moved (so the comparison above is not of two initial states).
+    assert not np.allclose(np.asarray(state["bn"]["mean"][...]), 0.0)
