@@ -12,6 +12,7 @@ import pytest
 from flax import nnx
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jreplicate as jr
@@ -465,3 +466,74 @@ def test_pmap_batch_norm_trains_as_one_device_on_the_global_batch(case):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
     # The running statistics moved (so the comparison above is not of two initial states).
     assert not np.allclose(np.asarray(state["bn"]["mean"][...]), 0.0)
+
+
+# -- checkpoints: the axis name is not part of a checkpoint ------------------------------
+
+@pytest.mark.parametrize("saved_as, restored_as", [("replica", "batch"), ("batch", "replica")])
+def test_a_checkpoint_restores_under_another_axis_name(tmp_path, saved_as, restored_as):
+    def make(name):
+        rep = jr.Replicator(jr.MirroredStrategy(logical_devices_per_replica=2, axis_name=name))
+
+        def init():
+            with rep.scope():  # w split over the model axis, b replicated
+                w = jax.device_put(jnp.arange(16.0).reshape(2, 8),
+                                   NamedSharding(rep.mesh, P(None, jr.MODEL_AXIS)))
+                return {"w": w, "b": jnp.ones(3)}
+
+        return rep, init
+
+    rep, init = make(saved_as)
+    with jr.CheckpointManager(tmp_path, rep) as mngr:
+        step, state = mngr.restore_or_initialize(init)
+        assert step == 0
+        state = rep.run(lambda ctx, s: jax.tree.map(
+            lambda x: x + jax.lax.psum(1.0, saved_as), s), None, state)
+        assert mngr.save(1, state, force=True)
+    saved = jax.tree.map(np.asarray, state)
+
+    rep, init = make(restored_as)
+    with jr.CheckpointManager(tmp_path, rep) as mngr:
+        step, state = mngr.restore_or_initialize(init)
+    assert step == 1
+    for a, b in zip(jax.tree.leaves(state), jax.tree.leaves(saved)):
+        np.testing.assert_array_equal(np.asarray(a), b)
+    assert state["w"].sharding.mesh.axis_names == (restored_as, jr.MODEL_AXIS)
+    assert state["w"].sharding.spec == P(None, jr.MODEL_AXIS)  # still split
+    out = rep.run(lambda ctx, s: jax.tree.map(
+        lambda x: x + jax.lax.psum(1.0, restored_as), s), None, state)
+    np.testing.assert_array_equal(np.asarray(out["w"]), saved["w"] + 4)
+
+
+# -- the parameter server's sync groups --------------------------------------------------
+
+def test_parameter_server_sync_groups_all_reduce_over_the_chosen_name():
+    """3 workers, each a sync group of 2 replicas on mesh axis "batch": a step's
+    collectives by that name and through ctx reduce over the group, and each group
+    makes one push per step."""
+    strategy = jr.ParameterServerStrategy(num_ps=2, num_replicas_in_sync=2, axis_name="batch")
+    assert strategy.axis_name == "batch" and strategy.num_workers == 3
+    rep = jr.Replicator(strategy)
+    with rep.scope():
+        w = jnp.zeros(3)
+        tx = jr.ps.pushable(optax.sgd(1.0))
+        opt = tx.init(w)
+
+    def step(ctx, batch, w, opt):
+        # each replica's share of a gradient of 1 per element, summed by the group
+        g = jax.grad(lambda w: jr.compute_average_loss(jnp.sum(w) * batch, 2))(w)
+        u, opt = tx.update(g, opt, w)
+        return (optax.apply_updates(w, u), opt, ctx.axis_name == "batch",
+                jax.lax.psum(1, "batch"), ctx.all_sum(batch), jax.lax.axis_index("batch"))
+
+    inputs = rep.prepare_input(lambda ctx: iter([np.ones((1,), np.float32)] * 6),
+                               replication_mode=jr.InputReplicationMode.PER_REPLICA)
+    results = [rep.run(step, inputs, w, opt) for _ in range(6)]
+    rep.join()
+    for value in results:
+        _, _, named, count, summed, ids = value.fetch()
+        assert named and int(count) == 2 and float(np.asarray(summed).reshape(-1)[0]) == 2.0
+        assert [int(i) for i in np.asarray(ids).reshape(-1)] == [0, 1]
+    np.testing.assert_allclose(strategy.parameters(), np.full(3, -6.0))  # 6 pushes of 1
+    assert strategy.ledger()[0]["applied"] == 6
+    strategy.shutdown()
