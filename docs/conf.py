@@ -11,6 +11,7 @@ import sys
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "docs" / "_ext"))  # this site's own extensions
 # Importing jreplicate imports JAX; a CPU backend is all autodoc needs.
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
@@ -28,6 +29,9 @@ extensions = [
     "sphinx.ext.intersphinx",
     "sphinx.ext.viewcode",
     "myst_nb",
+    "sphinx_copybutton",
+    "offline_inventories",  # links to Python/JAX/optax/Flax/NumPy names, no network
+    "api_references",  # jreplicate names documented under another path; viewcode anchors
 ]
 
 source_suffix = {".rst": "restructuredtext", ".md": "myst-nb", ".ipynb": "myst-nb"}
@@ -46,9 +50,27 @@ napoleon_google_docstring = True
 napoleon_numpy_docstring = False
 napoleon_use_rtype = False
 
-# Cross-links to the libraries the docstrings name. No network at build time: only
-# intersphinx inventories that are already cached would be used, so none are listed.
+# Every reference must resolve (tests/test_docs_build.py builds with -n -W). Links to
+# the libraries the docstrings name come from docs/_ext/offline_inventories.py, which
+# writes their inventories at build time (no network): add a newly referenced name there.
+nitpicky = True
 intersphinx_mapping = {}
+# Internal types that public signatures return or take: each is described where it
+# appears (the method's docstring), and documenting them would make them API.
+nitpick_ignore = [
+    # Strategy.agreement(): the strategy protocol's seam to the executors (written
+    # "Agreement" where the annotation is imported for type checking only).
+    ("py:class", "jreplicate.cluster.agreement.Agreement"),
+    ("py:class", "Agreement"),
+    # ParameterServerStrategy.make_executor(): the protocol's seam, as for Agreement.
+    ("py:class", "jreplicate.ps.executor.ParameterServerExecutor"),
+    # ParameterServerStrategy.placement(): its docstring says how to read it (shard_of).
+    ("py:class", "jreplicate.ps.placement.Placement"),
+    # ParameterServerStrategy.restart_shard(): its fields are listed in "Returns".
+    ("py:class", "jreplicate.ps.shard_restart.ShardRestart"),
+    # jr.ps.pushable(): an optax transformation equal to tx, as its "Returns" says.
+    ("py:class", "jreplicate.ps.capture.PushableTransformation"),
+]
 
 # Notebooks are stored executed; the guides' code runs in the tests.
 nb_execution_mode = "off"
