@@ -32,6 +32,7 @@ extensions = [
     "sphinx_copybutton",
     "offline_inventories",  # links to Python/JAX/optax/Flax/NumPy names, no network
     "api_references",  # jreplicate names documented under another path; viewcode anchors
+    "table_code_breaks",  # long code in table cells wraps after its dots, not past the column
 ]
 
 source_suffix = {".rst": "restructuredtext", ".md": "myst-nb", ".ipynb": "myst-nb"}
@@ -81,6 +82,14 @@ myst_heading_anchors = 3
 html_theme = "furo"
 html_title = "jreplicate"
 html_static_path = ["_static"]
+html_css_files = ["tables.css"]  # long code in table cells wraps inside the cell
+
+# Copy buttons on code blocks copy the code alone: the ">>> " and "... " prompts of
+# doctest examples (a bare "..." is an empty continuation line) and "$ " of shell lines
+# are removed, and a block with prompts copies only its prompt lines (not the outputs).
+copybutton_prompt_text = r">>> |\.\.\. |\.\.\.$|\$ "
+copybutton_prompt_is_regexp = True
+copybutton_only_copy_prompt_lines = True
 
 
 
