@@ -8,6 +8,7 @@ in tests/test_notebooks.py, the guides' code in tests/test_docs_examples.py.
 import os
 import pathlib
 import sys
+import tomllib
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -33,6 +34,7 @@ extensions = [
     "offline_inventories",  # links to Python/JAX/optax/Flax/NumPy names, no network
     "api_references",  # jreplicate names documented under another path; viewcode anchors
     "table_code_breaks",  # long code in table cells wraps after its dots, not past the column
+    "notebook_links",  # "Download" (and "Open in Colab") atop each notebook page
 ]
 
 source_suffix = {".rst": "restructuredtext", ".md": "myst-nb", ".ipynb": "myst-nb"}
@@ -75,6 +77,12 @@ nitpick_ignore = [
 
 # Notebooks are stored executed; the guides' code runs in the tests.
 nb_execution_mode = "off"
+# The repository's public URL has one home, pyproject.toml's [project.urls] Repository.
+# With it, each notebook page links "Open in Colab"; without it (no public repository
+# yet) only the notebook's download, which needs no URL.
+_URLS = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"].get("urls", {})
+notebook_repository_url = _URLS.get("Repository")
+notebook_branch = "main"
 myst_enable_extensions = ["colon_fence", "deflist", "substitution"]
 myst_substitutions = {"release": release}  # the front page states the version
 myst_heading_anchors = 3
