@@ -148,7 +148,7 @@ def plot_host_overhead(report: dict[str, Any], path: str) -> bool:
 #: Each benchmark's figure: its file, how it is drawn, and its caption on the docs site.
 FIGURES: dict[str, tuple[str, Callable[[dict, str], bool], str]] = {
     "steps_per_run": ("steps_per_run.png", plot_steps_per_run,
-                      "Device loops: steps per second of run(..., steps=K) against K, "
+                      "Device loops: steps per second of `run(..., steps=K)` against K, "
                       "per model (higher is better)."),
     "stragglers": ("stragglers_time_to_target.png", plot_stragglers,
                    "Backup replicas: virtual time to the target test accuracy with N of the "
