@@ -89,15 +89,31 @@ def _rule(shapes):
             and all(s[0] == N for s in shapes) and len({s[1] for s in shapes}) == 1)
 
 
-@settings(max_examples=25, deadline=None)
-@given(st.lists(st.tuples(st.sampled_from([N, 2 * N, 3 * N]),
-                          st.lists(st.sampled_from([1, 2, 3]), max_size=3)),
-                min_size=1, max_size=4),
-       st.booleans())
-def test_property_flagged_exactly_when_pmap_shaped_and_legit_batches_run_exactly(
-        leaves, same_lead):
-    lead = leaves[0][0]
-    shapes = [((lead if same_lead else n),) + tuple(rest) for n, rest in leaves]
+@st.composite
+def _batch_shapes(draw):
+    """Leaf shapes of a batch: random, or (half the time) built pmap-shaped and then
+    perhaps broken in one place (another leading or second dimension, a rank-1 leaf)."""
+    dims = st.sampled_from([1, 2, 3])
+    if not draw(st.booleans()):
+        return [(draw(st.sampled_from([N, 2 * N, 3 * N])),) + tuple(draw(st.lists(dims,
+                max_size=3))) for _ in range(draw(st.integers(1, 4)))]
+    b = draw(dims)
+    shapes = [(N, b) + tuple(draw(st.lists(dims, max_size=2)))
+              for _ in range(draw(st.integers(1, 4)))]
+    k = draw(st.integers(0, len(shapes) - 1))
+    broken = draw(st.sampled_from(["none", "lead", "second", "rank 1"]))
+    if broken == "lead":
+        shapes[k] = (2 * N,) + shapes[k][1:]
+    elif broken == "second":
+        shapes[k] = (N, b + 1) + shapes[k][2:]
+    elif broken == "rank 1":
+        shapes[k] = (N,)
+    return shapes
+
+
+@settings(max_examples=30, deadline=None)
+@given(_batch_shapes())
+def test_property_flagged_exactly_when_pmap_shaped_and_legit_batches_run_exactly(shapes):
     rng = np.random.default_rng(len(shapes))
     batch = {f"l{k}": rng.integers(0, 5, s).astype(np.float32) for k, s in enumerate(shapes)}
     with warnings.catch_warnings(record=True) as record:
