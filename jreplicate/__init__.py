@@ -29,7 +29,6 @@ Example:
 # First: an unsupported JAX is refused with the fix before anything else uses it.
 from jreplicate import _jax_compat  # noqa: F401, I001
 from jreplicate import checkpoint, cluster, execution, input, ps, strategies, sync
-from jreplicate._porting import PmapShapedBatchWarning
 from jreplicate.checkpoint import CheckpointManager
 from jreplicate.context import PerReplica, ReplicaContext
 from jreplicate.input import InputContext, InputIterator, InputReplicationMode
@@ -57,7 +56,6 @@ __all__ = [
     "MultiWorkerStrategy",
     "ParameterServerStrategy",
     "PerReplica",
-    "PmapShapedBatchWarning",
     "ReplicaContext",
     "Replicator",
     "TPUStrategy",

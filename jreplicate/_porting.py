@@ -50,8 +50,18 @@ class PmapShapedBatchWarning(UserWarning):
     """A batch looks shaped for ``jax.pmap`` (``[devices, b, ...]`` on every leaf).
 
     Silence it where such a batch is meant (one example per replica whose leaves share
-    their second dimension) with
-    ``warnings.filterwarnings("ignore", category=jr.PmapShapedBatchWarning)``.
+    their second dimension) by its category.
+
+    Example (8 replicas, one sequence each):
+      >>> import warnings, numpy as np, jreplicate as jr
+      >>> rep = jr.Replicator(jr.MirroredStrategy())
+      >>> batch = {"tokens": np.zeros((8, 32), np.int32),
+      ...          "targets": np.zeros((8, 32), np.int32)}
+      >>> with warnings.catch_warnings():
+      ...     warnings.simplefilter("ignore", jr.input.PmapShapedBatchWarning)
+      ...     rows = rep.run(lambda ctx, b: b["tokens"].shape[0], batch)
+      >>> int(rows)
+      1
     """
 
 
@@ -60,7 +70,7 @@ _PMAP_AXES = frozenset({"_device_put_sharded", "_internal_pmap_axis_name"})
 _LISTED = 4  # leaves shown in a message
 _SILENCE = ("If this is meant (one example per replica, leaves sharing their second "
             "dimension), silence it with warnings.filterwarnings('ignore', "
-            "category=jr.PmapShapedBatchWarning).")
+            "category=jr.input.PmapShapedBatchWarning).")
 
 
 def device_counts(num_replicas: int, local_replicas: int) -> frozenset[int]:

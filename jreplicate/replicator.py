@@ -263,6 +263,13 @@ class Replicator:
 
         Raises:
           StopIteration: ``inputs`` is exhausted.
+          TypeError: ``fn`` is wrapped in ``jax.jit`` or ``nnx.jit`` (run compiles it).
+          ValueError: an argument holds state with a leading device axis
+            (``flax.jax_utils.replicate``), or another argument or batch is refused.
+
+        Warns:
+          jreplicate.input.PmapShapedBatchWarning: ``inputs`` looks shaped for
+          ``jax.pmap`` (every leaf ``[devices, b, ...]``).
         """
         if not callable(fn):
             raise TypeError(f"Replicator.run(fn) must be callable, got {type(fn).__name__}.")

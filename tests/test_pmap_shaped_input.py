@@ -40,13 +40,13 @@ def _shard(tree):  # flax.training.common_utils.shard, on 8 devices
 
 
 def _pmap_warnings(record):
-    return [w for w in record if issubclass(w.category, jr.PmapShapedBatchWarning)]
+    return [w for w in record if issubclass(w.category, jr.input.PmapShapedBatchWarning)]
 
 
 # -- a global batch given to run --------------------------------------------------------
 def test_a_sharded_global_batch_warns_with_the_shapes_and_the_fix():
     batch = {"image": np.ones((128, 4, 4, 1), np.float32), "label": np.ones(128, np.int32)}
-    with pytest.warns(jr.PmapShapedBatchWarning) as record:
+    with pytest.warns(jr.input.PmapShapedBatchWarning) as record:
         rows, _ = _rep().run(_sizes, _shard(batch))
     msg = str(record[0].message)
     for part in ("['image']: (8, 16, 4, 4, 1)", "['label']: (8, 16)", "(1, 16, 4, 4, 1)",
@@ -57,7 +57,7 @@ def test_a_sharded_global_batch_warns_with_the_shapes_and_the_fix():
     assert [int(r) for r in rows] == [1, 1]  # what the warning says each replica got
     # The fix: the global batch gives each replica 16 rows.
     with warnings.catch_warnings():
-        warnings.simplefilter("error", jr.PmapShapedBatchWarning)
+        warnings.simplefilter("error", jr.input.PmapShapedBatchWarning)
         rows, _ = _rep().run(_sizes, batch)
     assert [int(r) for r in rows] == [16, 16]
 
@@ -66,7 +66,7 @@ def test_the_warning_can_be_silenced_by_its_category():
     tokens = {"tokens": np.ones((N, 32), np.int32), "targets": np.ones((N, 32), np.int32)}
     with warnings.catch_warnings(record=True) as record:
         warnings.simplefilter("always")
-        warnings.filterwarnings("ignore", category=jr.PmapShapedBatchWarning)
+        warnings.filterwarnings("ignore", category=jr.input.PmapShapedBatchWarning)
         rows, _ = _rep().run(_sizes, tokens)  # one sequence per replica: meant
     assert not _pmap_warnings(record)
     assert [int(r) for r in rows] == [1, 1]
@@ -75,7 +75,7 @@ def test_the_warning_can_be_silenced_by_its_category():
 def test_a_global_batch_of_one_example_per_replica_with_rank_1_labels_is_not_flagged():
     batch = {"image": np.ones((N, 28, 28, 1), np.float32), "label": np.arange(N)}
     with warnings.catch_warnings():
-        warnings.simplefilter("error", jr.PmapShapedBatchWarning)
+        warnings.simplefilter("error", jr.input.PmapShapedBatchWarning)
         rows, total = _rep().run(_sizes, batch)
         _rep().run(_sizes, {"x": np.ones((N, 5, 3), np.float32)})  # one leaf: never
         _rep().run(_sizes, jr.PerReplica(jnp.ones((N, 16, 3))))  # explicit: meant
@@ -166,7 +166,7 @@ def test_per_replica_batches_from_input_fn_are_not_flagged_and_run():
     rep = _rep()
     it = rep.prepare_input(_loader(asked=True, pmap=False))
     with warnings.catch_warnings():
-        warnings.simplefilter("error", jr.PmapShapedBatchWarning)
+        warnings.simplefilter("error", jr.input.PmapShapedBatchWarning)
         rows, total = rep.run(_sizes, it)
     assert [int(r) for r in rows] == [16, 16]
     assert float(total) == 16 * 3 * sum(range(N)) + 16 * sum(range(N))
@@ -175,7 +175,7 @@ def test_per_replica_batches_from_input_fn_are_not_flagged_and_run():
 def test_a_pmap_shaped_element_warns_where_input_fn_did_not_say_its_batch_size():
     rep = _rep()
     it = rep.prepare_input(_loader(asked=False))
-    with pytest.warns(jr.PmapShapedBatchWarning, match=r"looks shaped for jax.pmap"):
+    with pytest.warns(jr.input.PmapShapedBatchWarning, match=r"looks shaped for jax.pmap"):
         rows, _ = rep.run(_sizes, it)
     assert [int(r) for r in rows] == [N, N]  # what the warning says: a whole element
 
@@ -186,10 +186,10 @@ def test_check_element_is_certain_only_when_the_second_dimension_is_the_asked_si
     with pytest.raises(ValueError):
         _porting.check_element(shapes, paths, counts, 4, "e")
     assert isinstance(_porting.check_element(shapes, paths, counts, None, "e"),
-                      jr.PmapShapedBatchWarning)
+                      jr.input.PmapShapedBatchWarning)
     # Asked for 8 = the leading dimension: [8, 4] may be a batch of 8; not certain.
     assert isinstance(_porting.check_element(shapes, paths, counts, N, "e"),
-                      jr.PmapShapedBatchWarning)
+                      jr.input.PmapShapedBatchWarning)
     assert _porting.check_element([(4, 3), (4,)], paths, counts, 4, "e") is None
 
 

@@ -355,9 +355,9 @@ class InputIterator:
     def _check_pmap_shaped(self, element: tuple, replica_id: int) -> None:
         """The first step's element of one replica, checked not to be shaped for
         ``jax.pmap`` (an error where input_fn said its per-replica batch size, else a
-        :class:`~jreplicate.PmapShapedBatchWarning`; see :mod:`jreplicate._porting`)."""
+        :class:`~jreplicate.input.PmapShapedBatchWarning`; see ``jreplicate._porting``)."""
         leaves, _, paths = element
-        asked = {p.ctx.asked_batch_size for p in self._pipelines} - {None}
+        asked = {p.ctx._asked_batch_size for p in self._pipelines} - {None}
         warning = _porting.check_element(
             [x.shape for x in leaves], [path_str(p) or "the root" for p in paths],
             _porting.device_counts(self._strategy.num_replicas,

@@ -200,7 +200,7 @@ class WorkerPipelines:
             ctx = p.pipeline.ctx
             warning = _porting.check_element(  # (raises again on a retry)
                 [x.shape for x in leaves], [path_str(q) or "the root" for q in paths],
-                _porting.device_counts(ctx.num_replicas, self.g), ctx.asked_batch_size,
+                _porting.device_counts(ctx.num_replicas, self.g), ctx._asked_batch_size,
                 f"worker {self.index}: the input element of replica {self.index * self.g}")
             if warning is not None:
                 warnings.warn(warning, stacklevel=2)
