@@ -65,7 +65,8 @@ PROJECTS: dict[str, Project] = {
         **_own_pages("_autosummary/", "py:class", "jax.Array", "jax.Device"),
         **_own_pages("_autosummary/", "py:function", "jax.grad", "jax.value_and_grad",
                      "jax.jit", "jax.pmap", "jax.shard_map", "jax.lax.psum",
-                     "jax.lax.pmean"),
+                     "jax.lax.pmean", "jax.lax.all_gather", "jax.lax.axis_index",
+                     "jax.random.fold_in"),
         **_same_page("jax.sharding.html", "py:class", "jax.sharding.Mesh",
                      "jax.sharding.NamedSharding", "jax.sharding.PartitionSpec"),
     }),
@@ -79,6 +80,11 @@ PROJECTS: dict[str, Project] = {
         ("flax.nnx.Rngs", "py:class"): "api_reference/flax.nnx/rnglib.html#$",
         ("flax.nnx.BatchNorm", "py:class"): "api_reference/flax.nnx/nn/normalization.html#$",
         ("flax.nnx.Dropout", "py:class"): "api_reference/flax.nnx/nn/stochastic.html#$",
+        ("flax.nnx.Optimizer", "py:class"):
+            "api_reference/flax.nnx/training/optimizer.html#flax.nnx.optimizer.Optimizer",
+        ("flax.nnx.MultiMetric", "py:class"):
+            "api_reference/flax.nnx/training/metrics.html#flax.nnx.metrics.MultiMetric",
+        ("flax.nnx.metrics.Average", "py:class"): "api_reference/flax.nnx/training/metrics.html#$",
     }),
     "numpy": Project("NumPy", "stable", "https://numpy.org/doc/stable/", {
         ("numpy.ndarray", "py:class"): "reference/generated/numpy.ndarray.html#$",
