@@ -1,8 +1,10 @@
 """Sphinx configuration of jreplicate's documentation (built as optax and Flax build theirs).
 
-Build locally: ``python -m sphinx -W --keep-going -b html docs docs/_build/html``.
+Build locally: ``python -m sphinx -W --keep-going -b html docs docs/_build/html``; the
+build is nitpicky (every reference must resolve), as in tests/test_docs_build.py.
 Notebooks (colab/) are rendered with their stored outputs, never executed here: they run
-in tests/test_notebooks.py, the guides' code in tests/test_docs_examples.py.
+in tests/test_notebooks.py, the guides' code in tests/test_docs_examples.py. This site's
+own extensions are in docs/_ext/, each saying what it fixes.
 """
 
 import os
@@ -67,7 +69,7 @@ nitpick_ignore = [
     ("py:class", "Agreement"),
     # ParameterServerStrategy.make_executor(): the protocol's seam, as for Agreement.
     ("py:class", "jreplicate.ps.executor.ParameterServerExecutor"),
-    # ParameterServerStrategy.placement(): its docstring says how to read it (shard_of).
+    # ParameterServerStrategy.placement: its docstring says how to read it (shard_of).
     ("py:class", "jreplicate.ps.placement.Placement"),
     # ParameterServerStrategy.restart_shard(): its fields are listed in "Returns".
     ("py:class", "jreplicate.ps.shard_restart.ShardRestart"),
