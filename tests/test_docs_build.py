@@ -189,6 +189,18 @@ def test_notebooks_are_listed_in_reading_order(site):
 
 # --- The site as a reader meets it -------------------------------------------------------
 
+def test_api_pages_show_public_paths_only(site):
+    """A library class appears under its public name (``Layout.mesh`` showed
+    ``jax._src.mesh.Mesh``, its ``__module__``), linked to its library's documentation."""
+    for page in sorted((site / "api").glob("*.html")):
+        text = _text(page.read_text())
+        private = sorted(set(re.findall(r"[\w.]*\._(?:src|jax)\.[\w.]*", text)))
+        assert not private, f"{page.name}: {private}"
+    strategies = (site / "api" / "jreplicate.strategies.html").read_text()
+    assert 'href="https://docs.jax.dev/en/latest/jax.sharding.html#jax.sharding.Mesh"' in (
+        strategies)
+
+
 def _ids(page: pathlib.Path, cache: dict) -> set[str] | None:
     if page not in cache:
         cache[page] = set(re.findall(r'\sid="([^"]+)"', page.read_text())) if page.exists() \
