@@ -114,6 +114,49 @@ def test_rngs_argument_and_streams_inside_modules_both_draw_per_replica():
     assert int(rngs.noise.count.get_value()) == int(rngs.default.count.get_value()) == 1
 
 
+@nnx.jit
+def _jitted(d, x):
+    return d(x)
+
+
+_TRANSFORMS = {
+    "nnx.jit": lambda d, x: _jitted(d, x),
+    "nnx.remat": lambda d, x: nnx.remat(lambda d, x: d(x))(d, x),
+    "nnx.cond": lambda d, x: nnx.cond(True, lambda d: d(x), lambda d: d(x) * 2, d),
+}
+
+
+@pytest.mark.parametrize("transform", sorted(_TRANSFORMS))
+def test_flax_transforms_inside_the_step_draw_per_replica(transform):
+    """A Flax transform inside the step hands back a new value of the folded key (not
+    the object the step got): the module still keeps its replicated key."""
+    rep = jr.Replicator(jr.MirroredStrategy())
+    drop = _dropout()
+    key = _key_bits(drop.rngs)
+    f = _TRANSFORMS[transform]
+    rows = _rows(rep.run(lambda ctx, d: f(d, jnp.ones(ROWS)) != 0, None, drop))
+    for r in range(N):
+        np.testing.assert_array_equal(rows[r], _reference_masks(r, 1)[0])
+    np.testing.assert_array_equal(_key_bits(drop.rngs), key)
+    assert int(drop.rngs.count.get_value()) == 1
+
+
+def test_a_key_the_step_reseeds_is_kept():
+    """A replicated key the step sets itself (nnx.reseed) is the step's, written back."""
+    rep = jr.Replicator(jr.MirroredStrategy())
+    drop = _dropout()
+
+    def step(ctx, d):
+        nnx.reseed(d, dropout=42)
+        return d(jnp.ones(ROWS)) != 0
+
+    rep.run(step, None, drop)
+    seeded = jax.random.fold_in(jax.random.key(42), 0)  # reseed's key: Rngs(42)'s first
+    np.testing.assert_array_equal(_key_bits(drop.rngs),
+                                  np.asarray(jax.random.key_data(seeded)))
+    assert int(drop.rngs.count.get_value()) == 1
+
+
 def test_one_replica_draws_what_the_plain_nnx_program_draws():
     """One replica folds nothing: the port of a one-device program is bit-identical,
     dropout included."""

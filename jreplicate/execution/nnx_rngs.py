@@ -7,9 +7,11 @@ replica the same key and the same mask: other statistics than the one-device run
 silently. So inside the step each random stream of the NNX arguments draws from its
 key folded with the replica's id, ``jax.random.fold_in(key, ctx.replica_id)``
 (:func:`fold_streams`), and the original key is put back when the step returns
-(:func:`restore`): the key leaving the step is still the replicated one, and the
-stream's count (``nnx.RngCount``) advances alike on every replica, so the module's state
-stays replicated and the next call draws the next numbers, as one device would.
+(:func:`restore`; also when a Flax transform inside the step, e.g. ``nnx.remat``,
+hands back a new value of the folded key): the key leaving the step is the replicated
+one, and the stream's count (``nnx.RngCount``) advances alike on every replica, so the
+module's state stays replicated and the next call draws the next numbers, as one device
+would.
 
 * One replica (``num_replicas == 1``): nothing is folded, so a one-replica run draws
   exactly what the plain NNX program draws.
@@ -31,6 +33,8 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+
+from jreplicate._jax_compat import varying_axes
 
 #: The metadata entry of an ``nnx.RngKey`` whose stream draws the same on every replica.
 SAME = "jreplicate_same_on_every_replica"
@@ -172,23 +176,31 @@ def _fold(key: Any, replica: Any) -> Any:
     return flat.reshape(key.shape)
 
 
-def restore(folded: list[Folded], out: Any) -> Any:
-    """Puts the original keys back after the step: in the streams still holding their
-    folded key (a key the step replaced itself is the step's), and wherever the step
-    returned one (``return nnx.state(model)`` after ``nnx.merge``). Returns ``out``
-    with those keys replaced."""
+def restore(folded: list[Folded], out: Any, ctx: Any) -> Any:
+    """Puts the original keys back after the step and returns ``out`` with them.
+
+    A stream's key is set back when the step left it folded: the folded key itself, or
+    any key that differs across replicas (what a Flax transform inside the step, e.g.
+    ``nnx.jit`` or ``nnx.remat``, hands back for it: a new value of the folded key;
+    a key differing across replicas could not be written back to the replicated module
+    anyway). A replicated key the step set (``nnx.reseed`` with a seed) is the step's.
+    Wherever the step returned such a key (``return nnx.state(model)`` after
+    ``nnx.merge``) the original is returned instead.
+    """
     if not folded:
         return out
+    back = {}
     for f in folded:
-        if f.variable.get_value() is f.folded:
+        back[id(f.folded)] = f
+        final = f.variable.get_value()
+        if final is f.folded or ctx.axis_name in varying_axes(final):
             f.variable.set_value(f.original)
-    back = {id(f.folded): f for f in folded}
+            back[id(final)] = f._replace(folded=final)
 
     def put_back(x: Any) -> Any:
         f = back.get(id(x))
         return f.original if f is not None and x is f.folded else x
 
-    leaves = jax.tree.leaves(out)
-    if not any(id(x) in back for x in leaves):
+    if not any(id(x) in back for x in jax.tree.leaves(out)):
         return out
     return jax.tree.map(put_back, out)

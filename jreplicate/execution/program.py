@@ -167,7 +167,7 @@ def _call(fn: Callable, ctx: ReplicaContext, sig: Signature, batch: Any, plain: 
         if better is None:
             raise
         raise better from e
-    out = nnx_rngs.restore(folded, out)  # the replicated keys leave the step
+    out = nnx_rngs.restore(folded, out, ctx)  # the replicated keys leave the step
     if sig.graphdef is None:
         return out, None
     nnx_args.check_static_unchanged(sig.graphdef, state, nodes, sig.node_pos)
