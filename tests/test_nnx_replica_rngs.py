@@ -304,6 +304,9 @@ def test_sync_group_replicas_draw_their_own_streams_of_each_step():
 
 
 # -- a property: any replica count, calls, loops and marks, against the reference ------------
+_replicators: dict = {}  # by replica count: the examples share compiled programs
+
+
 @settings(max_examples=10, deadline=None)
 @given(n=st.sampled_from([1, 2, 4, 8]), calls=st.lists(st.sampled_from([None, 2]),
                                                         min_size=1, max_size=3),
@@ -312,7 +315,8 @@ def test_any_run_draws_one_device_streams_folded_with_the_replica(n, calls, mark
     """Single calls and device loops in any order, on 1 to 8 replicas, marked or not:
     replica r's k-th draw is one device's k-th draw from fold_in(key, r) (the key
     itself with one replica or a mark), and the count is the number of draws."""
-    rep = jr.Replicator(jr.MirroredStrategy(devices=jax.local_devices()[:n]))
+    rep = _replicators.get(n) or _replicators.setdefault(
+        n, jr.Replicator(jr.MirroredStrategy(devices=jax.local_devices()[:n])))
     drop = _dropout(rate=rate)
     if marked:
         jr.same_on_every_replica(drop, "dropout")
