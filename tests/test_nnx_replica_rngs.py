@@ -75,6 +75,14 @@ def test_each_replica_draws_the_fold_in_of_its_id_and_the_module_stays_replicate
     assert int(drop.rngs.count.get_value()) == 3  # as three calls on one device
 
 
+def test_a_chosen_replica_axis_name_folds_the_same_replica_ids():
+    """MirroredStrategy(axis_name="batch") (pmap's name): the same per-replica streams."""
+    rep = jr.Replicator(jr.MirroredStrategy(axis_name="batch"))
+    rows = _rows(rep.run(_mask_step, None, _dropout()))
+    for r in range(N):
+        np.testing.assert_array_equal(rows[r], _reference_masks(r, 1)[0])
+
+
 def test_masks_of_eight_replicas_agree_as_independent_draws():
     """Rate 0.5: two independent masks agree on about half the rows (identical: 1.0)."""
     rep = jr.Replicator(jr.MirroredStrategy())
