@@ -363,11 +363,12 @@ def _match_carry(new: tuple, old: tuple, axis: str) -> tuple:
         x = jax.lax.convert_element_type(x, o.dtype)
         vx, vo = axis in varying_axes(x), axis in varying_axes(o)
         if vx and not vo:
+            kind = nnx_args.BATCH_STAT if "batch_stats" in where else nnx_args.OTHER
             raise ValueError(
                 f"Replicator.run(..., steps=K): the step returned {where} different on "
                 "each replica, but it is replicated state carried to the next step. "
-                "Aggregate it first (ctx.all_sum(...) / ctx.num_replicas), or pass a "
-                "PerReplica value if each replica keeps its own."
+                f"{nnx_args.varying_hint(kind, axis)} (Or pass a PerReplica value if each "
+                "replica keeps its own.)"
             )
         if vo and not vx:
             x = jax.lax.pcast(x, axis, to="varying")
