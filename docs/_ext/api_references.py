@@ -7,7 +7,8 @@ docstrings name the defining module or a namespace that re-exports it. This exte
 
 * resolves a reference to a jreplicate object to the entry that documents the same
   object under another name (checked by identity, never by the last name alone);
-* shows a type variable (``T`` of a generic signature) as its name: it has no entry;
+* shows a type variable (``T = TypeVar("T")``, or ``def f[T]``'s type parameter) as its
+  name: it has no entry;
 * shows a reference to an existing but undocumented jreplicate module (the docstrings
   say which module a mechanism lives in) as its name: the site documents the
   namespaces, not every module. A module that does not exist still fails the build;
@@ -67,10 +68,28 @@ def _candidates(node) -> list[str]:
     return [n for n in names if n.startswith(PACKAGE + ".")]
 
 
+def _type_parameters(node) -> set[str]:
+    """The names of the type parameters (``def f[T](x: T) -> T``) of the signature that
+    ``node`` is part of, and of its class."""
+    sig = node.parent
+    while sig is not None and not isinstance(sig, addnodes.desc_signature):
+        sig = sig.parent
+    if sig is None or not sig.get("module") or not sig.get("fullname"):
+        return set()
+    names, path = set(), f"{sig['module']}.{sig['fullname']}"
+    while path.count(".") >= 1 and path != sig["module"]:
+        names |= {p.__name__ for p in getattr(lookup(path), "__type_params__", ())}
+        path = path.rsplit(".", 1)[0]
+    return names
+
+
 def _resolve(app, env, node, contnode):
-    """``missing-reference``: a jreplicate name documented elsewhere, a TypeVar, a module."""
+    """``missing-reference``: a jreplicate name documented elsewhere, a type variable or
+    type parameter, a module."""
     if node.get("refdomain") != "py":
         return None
+    if "." not in node["reftarget"] and node["reftarget"] in _type_parameters(node):
+        return contnode
     for name in _candidates(node):
         if node["reftype"] == "mod":
             if _is_module(name):
