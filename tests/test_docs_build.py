@@ -377,3 +377,29 @@ def test_offline_inventories_name_real_objects_and_load(tmp_path):
     assert mesh and mesh.startswith("jax._src.")  # as autodoc writes it in signatures
     assert f"{mesh} py:class 1 jax.sharding.html#jax.sharding.Mesh jax.sharding.Mesh" in (
         inv.inventory_lines(inv.PROJECTS["jax"]))
+
+
+def test_jreplicate_references_resolve_by_identity_and_typos_still_fail(tmp_path):
+    """docs/_ext/api_references.py resolves a name to the entry documenting the same
+    object and shows an existing undocumented module as text, but hides nothing else: a
+    name that does not exist, or an undocumented class, still fails the build."""
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "conf.py").write_text(
+        f"import sys\nsys.path.insert(0, {str(DOCS / '_ext')!r})\n"
+        "extensions = ['sphinx.ext.autodoc', 'api_references']\nnitpicky = True\n")
+    (src / "index.rst").write_text(
+        "Page\n====\n\n.. autoclass:: jreplicate.strategies.Layout\n   :no-members:\n\n"
+        ":class:`jreplicate.layout.Layout` :mod:`jreplicate.ps.placement` "
+        ":class:`jreplicate.NoSuchThing` :mod:`jreplicate.no_such_module` "
+        ":class:`jreplicate.ps.placement.Placement`\n")
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT))
+    proc = subprocess.run(
+        [sys.executable, "-m", "sphinx", "-q", "-b", "html", str(src), str(tmp_path / "out")],
+        capture_output=True, text=True, env=env, timeout=120, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr
+    unresolved = sorted(re.findall(r"reference target not found: (\S+)", proc.stderr))
+    assert unresolved == ["jreplicate.NoSuchThing", "jreplicate.no_such_module",
+                          "jreplicate.ps.placement.Placement"], proc.stderr
+    page = (tmp_path / "out" / "index.html").read_text()
+    assert 'href="#jreplicate.strategies.Layout"' in page  # the defining path, resolved
