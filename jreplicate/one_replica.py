@@ -58,10 +58,11 @@ def one_replica(fn: Callable[..., Any], *, axis_name: str = REPLICA_AXIS
       A function taking ``fn``'s arguments and returning its outputs.
 
     Raises:
-      TypeError / ValueError: ``fn`` is not callable, or ``axis_name`` is not a
-        non-empty str (at once); when called: the axis is bound already (inside
-        ``run``), or ``fn`` updates an NNX module it closes over instead of taking it
-        as an argument (the error names the fix).
+      TypeError: ``fn`` is not callable, or ``axis_name`` is not a non-empty str (at
+        once).
+      RuntimeError: when called where the axis is bound already (inside ``run``).
+      ValueError: when ``fn`` updates an NNX module it closes over instead of taking
+        it as an argument (the error names the fix).
 
     Example (a model written for ``jax.pmap``, called on a sample before training)::
 
