@@ -3,8 +3,9 @@
 The step's inputs arrive as flat leaves of the kinds of :class:`ArgKind`: replicated
 (in spec ``P()``), model-sharded (in spec ``P()`` too: it keeps its sharding, since the
 step is manual over the replica axis only) and per-replica (a :class:`PerReplica`,
-stacked on a leading replica axis, in spec ``P("replica")``). Flax NNX graph nodes
-among the arguments arrive as a state pytree and are merged inside the step. Output
+stacked on a leading replica axis, in spec ``P(layout.replica_axis)``). Flax NNX graph nodes
+among the arguments arrive as a state pytree and are merged inside the step, where
+their random streams draw per replica (:mod:`jreplicate.execution.nnx_rngs`). Output
 specs are chosen per leaf from whether the value varies across replicas (see
 :mod:`jreplicate._jax_compat`).
 
@@ -27,8 +28,8 @@ from jax.sharding import PartitionSpec as P
 from jreplicate import _jax_compat
 from jreplicate._jax_compat import varying_axes
 from jreplicate._tree import flatten_arrays, path_str
-from jreplicate.context import MaskedBatch, ReplicaContext
-from jreplicate.execution import fast, nnx_args
+from jreplicate.context import MaskedBatch, ReplicaContext, tracing_step
+from jreplicate.execution import fast, nnx_args, nnx_rngs
 from jreplicate.layout import Layout
 
 
@@ -121,12 +122,13 @@ def _body(fn: Callable, sig: Signature, layout: Layout, program: Program) -> Cal
         ctx = ReplicaContext(axis_name=axis, num_replicas=layout.num_replicas,
                              num_replicas_in_sync=layout.num_replicas_in_sync,
                              logical_devices_per_replica=m)
-        if sig.steps is None:
-            out, new_state = _call(fn, ctx, sig, batch, plain, state)
-            program.returns_args = _returns_args(out, plain)
-        else:
-            out, new_state = _loop(fn, ctx, sig, batch, plain, state, axis)
-            program.returns_args = True
+        with tracing_step(axis):
+            if sig.steps is None:
+                out, new_state = _call(fn, ctx, sig, batch, plain, state)
+                program.returns_args = _returns_args(out, plain)
+            else:
+                out, new_state = _loop(fn, ctx, sig, batch, plain, state, axis)
+                program.returns_args = True
         flat = _out_leaves(out, program)
         if graphdef is not None:
             flat += nnx_args.state_leaves(new_state, state, axis, graphdef, sig.node_pos)
@@ -159,6 +161,7 @@ def _call(fn: Callable, ctx: ReplicaContext, sig: Signature, batch: Any, plain: 
         ctx, batch = ctx.with_batch_mask(batch.mask), batch.batch
     nodes = nnx_args.merge(sig.graphdef, state) if sig.graphdef is not None else ()
     args = nnx_args.interleave(plain, nodes, sig.node_pos)
+    folded = nnx_rngs.fold_streams(nodes, ctx)  # each replica its own random streams
     try:
         out = fn(ctx, batch, *args) if sig.has_batch else fn(ctx, *args)
     except ValueError as e:
@@ -166,10 +169,29 @@ def _call(fn: Callable, ctx: ReplicaContext, sig: Signature, batch: Any, plain: 
         if better is None:
             raise
         raise better from e
+    except (NameError, AssertionError) as e:
+        name = _jax_compat.unbound_axis_in(e)
+        if name is None:
+            raise
+        raise _unbound_axis(name, ctx.axis_name) from e
+    out = nnx_rngs.restore(folded, out, ctx)  # the replicated keys leave the step
     if sig.graphdef is None:
         return out, None
     nnx_args.check_static_unchanged(sig.graphdef, state, nodes, sig.node_pos)
     return out, nnx_args.state_of(nodes, sig.graphdef)
+
+
+def _unbound_axis(name: str, axis: str) -> NameError:
+    """JAX's error for an unbound axis ``name`` in a step, explained: the step names an
+    axis that is not the strategy's replica axis ``axis``."""
+    return NameError(
+        f"unbound axis name: {name}. Replicator.run: the step uses mesh axis {name!r} "
+        f"(e.g. jax.lax.pmean(x, {name!r}) or nnx.BatchNorm(..., axis_name={name!r}), as "
+        "in a jax.pmap program), "
+        f"but this strategy's replica axis is {axis!r}. Create the strategy with "
+        f"axis_name={name!r} (e.g. jr.MirroredStrategy(axis_name={name!r})), or use "
+        "ctx.axis_name in the step."
+    )
 
 
 class Carry(NamedTuple):
@@ -342,11 +364,12 @@ def _match_carry(new: tuple, old: tuple, axis: str) -> tuple:
         x = jax.lax.convert_element_type(x, o.dtype)
         vx, vo = axis in varying_axes(x), axis in varying_axes(o)
         if vx and not vo:
+            kind = nnx_args.BATCH_STAT if "batch_stats" in where else nnx_args.OTHER
             raise ValueError(
                 f"Replicator.run(..., steps=K): the step returned {where} different on "
                 "each replica, but it is replicated state carried to the next step. "
-                "Aggregate it first (ctx.all_sum(...) / ctx.num_replicas), or pass a "
-                "PerReplica value if each replica keeps its own."
+                f"{nnx_args.varying_hint(kind, axis)} (Or pass a PerReplica value if each "
+                "replica keeps its own.)"
             )
         if vo and not vx:
             x = jax.lax.pcast(x, axis, to="varying")
