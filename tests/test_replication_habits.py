@@ -456,3 +456,19 @@ def test_the_check_reads_every_kind_of_step_without_failing(caplog):
     assert not [r for r in caplog.records if "could not read" in r.getMessage()]
     assert _habits(found) == ["invariant_all_reduce"]  # (the last one only)
     assert found[0].lineno == _line(constant, "jnp.sum(w)")
+
+
+def test_a_chosen_replica_axis_name_is_the_axis_checked():
+    """pmap's own axis name (MirroredStrategy(axis_name="batch")): the port keeps
+    `lax.pmean(grads, "batch")` and is warned about on that axis."""
+    rep = jr.Replicator(jr.MirroredStrategy(axis_name="batch"))
+    with rep.scope():
+        w = jnp.ones(3)
+
+    def step(ctx, batch, w):
+        x, y = batch
+        g = jax.grad(lambda w: jnp.mean(_per_example(w, x, y)))(w)
+        return w - LR * jax.lax.pmean(g, "batch")
+
+    _, found = _caught(lambda: rep.run(step, _data(), w))
+    assert _habits(found) == ["invariant_all_reduce", "mean_loss"]
