@@ -10,7 +10,10 @@ condition waits), so this file reimplements only its scheduling, in a discrete-e
 simulator: a FIFO of step closures (a lost worker's step back at its front with its id,
 at-least-once execution), bounded-staleness admission exactly as ``Coordinator.
 _may_start`` (a step starts only while every running step has run alongside fewer than
-tau others; idle workers first come, first served), token waits that do not block
+tau others; idle workers first come, first served), stale-synchronous admission by the
+real :class:`jreplicate.ps.admission.ClockGate` (mode ``"ssp"``: a worker starts a step
+only while its clock is at most ``tau`` ahead of the slowest live worker's; a dead
+worker leaves the minimum, a restarted one rejoins at it), token waits that do not block
 (``take_token`` with a deadline already past, retried whenever shard 0 may have a token),
 ``set_live_workers`` on deaths and restarts, the "relax" of one gradient per worker and
 step when every running step waits, and starvation (the waits cancelled). A worker's
@@ -60,13 +63,14 @@ import numpy as np  # noqa: E402
 import optax  # noqa: E402
 
 import jreplicate as jr  # noqa: E402
+from jreplicate.ps.admission import ClockGate, StatsRecorder  # noqa: E402
 from jreplicate.ps.client import ShardClient  # noqa: E402
 from jreplicate.ps.shard import PSShard, TokenTimeoutError  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _record  # noqa: E402
 
-MODES = ("async", "bounded", "gated")
+MODES = ("async", "bounded", "ssp", "gated")
 LR = 0.5
 DIM = 4
 
@@ -78,11 +82,12 @@ class SimConfig:
     Attributes:
       workers: simulated workers.
       shards: PS shards (one leaf of ``DIM`` floats each).
-      mode: ``"async"``, ``"bounded"`` (``max_staleness=tau``) or ``"gated"``
+      mode: ``"async"``, ``"bounded"`` (``max_staleness=tau``), ``"ssp"``
+        (``max_clock_lead=tau``) or ``"gated"``
         (``sync_replicas`` with ``replicas_to_aggregate = ceil(backup_frac * workers)``
         of ``workers``).
       steps: step closures scheduled at virtual time 0.
-      tau: the staleness bound of ``"bounded"``.
+      tau: the staleness bound of ``"bounded"``; the clock lead s of ``"ssp"``.
       backup_frac: ``"gated"``: the fraction of workers aggregated per step.
       shift, scale: step latency ``shift + Exp(scale)`` (virtual seconds).
       death: probability that a step attempt's worker dies.
@@ -143,6 +148,10 @@ class Sim:
         self.events: list = []
         self.seq = 0
         self.idle = collections.deque(range(cfg.workers))  # FIFO of idle workers
+        self.gate = ClockGate(cfg.tau, cfg.workers, StatsRecorder(1)) \
+            if cfg.mode == "ssp" else None
+        for w in self.idle if self.gate is not None else ():
+            self.gate.arrive(w)
         self.inflight: dict[int, int] = {}  # worker -> push id
         self.alongside: dict[int, int] = {}
         self.waiting: list[tuple[int, int]] = []  # token-gated: (worker, push id)
@@ -193,10 +202,17 @@ class Sim:
         if self.gated:
             self._retry_tokens()
         while self.queue and self.idle:
-            w = self.idle[0]  # first come, first served
-            if not self._may_start(w):
-                break
-            self.idle.popleft()
+            if self.gate is not None:  # the first idle worker within the clock lead
+                w = self.gate.first()
+                if w is None:
+                    break
+                self.gate.leave(w)
+                self.idle.remove(w)
+            else:
+                w = self.idle[0]  # first come, first served
+                if not self._may_start(w):
+                    break
+                self.idle.popleft()
             pid = self.queue.pop()
             if self.cfg.mode == "bounded":  # the steps each running step ran alongside
                 for v in self.inflight:
@@ -323,6 +339,9 @@ class Sim:
         self.completed += 1
         self._free(w)
         self.idle.append(w)
+        if self.gate is not None:
+            self.gate.tick(w)
+            self.gate.arrive(w)
 
     def _free(self, w: int) -> None:
         self.inflight.pop(w, None)
@@ -346,6 +365,8 @@ class Sim:
         self._free(w)
         self.workers[w] = _Worker(alive=False)
         self.live -= 1
+        if self.gate is not None:
+            self.gate.lose(w)
         self.queue.append(pid)  # back at the front, same id
         if self.gated:
             self.shards[0].set_live_workers(self._live())
@@ -355,6 +376,9 @@ class Sim:
         self.workers[w] = _Worker()
         self.live += 1
         self.idle.append(w)
+        if self.gate is not None:
+            self.gate.rejoin(w)
+            self.gate.arrive(w)
         if self.gated:
             self.shards[0].set_live_workers(self._live())
 
@@ -451,6 +475,8 @@ def steps_for(mode: str, workers: int, shards: int, scale: float = 1.0) -> int:
     show it; token-gated mode makes about one update per round of every worker."""
     if mode == "bounded":
         base = 200
+    elif mode == "ssp":  # ten rounds of every worker: the slowest clock binds
+        base = 10 * workers if workers >= 100 else 200
     elif mode == "gated":
         base = {10: 200, 100: 400, 1000: 2000}.get(workers, 2 * workers)
     else:
@@ -494,6 +520,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--workers", type=int, nargs="*", default=[10, 100, 1000])
     ap.add_argument("--shards", type=int, nargs="*", default=[1, 4, 16])
     ap.add_argument("--modes", nargs="*", default=list(MODES), choices=MODES)
+    ap.add_argument("--tau", type=int, default=4,
+                    help="bounded: the staleness bound; ssp: the clock lead")
     _record.add_argument(ap)
     args = ap.parse_args(argv)
     t0 = time.perf_counter()
@@ -503,13 +531,13 @@ def main(argv: list[str] | None = None) -> None:
         for w in args.workers:
             for s in args.shards:
                 rows.append(simulate(SimConfig(w, s, mode, steps_for(mode, w, s, args.scale),
-                                               seed=args.seed)))
+                                               tau=args.tau, seed=args.seed)))
                 print(f"  {mode} {w}x{s}: {rows[-1]['wall_s']:.2f} s", file=sys.stderr)
     shutil.rmtree(folder, ignore_errors=True)
     print(table(rows))
     print(f"\n{len(rows)} runs, invariant checked on each, {time.perf_counter() - t0:.1f} s "
           f"wall ({time.strftime('%Y-%m-%d', time.gmtime())}); latency 1 + Exp(0.5), "
-          "5 % deaths, tau 4, token-gated 0.9 x workers of workers.")
+          f"5 % deaths, tau (and ssp's s) {args.tau}, token-gated 0.9 x workers of workers.")
     keys = ["mode", "workers", "shards", "steps", "updates", "updates_per_s", "grads_per_s",
             "staleness_mean", "staleness_max", "dropped", "deaths", "half_pushes", "wall_s"]
     _record.write(args.json, "ps_scale_sim",

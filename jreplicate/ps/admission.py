@@ -7,6 +7,13 @@
   running step, the steps that ran alongside it (``alongside``) and admits a step only
   while that keeps every running step's count at most tau (tau = 0: one step at a time).
   Idle workers are admitted in the order they became idle.
+* :class:`ClockGate`: stale-synchronous parallel (``max_clock_lead=s``, Ho et al.,
+  NIPS'13). A worker's clock is its count of ended steps; a worker may start a step only
+  while its clock is at most s ahead of the slowest *live* worker's (of those that can
+  run the step), so about ``(s + 1) x workers`` steps run at once. A lost worker leaves
+  the minimum (its clock never blocks the others); a replaced one rejoins at the
+  slowest live worker's clock. Idle workers that may start are admitted in the order
+  they became idle. Both gates share one small protocol, :class:`AdmissionGate`.
 * :class:`StarvationDetector`: token-gated training. A worker counts as waiting for a
   token only while it blocks on shard 0's queue holding none it may take
   (``token_wait``); when every running step does and none is queued, nothing can push
@@ -26,7 +33,28 @@ import collections
 import threading
 import time
 from collections.abc import Callable
-from typing import NamedTuple
+from typing import NamedTuple, Protocol
+
+
+class AdmissionGate(Protocol):
+    """When an idle worker may start a step (called under the queue's lock).
+
+    ``arrive``/``leave`` bracket a worker's wait for a step; ``admits`` decides;
+    ``start``/``stop`` follow a step in and out of flight; ``tick`` ends a step on a
+    worker (its clock moves on); ``lose``/``rejoin`` follow a worker's loss and return.
+    """
+
+    bounded: bool
+
+    def arrive(self, worker: int) -> None: ...
+    def leave(self, worker: int) -> None: ...
+    def admits(self, worker: int, can_run: Callable[[int], bool],
+               running: dict[int, int]) -> bool: ...
+    def start(self, step_id: int) -> None: ...
+    def stop(self, step_id: int) -> None: ...
+    def tick(self, worker: int) -> None: ...
+    def lose(self, worker: int) -> None: ...
+    def rejoin(self, worker: int) -> None: ...
 
 
 class StalenessGate:
@@ -83,6 +111,122 @@ class StalenessGate:
 
     def stop(self, step_id: int) -> None:
         self._alongside.pop(step_id, None)
+
+    @property
+    def bounded(self) -> bool:
+        """Whether the gate ever refuses (tau set)."""
+        return self.tau is not None
+
+    # Bounded delay counts steps in flight, not workers' clocks: nothing to follow.
+    def tick(self, worker: int) -> None:
+        del worker
+
+    def lose(self, worker: int) -> None:
+        del worker
+
+    def rejoin(self, worker: int) -> None:
+        del worker
+
+
+class ClockGate:
+    """Admission under stale-synchronous parallel (see the module docstring).
+
+    Args:
+      lead: s, the most clocks a worker may be ahead of the slowest live worker when it
+        starts a step (0: no worker starts its step c+1 before every live worker ended
+        c steps).
+      workers: the number of workers (all live, at clock 0: a new job's, or a restored
+        one's: clocks are relative, so a restore starts them level).
+      stats: where the largest lead admitted is recorded (``saw_clock_lead``).
+
+    >>> g = ClockGate(lead=0, workers=2, stats=StatsRecorder(2))
+    >>> g.arrive(0); g.admits(0, lambda w: True, running={})
+    True
+    >>> g.leave(0); g.tick(0); g.arrive(0)  # worker 0 ended a step: 1 clock ahead
+    >>> g.admits(0, lambda w: True, running={})
+    False
+    >>> g.lose(1); g.admits(0, lambda w: True, running={})  # worker 1 no longer counts
+    True
+    """
+
+    bounded = True
+
+    def __init__(self, lead: int, workers: int, stats: StatsRecorder):
+        self.lead = lead
+        self._stats = stats
+        self.clocks = [0] * workers
+        self._live = [True] * workers
+        self._idle: dict[int, int] = {}  # in arrival order: worker -> its ticket
+        self._tickets = 0
+        self._max = 0
+
+    def arrive(self, worker: int) -> None:
+        """``worker`` starts waiting for a step (joins the end of the idle order)."""
+        self._tickets += 1
+        self._idle.pop(worker, None)
+        self._idle[worker] = self._tickets
+
+    def leave(self, worker: int) -> None:
+        self._idle.pop(worker, None)
+
+    def slowest(self, can_run: Callable[[int], bool] | None = None) -> int | None:
+        """The smallest clock of the live workers that ``can_run`` the step (None: no
+        such worker)."""
+        return min((c for v, c in enumerate(self.clocks)
+                    if self._live[v] and (can_run is None or can_run(v))), default=None)
+
+    def first(self, can_run: Callable[[int], bool] | None = None) -> int | None:
+        """The first idle worker (in arrival order) that may start a step now."""
+        low = self.slowest(can_run)
+        for v in self._idle:
+            if (can_run is None or can_run(v)) and self._ok(v, low):
+                return v
+        return None
+
+    def _ok(self, v: int, low: int | None) -> bool:
+        # A worker outside the minimum (lost, or unable to run the step) is never held
+        # back by itself: low is None only when no live worker can run the step.
+        return low is None or self.clocks[v] - low <= self.lead
+
+    def admits(self, worker: int, can_run: Callable[[int], bool],
+               running: dict[int, int]) -> bool:
+        """Whether idle ``worker`` may start a step now: its clock is at most ``lead``
+        ahead of the slowest live worker's that can run it, and no idle worker that may
+        start came before it. ``running`` is not needed (clocks say it all). A True
+        answer is taken as the start of a step by ``worker`` (its lead is recorded)."""
+        del running
+        if self.first(can_run) != worker:
+            return False
+        low = self.slowest(can_run)
+        n = 0 if low is None else self.clocks[worker] - low
+        if n > self._max:
+            self._max = n
+            self._stats.saw_clock_lead(n)
+        return True
+
+    def start(self, step_id: int) -> None:
+        del step_id
+
+    def stop(self, step_id: int) -> None:
+        del step_id
+
+    def tick(self, worker: int) -> None:
+        """A step ended on ``worker`` (completed, or failed there): its clock moves on."""
+        self.clocks[worker] += 1
+
+    def lose(self, worker: int) -> None:
+        """``worker`` was lost: its clock no longer holds the others back."""
+        self._live[worker] = False
+        self._idle.pop(worker, None)
+
+    def rejoin(self, worker: int) -> None:
+        """``worker`` is back (replaced): it rejoins at the slowest live worker's clock
+        (or its own, if later), so that the others' leads over it stay within bounds
+        and the bound on the staleness of updates holds."""
+        low = self.slowest()
+        self._live[worker] = True
+        if low is not None:
+            self.clocks[worker] = max(self.clocks[worker], low)
 
 
 class StarvationDetector:
@@ -158,6 +302,7 @@ class CoordinatorStats(NamedTuple):
     max_alongside: int  # the most steps one step ran alongside (bounds its staleness)
     finish_times: tuple[tuple[float, ...], ...]  # per worker, time.monotonic(): the latest
     not_run_end_of_input: int
+    max_clock_lead: int = 0  # max_clock_lead: the largest lead of a worker admitted
 
 
 #: Finish times kept per worker (the latest: a long job's stats stay bounded).
@@ -178,6 +323,7 @@ class StatsRecorder:
         self._counts = dict.fromkeys(
             ("scheduled", "rescheduled", "replaced", "not_run_end_of_input"), 0)
         self._max_alongside = 0
+        self._max_clock_lead = 0
         self._completed = [0] * workers
         self._finish_times = [collections.deque(maxlen=FINISH_TIMES) for _ in range(workers)]
 
@@ -194,6 +340,10 @@ class StatsRecorder:
         with self._lock:
             self._max_alongside = max(self._max_alongside, n)
 
+    def saw_clock_lead(self, n: int) -> None:
+        with self._lock:
+            self._max_clock_lead = max(self._max_clock_lead, n)
+
     def snapshot(self) -> CoordinatorStats:
         with self._lock:
             times = tuple(tuple(t) for t in self._finish_times)
@@ -203,4 +353,5 @@ class StatsRecorder:
                 rescheduled=self._counts["rescheduled"],
                 replaced=self._counts["replaced"], max_alongside=self._max_alongside,
                 finish_times=times,
-                not_run_end_of_input=self._counts["not_run_end_of_input"])
+                not_run_end_of_input=self._counts["not_run_end_of_input"],
+                max_clock_lead=self._max_clock_lead)

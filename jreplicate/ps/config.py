@@ -25,6 +25,7 @@ class PSConfig:
       layout: the :class:`jreplicate.layout.Layout` of the workers' replicas.
       carrier: ``"embedded"`` or ``"ray"``.
       max_staleness: the bounded delay tau, or None.
+      max_clock_lead: stale-synchronous parallel's clock lead s, or None.
       max_attempts: tries of a step before its error is raised.
       token_timeout: seconds a worker waits for a token (token-gated).
       skip_stale_tokens: whether a worker skips tokens older than its last step.
@@ -53,6 +54,7 @@ class PSConfig:
     min_slice_bytes: int
     ray_worker_options: tuple = ()
     ray_shard_options: tuple = ()
+    max_clock_lead: int | None = None
 
     @property
     def num_workers(self) -> int:

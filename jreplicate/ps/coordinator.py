@@ -37,7 +37,10 @@ and the shards, and training stops (the shards disagree: restore the last checkp
 Bounded staleness (``max_staleness=tau``): a worker starts a step only while the
 :class:`~jreplicate.ps.admission.StalenessGate` admits it. The shards drop a push staler
 than tau all the same (``stale`` in the ledger), which only a step outliving its worker
-can cause.
+can cause. Stale-synchronous parallel (``max_clock_lead=s``): the
+:class:`~jreplicate.ps.admission.ClockGate` admits a worker only while its clock (steps
+ended on it) is at most s ahead of the slowest live worker's; a lost worker leaves the
+minimum, a replaced one rejoins at the slowest live clock.
 
 Token-gated mode: when every running step waits for a token, none is queued and shard 0
 has none to give, ``join`` cancels the waits (:class:`StepCancelledError`; see
@@ -62,6 +65,8 @@ from collections.abc import Callable
 from typing import Any
 
 from jreplicate.ps.admission import (
+    AdmissionGate,
+    ClockGate,
     CoordinatorStats,
     StalenessGate,
     StarvationDetector,
@@ -107,6 +112,8 @@ class Coordinator:
         when it is lost, the steps started after the lost one never ran: they go back
         to the queue without counting as an attempt.
       max_staleness: the bounded delay tau, or None (fully asynchronous).
+      max_clock_lead: stale-synchronous parallel's s, or None (exclusive with
+        ``max_staleness``).
       max_attempts: runs of one closure before its step fails.
       is_shard_failure: tells a shard's failure from a worker's (Ray's errors).
       interrupt: makes every token wait raise (join cancels them).
@@ -140,7 +147,8 @@ class Coordinator:
     IDLE_EXIT = 5.0  # seconds a worker thread waits for work before it exits
 
     def __init__(self, runners: list[Callable], *, depth: int = 1,
-                 max_staleness: int | None = None, max_attempts: int = 4,
+                 max_staleness: int | None = None, max_clock_lead: int | None = None,
+                 max_attempts: int = 4,
                  is_shard_failure: Callable[[BaseException], bool] | None = None,
                  interrupt: Callable[[], None] | None = None,
                  on_worker_lost: Callable[[int], None] | None = None,
@@ -152,9 +160,12 @@ class Coordinator:
                  skip: Callable[[int], None] | None = None,
                  forget: Callable[[int], None] | None = None,
                  record: StepRecord | None = None):
-        if depth > 1 and max_staleness is not None:
+        if depth > 1 and (max_staleness is not None or max_clock_lead is not None):
             raise ValueError("Coordinator(depth > 1): bounded staleness admits one step "
                              "per worker at a time.")
+        if max_staleness is not None and max_clock_lead is not None:
+            raise ValueError("Coordinator: pass max_staleness (bounded delay) or "
+                             "max_clock_lead (stale-synchronous), not both.")
         self._runners = runners
         self._depth = depth
         self._max_attempts = max_attempts
@@ -169,7 +180,9 @@ class Coordinator:
         self._skip = skip or _ignore
         self._forget = forget or _ignore
         self._stats = StatsRecorder(len(runners))
-        self._gate = StalenessGate(max_staleness, self._stats)
+        self._gate: AdmissionGate = (
+            StalenessGate(max_staleness, self._stats) if max_clock_lead is None
+            else ClockGate(max_clock_lead, len(runners), self._stats))
         self._starvation = StarvationDetector(self.STARVED_AFTER)
         self._queue = ClosureQueue(on_start=lambda c: self._gate.start(c.step_id),
                                    on_stop=lambda c: self._gate.stop(c.step_id))
@@ -338,6 +351,7 @@ class Coordinator:
     def kill(self, worker: int) -> None:
         with self._queue.lock:
             self._alive[worker] = False
+            self._gate.lose(worker)
             self._notify_all()
 
     @property
@@ -373,7 +387,7 @@ class Coordinator:
         """The next closure ``w`` may run, marked running (None: stop, or none now when
         not ``wait``-ing)."""
         q, gate = self._queue, self._gate
-        kw = {} if gate.tau is None else {"admit": lambda c: gate.admits(
+        kw = {} if not gate.bounded else {"admit": lambda c: gate.admits(
             w, lambda v: self._can_run(v, c), q.running())}
         with q.lock:
             gate.arrive(w)
@@ -477,6 +491,7 @@ class Coordinator:
         with self._queue.lock:
             if error is not None:
                 error = self._ended(c, error, resolved)
+            self._gate.tick(w)  # before mark_finished wakes the takers
             self._queue.mark_finished(c)
             self._starvation.moved()
             rv = self._values.pop(c.step_id)
@@ -587,6 +602,7 @@ class Coordinator:
         with self._queue.lock:
             self.record.note_fate(c.step_id, answers[0])
             self._alive[w] = False
+            self._gate.lose(w)
             if self._replace is not None and not self._queue.stopped:
                 self._replacing.add(w)
             rv = self._values[c.step_id]
@@ -635,6 +651,7 @@ class Coordinator:
             self._replacing.discard(w)
             if ok and not self._queue.stopped:
                 self._alive[w] = True
+                self._gate.rejoin(w)
                 self._stats.count("replaced")
             elif not self._any_live() and self._queue.queued:
                 self._fail_all(ParameterServerError(

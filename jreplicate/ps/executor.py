@@ -80,12 +80,13 @@ class ParameterServerExecutor(Executor):
                 "transformation was initialised inside rep.scope(). Use one (e.g. "
                 "optax.multi_transform for parts of the parameters).")
         s = self.config
-        if s.max_staleness is not None and _is_sync(opt_state):
-            raise ValueError(
-                f"ParameterServerStrategy(max_staleness={s.max_staleness}) bounds the "
-                "staleness of asynchronous updates; a sync_replicas transformation is "
-                "token-gated (no stale gradient is applied). Drop max_staleness, or use a "
-                "plain optax transformation.")
+        for name in ("max_staleness", "max_clock_lead"):
+            if getattr(s, name) is not None and _is_sync(opt_state):
+                raise ValueError(
+                    f"ParameterServerStrategy({name}={getattr(s, name)}) bounds the "
+                    "staleness of asynchronous updates; a sync_replicas transformation is "
+                    f"token-gated (no stale gradient is applied). Drop {name}, or use a "
+                    "plain optax transformation.")
         if "flax.nnx" in sys.modules:  # nnx.Optimizer passes a State of Variables
             from flax import nnx
             if isinstance(params, nnx.State):
@@ -120,7 +121,8 @@ class ParameterServerExecutor(Executor):
         self.client = self._carrier.client
         self.coordinator = Coordinator(
             self._carrier.runners, depth=self._carrier.depth, max_staleness=s.max_staleness,
-            max_attempts=s.max_attempts, is_shard_failure=self._carrier.is_shard_failure,
+            max_clock_lead=s.max_clock_lead, max_attempts=s.max_attempts,
+            is_shard_failure=self._carrier.is_shard_failure,
             interrupt=self._carrier.interrupt, on_worker_lost=self._carrier.workers_alive,
             on_relax=lambda relax: self._carrier.workers_alive(
                 0 if relax else sum(self.coordinator.alive)),

@@ -183,8 +183,9 @@ class RayCarrier:
         # Asynchronous unbounded training keeps two steps in flight per worker actor, so
         # its task queue never runs dry; the second starts from the parameters its
         # worker's previous push returned (see PSWorker). Bounded staleness admits one
-        # step per worker; token-gated steps take a token each.
-        self.depth = 2 if not gated and s.max_staleness is None else 1
+        # step per worker (either form); token-gated steps take a token each.
+        self.depth = 2 if not gated and s.max_staleness is None \
+            and s.max_clock_lead is None else 1
         if self.depth > 1:
             ray.get([w.return_params.remote() for w in self.workers], timeout=300)
         self._drops = [collections.deque() for _ in self.workers]  # step ids let go

@@ -88,7 +88,14 @@ class ParameterServerStrategy(Strategy):
         ``jreplicate.ps.placement.place_parameters``.
       max_staleness: bounded staleness tau (None: fully asynchronous): no applied
         update is more than tau updates stale (Li et al., OSDI'14); workers wait
-        rather than exceed it, tau = 0 is sequential. Asynchronous mode only.
+        rather than exceed it, tau = 0 is sequential. Asynchronous mode only. About
+        tau + 1 steps run at once whatever the number of workers.
+      max_clock_lead: stale-synchronous parallel s (Ho et al., NIPS'13; None: not
+        used): a worker's clock is its count of ended steps, and it starts a step only
+        while its clock is at most s ahead of the slowest live worker's, so about
+        ``(s + 1) x num_workers`` steps run at once; an applied update is then at most
+        ``(num_workers - 1) x (2s + 1)`` updates stale. A lost worker no longer holds
+        the others back. Asynchronous mode only; not with ``max_staleness``.
       token_timeout: seconds a token wait may last (token-gated mode) before the step
         fails with a clear error.
       skip_stale_tokens: token-gated mode: a worker drops tokens older than
@@ -154,6 +161,7 @@ class ParameterServerStrategy(Strategy):
     def __init__(self, num_ps: int = 1, num_workers: int | None = None, *,
                  num_replicas_in_sync: int = 1, devices: Sequence[jax.Device] | None = None,
                  placement: str = "size_balanced", max_staleness: int | None = None,
+                 max_clock_lead: int | None = None,
                  token_timeout: float = 60.0, skip_stale_tokens: bool = True,
                  max_attempts: int = 4, carrier: str = "embedded",
                  min_slice_bytes: int = 256 << 10,
@@ -180,6 +188,15 @@ class ParameterServerStrategy(Strategy):
         if max_staleness is not None:
             max_staleness = _count("max_staleness", max_staleness, 0,
                                    "the bounded delay tau, or None for none")
+        if max_clock_lead is not None:
+            max_clock_lead = _count("max_clock_lead", max_clock_lead, 0,
+                                    "the clocks a worker may lead the slowest by, or None")
+            if max_staleness is not None:
+                raise ValueError(
+                    f"ParameterServerStrategy(max_staleness={max_staleness}, "
+                    f"max_clock_lead={max_clock_lead}): choose one form of bounded "
+                    "staleness: max_staleness (bounded delay: at most tau updates stale) "
+                    "or max_clock_lead (stale-synchronous: at most s clocks ahead).")
         if carrier not in ("embedded", "ray"):
             raise ValueError(f"ParameterServerStrategy(carrier={carrier!r}) must be "
                              "'embedded' (threads in this process) or 'ray'.")
@@ -193,6 +210,7 @@ class ParameterServerStrategy(Strategy):
         warn_if_gpus_unused(self._ray_options[0], devs[0].platform, g)
         self.num_ps = num_ps
         self.max_staleness = max_staleness
+        self.max_clock_lead = max_clock_lead
         self.token_timeout = float(token_timeout)
         self.skip_stale_tokens = bool(skip_stale_tokens)
         self.max_attempts = _count("max_attempts", max_attempts, 1, "tries of a step")
@@ -248,6 +266,7 @@ class ParameterServerStrategy(Strategy):
             worker_devices=tuple(tuple(g) for g in self.worker_devices),
             num_replicas_in_sync=self.num_replicas_in_sync, layout=self.layout,
             carrier=self.carrier, max_staleness=self.max_staleness,
+            max_clock_lead=self.max_clock_lead,
             max_attempts=self.max_attempts, token_timeout=self.token_timeout,
             skip_stale_tokens=self.skip_stale_tokens,
             placement_policy=self.placement_policy, min_slice_bytes=self.min_slice_bytes,
@@ -293,13 +312,16 @@ class ParameterServerStrategy(Strategy):
         """Scheduling counters: scheduled, completed, completed_by (per worker),
         rescheduled, alive, replaced (lost workers that came back: Ray restarted their
         actors), max_alongside (the most steps one step ran alongside: a
-        bound on the staleness of its update, at most ``max_staleness``), finish_times
+        bound on the staleness of its update, at most ``max_staleness``),
+        max_clock_lead (``max_clock_lead``: the largest clock lead over the slowest live
+        worker with which a worker started a step, at most ``max_clock_lead``), finish_times
         (per worker, ``time.monotonic()`` of each of its latest 1000 completed steps)."""
         c = self._ex().coordinator
         st = c.stats()
         return {"scheduled": st.scheduled, "completed": st.completed,
                 "completed_by": list(st.completed_by), "rescheduled": st.rescheduled,
                 "alive": c.alive, "replaced": st.replaced, "max_alongside": st.max_alongside,
+                "max_clock_lead": st.max_clock_lead,
                 "finish_times": [list(t) for t in st.finish_times]}
 
     def state(self) -> dict[str, Any]:
