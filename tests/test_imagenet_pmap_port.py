@@ -10,6 +10,8 @@ one-device reference computed by Flax's own code. The port a user is tempted to 
 
 import contextlib
 import functools
+import inspect
+import pathlib
 import types
 
 import jax
@@ -183,10 +185,16 @@ def test_the_ported_step_with_a_donated_train_state_equals_one_device(dynamic_sc
         assert int(ref_state.dynamic_scale.fin_steps) == STEPS
 
 
-def test_the_tempting_port_keeping_pmean_grads_updates_8_times_as_far():
+def _line_of(module, text):
+    source = inspect.getsource(module).splitlines()
+    (line,) = [i + 1 for i, s in enumerate(source) if text in s]
+    return line
+
+
+def test_the_tempting_port_keeping_pmean_grads_updates_8_times_as_far_and_is_reported():
     """Flax's train_step as it is under ``rep.run`` (a per-replica mean loss, its L2
     penalty on every replica, ``lax.pmean(grads)``): the metrics are right, the update
-    is 8.000 times the one-device update."""
+    is 8.000 times the one-device update, and run names each of the lines."""
     start = _state(False)
     ref_state, ref_metrics = _pmap_one_device(False)[0]
     rep = _replicator()
@@ -194,7 +202,17 @@ def test_the_tempting_port_keeping_pmean_grads_updates_8_times_as_far():
     def tempting(ctx, batch, state):  # ctx unused: the pmap step as it was
         return original.train_step(state, batch, learning_rate_fn=LEARNING_RATE)
 
-    wrong, metrics = rep.run(tempting, _batches()[0], rep.replicate(start))
+    with pytest.warns(jr.ReplicationHabitWarning) as caught:
+        wrong, metrics = rep.run(tempting, _batches()[0], rep.replicate(start))
+    reported = sorted((pathlib.Path(w.filename).name, w.lineno) for w in caught
+                      if w.category is jr.ReplicationHabitWarning)
+    assert reported == [("original.py", _line_of(original, text)) for text in (
+        "return jnp.mean(xentropy)",  # the per-replica mean loss
+        "loss = loss + weight_penalty",  # the L2 penalty on every replica
+        "grads = lax.pmean(grads, axis_name='batch')",
+        "batch_stats=lax.pmean(new_model_state['batch_stats'], 'batch')",
+    )], [str(w.message) for w in caught]
+
     right_update = jax.tree_util.tree_map(np.subtract, ref_state.params, start.params)
     wrong_update = jax.tree_util.tree_map(np.subtract, wrong.params, start.params)
     _assert_trees_close(wrong_update, jax.tree_util.tree_map(lambda u: 8 * u, right_update),
