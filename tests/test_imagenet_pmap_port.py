@@ -33,7 +33,7 @@ def _config(**overrides):
     config = get_config()
     # 1437 training digits // 256 = 5 steps per epoch: 6 steps run one evaluation.
     config.update(batch_size=256, image_size=8, num_train_steps=6, steps_per_eval=1,
-                  log_every_steps=1, **overrides)
+                  log_every_steps=1, learning_rate=0.1, **overrides)
     return config
 
 
