@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import threading
 from collections.abc import Iterator
 from typing import Any, TypeVar
 
@@ -14,8 +15,43 @@ from jax.sharding import Mesh
 from jreplicate._jax_compat import axis_bound
 from jreplicate._jax_compat import varying_axes as _varying
 from jreplicate._tree import check_array_leaves, covers
+from jreplicate.layout import REPLICA_AXIS
 
 T = TypeVar("T")
+
+_TRACING = threading.local()  # .axes: the replica axes of the steps traced in this thread
+
+
+@contextlib.contextmanager
+def tracing_step(axis_name: str) -> Iterator[None]:
+    """Marks the step being traced (by the executor, in this thread) as running over
+    replica axis ``axis_name``, for :func:`active_axis_name`."""
+    axes = _TRACING.__dict__.setdefault("axes", [])
+    axes.append(axis_name)
+    try:
+        yield
+    finally:
+        axes.pop()
+
+
+def active_axis_name() -> str | None:
+    """The replica axis of the innermost step :meth:`jreplicate.Replicator.run` is
+    tracing in this thread, or ``None`` outside a step."""
+    axes = getattr(_TRACING, "axes", None)
+    return axes[-1] if axes else None
+
+
+def replica_axis_or_none(axis_name: str | None) -> str | None:
+    """The replica axis a helper with an ``axis_name=`` argument works over, or ``None``
+    when that axis is not bound (outside a replica context).
+
+    ``axis_name=None`` (the helpers' default) means the axis of the step ``run`` is
+    tracing (the strategy's ``axis_name``), else :data:`jreplicate.REPLICA_AXIS` when a
+    hand-written ``jax.shard_map`` binds it; a name given is used as it is.
+    """
+    if axis_name is None:
+        axis_name = active_axis_name() or REPLICA_AXIS
+    return axis_name if axis_bound(axis_name) else None
 
 
 class ReplicaContext:
@@ -293,7 +329,15 @@ class PerReplica:
         return cls(children[0], *aux)
 
     def __len__(self) -> int:
-        return int(self.array.shape[0])
+        shape = np.shape(self.array)
+        if not shape:
+            raise TypeError(
+                f"This PerReplica holds a {type(self.array).__name__} of shape {shape}, not "
+                "an array with a leading replica axis: a function mapped over the tree "
+                "(e.g. flax.jax_utils.unreplicate, which takes x[0]) replaced its "
+                "per-replica values. Index the PerReplica (x[i] is replica i's value) or "
+                "read rep.local_results(x) instead.")
+        return int(shape[0])
 
     def __getitem__(self, i: int) -> jax.Array:
         n = len(self)
@@ -336,4 +380,6 @@ class PerReplica:
         return self.array.dtype
 
     def __repr__(self) -> str:
+        if not np.shape(self.array):
+            return f"PerReplica(array={self.array!r})"
         return f"PerReplica(num_replicas={len(self)}, shape={self.shape}, dtype={self.dtype})"
