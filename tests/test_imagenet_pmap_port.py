@@ -9,6 +9,7 @@ one-device reference computed by Flax's own code. The port a user is tempted to 
 """
 
 import contextlib
+import difflib
 import functools
 import inspect
 import pathlib
@@ -100,6 +101,23 @@ def test_the_port_on_8_replicas_equals_the_pmap_original_on_one_device(monkeypat
     # The port's state is replicated on the 8 devices, as one array per leaf.
     kernel = port_state.params["conv_init"]["kernel"]
     assert kernel.sharding.is_fully_replicated and len(kernel.sharding.device_set) == 8
+
+
+def test_every_change_of_the_port_is_marked():
+    """``diff original.py train.py`` is the port: each changed stretch of train.py
+    carries a ``[jr]`` mark (a deletion, within three lines of it), so the note at the top of
+    train.py and the marks list every change."""
+    folder = pathlib.Path(train.__file__).parent
+    before = (folder / "original.py").read_text().splitlines()
+    after = (folder / "train.py").read_text().splitlines()
+    unmarked = []
+    matcher = difflib.SequenceMatcher(None, before, after, autojunk=False)
+    for tag, i1, i2, j1, j2 in matcher.get_opcodes():
+        near = after[j1:j2] if j2 > j1 else after[max(j1 - 3, 0):j1 + 3]
+        if tag != "equal" and not any("[jr]" in line for line in near):
+            unmarked.append((before[i1:i2], after[j1:j2]))
+    assert not unmarked, unmarked
+    assert sum("[jr]" in line for line in after) > 20
 
 
 # -- the step itself, on a small model: the tempting port, DynamicScale, donation --------

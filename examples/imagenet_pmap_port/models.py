@@ -12,8 +12,8 @@
 # See the License for the specific language governing permissions and
 # limitations under the License.
 
-# Flax's examples/imagenet/models.py as of google/flax@18f8f311 (the ImageNet example's
-# last pmap version), unchanged: only this comment is added. The port (train.py) uses the
+# Flax's examples/imagenet/models.py as of google/flax@18f8f311 (the ImageNet example on
+# `jax.pmap`), unchanged: only this comment is added. The port (train.py) uses the
 # model as it is, `BatchNorm(axis_name='batch')` included. Kept verbatim, so ruff's
 # import rules are silenced for this file:
 # ruff: noqa: F401, I001, UP035

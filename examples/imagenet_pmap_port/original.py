@@ -12,8 +12,9 @@
 # See the License for the specific language governing permissions and
 # limitations under the License.
 
-# Flax's examples/imagenet/train.py as of google/flax@18f8f311, its last version on
-# `jax.pmap`, kept as it is but for the data source and what is not installed here.
+# Flax's examples/imagenet/train.py as of google/flax@18f8f311 (July 2026; the example
+# still trains with `jax.pmap` there), kept as it is but for the data source and what is
+# not installed here.
 # Every changed line is marked `# [digits]` or `# [not installed]`; removed blocks are
 # named where they were:
 #   - tensorflow / tensorflow_datasets / input_pipeline (ImageNet) -> stand_ins (digits);

@@ -50,6 +50,7 @@ import time
 from typing import Any
 
 from absl import logging
+# [jr] no flax.jax_utils: no replicate, unreplicate or prefetch_to_device
 from flax.training import common_utils
 from flax.training import dynamic_scale as dynamic_scale_lib
 from flax.training import train_state
@@ -293,6 +294,7 @@ def train_and_evaluate(
 
   if config.batch_size % jax.device_count() > 0:
     raise ValueError('Batch size must be divisible by the number of devices')
+  # [jr] no local_batch_size: each input_fn divides the global batch
 
   platform = jax.local_devices()[0].platform
 
