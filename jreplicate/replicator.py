@@ -216,6 +216,14 @@ class Replicator:
         automatically (the transpose of replication); scale each replica's loss with
         :func:`jreplicate.compute_average_loss` to get the global-batch mean.
 
+        Random streams of Flax NNX arguments (an ``nnx.Rngs``, the stream an
+        ``nnx.Dropout`` keeps) draw per replica, as rows draw independently on one
+        device: inside the step each key is ``jax.random.fold_in(key, ctx.replica_id)``
+        (with more than one replica), and the module keeps its key, its count advanced
+        as on one device. :func:`jreplicate.same_on_every_replica` marks streams that
+        should draw alike; a raw ``jax.random`` key argument is the same on every
+        replica.
+
         Args:
           fn: the step function, any callable. Compiled once per input signature
             and function object, by identity: distinct objects are distinct steps even

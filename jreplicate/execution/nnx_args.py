@@ -70,7 +70,9 @@ class PytreeDef:
         return hash(self.treedef)
 
     def __eq__(self, other: Any) -> bool:
-        return isinstance(other, PytreeDef) and other.treedef == self.treedef
+        # (type(self), not the module's global: a cache entry may be dropped while the
+        # interpreter exits, after the module's globals are gone)
+        return type(other) is type(self) and other.treedef == self.treedef
 
 
 def is_variable(x: Any) -> bool:
