@@ -1,0 +1,196 @@
+"""Flax's NNX MNIST tutorial (original.py) ported to jreplicate: 8 replicas, one program.
+
+The program of ``original.py`` (Flax's docs_nnx/mnist_tutorial.md on scikit-learn's
+digits), data-parallel over the devices with ``jr.MirroredStrategy``: each step's batch
+of 32 is split into 8 per-replica batches of 4, and the result equals the one-device
+program to float tolerance (``tests/test_nnx_mnist_port.py``; with dropout on, the masks
+are drawn per replica, so the numbers differ as two dropout seeds do). The lines changed
+from ``original.py`` (``diff original.py train.py`` shows each):
+
+1. ``rep = jr.Replicator(jr.MirroredStrategy())``, and the model, optimizer and
+   metrics created in ``rep.scope()`` (placed replicated on every device);
+2. ``nnx.BatchNorm(..., axis_name=jr.REPLICA_AXIS)``: the batch statistics are those
+   of the global batch (over every replica), as on one device; without it each replica
+   normalises with its own 4 examples and run refuses the per-replica running stats;
+3. ``loss_fn``: ``jr.compute_average_loss(per_example, batch_size)`` instead of
+   ``.mean()``: the gradients of replicated state are summed over the replicas, so each
+   replica's loss is its share of the global batch's mean (``.mean()`` would give 8x
+   8x the one-device update, as ``tests/test_nnx_mnist_port.py`` shows);
+4. ``@nnx.jit`` removed from the steps, which take ``ctx`` and the batch first, and
+   run as ``rep.run(step, batch, *state)``: run compiles them (``jax.jit`` over
+   ``shard_map``) and updates the NNX arguments in place, as ``nnx.jit`` does;
+5. the metrics are fed the global batch's values, identical on every replica:
+   ``loss=ctx.all_sum(loss)`` (the global mean, as ``loss`` is a share of it) and the
+   logits and labels of every replica (``ctx.all_gather``), so ``metrics.compute()``
+   gives the one-device numbers;
+6. ``pred_step``'s predictions come back per replica (``jr.PerReplica``): ``.array``
+   is ``[8, 4]``, reshaped to the batch's 32;
+7. the shape check runs inside ``run``, one row of ones per replica (BatchNorm with an
+   ``axis_name`` needs its axis, which only a step has; the statistics of 8 equal rows
+   are those of the one row the tutorial uses, so the running statistics it leaves are
+   the original's).
+
+``nnx.Rngs`` and ``nnx.Optimizer`` are passed to ``run`` like the model; their state is
+updated in place. Run: ``python examples/nnx_mnist_port/train.py`` (8 simulated CPU
+devices where there is no accelerator).
+"""
+# ruff: noqa: E501 - the tutorial's own long lines, kept as they are
+
+import os
+
+if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+  os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")  # 8 CPU devices where there
+                             + " --xla_force_host_platform_device_count=8").strip()  # is no GPU/TPU
+
+from functools import partial  # noqa: E402
+
+import jax.numpy as jnp  # JAX NumPy  # noqa: E402
+import numpy as np  # noqa: E402
+import optax  # noqa: E402
+from flax import nnx  # The Flax NNX API.  # noqa: E402
+from tutorial_stand_ins import SummaryWriter, load_dataset  # noqa: E402
+
+import jreplicate as jr  # noqa: E402
+
+train_steps = 40
+eval_every = 10
+batch_size = 32
+
+dataset = load_dataset('mnist')
+train_ds = dataset['train'].shuffle(seed=0)
+test_ds = dataset['test']
+
+def make_batches(ds, batch_size):
+  """Yield batches of normalized (image, label) numpy arrays."""
+  for i in range(0, len(ds), batch_size):
+    batch = ds[i : i + batch_size]
+    if len(batch['label']) < batch_size:  # drop incomplete final batch
+      break
+    images = np.stack([
+      np.array(img, dtype=np.float32)[..., None] / 255.0
+      for img in batch['image']
+    ])
+    yield {'image': images, 'label': np.array(batch['label'])}
+
+
+class CNN(nnx.Module):
+  """A simple CNN model."""
+
+  def __init__(self, *, rngs: nnx.Rngs):
+    self.conv1 = nnx.Conv(1, 32, kernel_size=(3, 3), rngs=rngs)
+    self.batch_norm1 = nnx.BatchNorm(32, axis_name=jr.REPLICA_AXIS, rngs=rngs)
+    self.dropout1 = nnx.Dropout(rate=0.025)
+    self.conv2 = nnx.Conv(32, 64, kernel_size=(3, 3), rngs=rngs)
+    self.batch_norm2 = nnx.BatchNorm(64, axis_name=jr.REPLICA_AXIS, rngs=rngs)
+    self.avg_pool = partial(nnx.avg_pool, window_shape=(2, 2), strides=(2, 2))
+    self.linear1 = nnx.Linear(3136, 256, rngs=rngs)
+    self.dropout2 = nnx.Dropout(rate=0.025)
+    self.linear2 = nnx.Linear(256, 10, rngs=rngs)
+
+  def __call__(self, x, rngs: nnx.Rngs | None = None):
+    x = self.avg_pool(nnx.relu(self.batch_norm1(self.dropout1(self.conv1(x), rngs=rngs))))
+    x = self.avg_pool(nnx.relu(self.batch_norm2(self.conv2(x))))
+    x = x.reshape(x.shape[0], -1)  # flatten
+    x = nnx.relu(self.dropout2(self.linear1(x), rngs=rngs))
+    x = self.linear2(x)
+    return x
+
+learning_rate = 0.005
+momentum = 0.9
+
+def loss_fn(model: CNN, batch, rngs: nnx.Rngs | None = None):
+  logits = model(batch['image'], rngs)
+  loss = jr.compute_average_loss(optax.softmax_cross_entropy_with_integer_labels(
+    logits=logits, labels=batch['label']
+  ), batch_size)  # this replica's share of the global batch's mean loss
+  return loss, logits
+
+def update_metrics(ctx: jr.ReplicaContext, metrics: nnx.MultiMetric, loss, logits, labels):
+  """Feeds the metrics the global batch's values, identical on every replica."""
+  metrics.update(loss=ctx.all_sum(loss),  # the global batch's mean loss
+                 logits=ctx.all_gather(logits).reshape(-1, logits.shape[-1]),
+                 labels=ctx.all_gather(labels).reshape(-1))
+
+def train_step(ctx: jr.ReplicaContext, batch, model: CNN, optimizer: nnx.Optimizer, metrics: nnx.MultiMetric, rngs: nnx.Rngs):
+  """Train for a single step."""
+  grad_fn = nnx.value_and_grad(loss_fn, has_aux=True)
+  (loss, logits), grads = grad_fn(model, batch, rngs)
+  update_metrics(ctx, metrics, loss, logits, batch['label'])  # In-place updates.
+  optimizer.update(model, grads)  # In-place updates.
+
+def eval_step(ctx: jr.ReplicaContext, batch, model: CNN, metrics: nnx.MultiMetric):
+  loss, logits = loss_fn(model, batch)
+  update_metrics(ctx, metrics, loss, logits, batch['label'])  # In-place updates.
+
+def pred_step(ctx: jr.ReplicaContext, batch, model: CNN):
+  logits = model(batch['image'], None)
+  return logits.argmax(axis=1)
+
+
+def check_step(ctx: jr.ReplicaContext, x, model: CNN, rngs: nnx.Rngs):
+  return model(x, rngs)
+
+
+def main(train_steps=train_steps, eval_every=eval_every, dropout=True, tx=None, verbose=True):
+  rep = jr.Replicator(jr.MirroredStrategy())
+  with rep.scope():  # placed replicated on every device
+    # Instantiate the model.
+    model = CNN(rngs=nnx.Rngs(0))
+    if not dropout:
+      model = nnx.view(model, deterministic=True)
+
+  # One row of ones per replica: as the tutorial's one row (BatchNorm needs its axis).
+  y = rep.run(check_step, jnp.ones((rep.num_replicas, 28, 28, 1)), model, nnx.Rngs(0))
+  if verbose:
+    print(y[0])
+
+  with rep.scope():
+    optimizer = nnx.Optimizer(
+      model, tx or optax.adamw(learning_rate, momentum), wrt=nnx.Param
+    )
+    metrics = nnx.MultiMetric(
+      accuracy=nnx.metrics.Accuracy(),
+      loss=nnx.metrics.Average('loss'),
+    )
+
+  train_model = nnx.view(model, deterministic=not dropout, use_running_average=False)
+  eval_model = nnx.view(model, deterministic=True, use_running_average=True)
+
+  writer = SummaryWriter(verbose)
+
+  rngs = nnx.Rngs(0)
+
+  for step, batch in enumerate(make_batches(train_ds, batch_size)):
+    if step >= train_steps:
+      break
+    # Run the optimization for one step and make a stateful update to the following:
+    # - The train state's model parameters
+    # - The optimizer state
+    # - The training loss and accuracy batch metrics
+    rep.run(train_step, batch, train_model, optimizer, metrics, rngs)
+
+    if step > 0 and (step % eval_every == 0 or step == train_steps - 1):  # Evaluation period passed.
+      # Log the training metrics.
+      for metric, value in metrics.compute().items():  # Compute the metrics.
+        writer.add_scalar(f'train_{metric}', value, step) # Record the metrics.
+      metrics.reset()  # Reset the metrics for the test set.
+
+      # Compute the metrics on the test set after each training epoch.
+      for test_batch in make_batches(test_ds, batch_size):
+        rep.run(eval_step, test_batch, eval_model, metrics)
+
+      # Show predicted labels on a single test batch
+      pred = rep.run(pred_step, test_batch, eval_model).array.reshape(-1)
+      writer.add_scalar('pred_correct', (pred == test_batch['label']).sum(), step)
+
+      # Log the test metrics.
+      for metric, value in metrics.compute().items():
+        writer.add_scalar(f'test_{metric}', value, step) # Record the metrics.
+
+      metrics.reset()  # Reset the metrics for the next training epoch.
+
+  return writer.scalars, model
+
+
+if __name__ == '__main__':
+  main()
