@@ -10,19 +10,21 @@ The code is the tutorial's, line for line, except:
   (the tutorial: 1200 and 200);
 * ``SummaryWriter`` is tensorboardX's reduced to printed, recorded scalars
   (``tutorial_stand_ins.py``); the predictions figure (``plot_predictions``,
-  ``writer.add_figure``), ``nnx.display`` and section 8 (export to a SavedModel) are
+  ``writer.add_figure``) is replaced by the number of correct predictions on that test
+  batch (``pred_correct``); ``nnx.display`` and section 8 (export to a SavedModel) are
   left out; the shape check prints its output (the notebook shows it);
 * the imports are gathered at the top (``matplotlib`` and ``typing.Optional`` unused);
 * the cells after the definitions (model, optimizer, metrics, views, training loop) are
   the body of ``main``, whose arguments shorten the run, switch dropout off
   (``dropout=False``: the model and its training view are made deterministic) and
   replace the optimizer (``tx``); it returns the recorded metrics and the model.
-  ``tests/test_nnx_mnist_port.py`` compares train.py with this program so: without
-  dropout (masks are drawn per replica there, by construction not the same as here)
-  and with ``optax.sgd`` as well as the tutorial's ``adamw`` (Adam turns the float noise
-  of gradients that are zero in exact arithmetic, those of the convolutions' biases in
-  front of BatchNorm, into steps of +-learning_rate, so any two summation orders part
-  there, one device against another as much as against 8 replicas).
+
+``tests/test_nnx_mnist_port.py`` compares train.py with this program without dropout
+(train.py draws masks per replica, by construction not these) and with ``optax.sgd``:
+Adam divides each gradient by its own magnitude, so gradients that are zero in exact
+arithmetic (those of the convolutions' biases, which BatchNorm subtracts again) turn
+their float noise into steps of +-learning_rate whose signs depend on the order of a
+sum; any two programs that sum in different orders part there.
 
 Run: ``python examples/nnx_mnist_port/original.py``. Its port to jreplicate, 8
 replicas, is ``train.py`` beside it; ``diff original.py train.py`` shows every change.

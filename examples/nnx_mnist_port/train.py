@@ -4,7 +4,8 @@ The program of ``original.py`` (Flax's docs_nnx/mnist_tutorial.md on scikit-lear
 digits), data-parallel over the devices with ``jr.MirroredStrategy``: each step's batch
 of 32 is split into 8 per-replica batches of 4, and the result equals the one-device
 program to float tolerance (``tests/test_nnx_mnist_port.py``; with dropout on, the masks
-are drawn per replica, so the numbers differ as two dropout seeds do). The lines changed
+are drawn per replica, so the numbers differ as two dropout seeds do). On N devices there
+are N replicas (32 must be divisible by N). The lines changed
 from ``original.py`` (``diff original.py train.py`` shows each):
 
 1. ``rep = jr.Replicator(jr.MirroredStrategy())``, and the model, optimizer and
@@ -14,8 +15,10 @@ from ``original.py`` (``diff original.py train.py`` shows each):
    normalises with its own 4 examples and run refuses the per-replica running stats;
 3. ``loss_fn``: ``jr.compute_average_loss(per_example, batch_size)`` instead of
    ``.mean()``: the gradients of replicated state are summed over the replicas, so each
-   replica's loss is its share of the global batch's mean (``.mean()`` would give 8x
-   8x the one-device update, as ``tests/test_nnx_mnist_port.py`` shows);
+   replica's loss is its share of the global batch's mean. (``.mean()`` gives 8x the
+   gradient, as ``tests/test_nnx_mnist_port.py`` shows; the tutorial's ``adamw``
+   nearly hides it, as Adam's step hardly depends on the gradient's scale, but the
+   loss the metrics report is 8x, and SGD, clipping or a tuned schedule are not fooled);
 4. ``@nnx.jit`` removed from the steps, which take ``ctx`` and the batch first, and
    run as ``rep.run(step, batch, *state)``: run compiles them (``jax.jit`` over
    ``shard_map``) and updates the NNX arguments in place, as ``nnx.jit`` does;
@@ -26,9 +29,9 @@ from ``original.py`` (``diff original.py train.py`` shows each):
 6. ``pred_step``'s predictions come back per replica (``jr.PerReplica``): ``.array``
    is ``[8, 4]``, reshaped to the batch's 32;
 7. the shape check runs inside ``run``, one row of ones per replica (BatchNorm with an
-   ``axis_name`` needs its axis, which only a step has; the statistics of 8 equal rows
-   are those of the one row the tutorial uses, so the running statistics it leaves are
-   the original's).
+   ``axis_name`` needs its axis, which only a step has; without dropout the statistics
+   of 8 equal rows are those of the tutorial's one row, so the running statistics it
+   leaves are the original's).
 
 ``nnx.Rngs`` and ``nnx.Optimizer`` are passed to ``run`` like the model; their state is
 updated in place. Run: ``python examples/nnx_mnist_port/train.py`` (8 simulated CPU
@@ -38,9 +41,10 @@ devices where there is no accelerator).
 
 import os
 
+# 8 simulated CPU devices where there is no accelerator (set before JAX starts).
 if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
-  os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")  # 8 CPU devices where there
-                             + " --xla_force_host_platform_device_count=8").strip()  # is no GPU/TPU
+  os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
+                             + " --xla_force_host_platform_device_count=8").strip()
 
 from functools import partial  # noqa: E402
 
