@@ -18,7 +18,7 @@ from ``original.py`` (``diff original.py train.py`` shows each):
    replica's loss is its share of the global batch's mean. (``.mean()`` gives 8x the
    gradient, as ``tests/test_nnx_mnist_port.py`` shows; the tutorial's ``adamw``
    nearly hides it, as Adam's step hardly depends on the gradient's scale, but the
-   loss the metrics report is 8x, and SGD, clipping or a tuned schedule are not fooled);
+   loss the metrics report is 8x; with SGD the update is 8x);
 4. ``@nnx.jit`` removed from the steps, which take ``ctx`` and the batch first, and
    run as ``rep.run(step, batch, *state)``: run compiles them (``jax.jit`` over
    ``shard_map``) and updates the NNX arguments in place, as ``nnx.jit`` does;
