@@ -12,6 +12,9 @@ Moving jreplicate to a new JAX release should be a change to this file alone:
 * :func:`alias_host_arrays` places read-only NumPy arrays without a copy, and
   :func:`producing_equation` reads which equation made a traced value (the PS worker's
   forwarding of the parameters a step returns unchanged);
+* :func:`unbound_axis_in` reads the axis name out of JAX's error for a collective over
+  an unbound mesh axis (a bare AssertionError in jax 0.12, for a replica-invariant
+  value);
 * :func:`backends_are_initialized`, :func:`cluster_env_present`,
   :func:`distributed_client` and :func:`set_gloo_hostname` reach into ``jax._src`` for
   the distributed runtime;
@@ -266,6 +269,29 @@ def axis_bound(name: str) -> bool:
         except NameError:
             return False
         return True
+
+
+def unbound_axis_in(e: BaseException) -> str | None:
+    """The mesh axis name JAX refused as unbound in error ``e``, or None for any other
+    error. jax 0.12 says ``NameError: unbound axis name: X`` for a collective over a
+    value that varies over the replicas, and raises a bare ``AssertionError`` in
+    ``jax._src.core.pvary`` for one over a replica-invariant value; that frame's
+    ``axes`` names the axes, of which the unbound one is reported."""
+    if isinstance(e, NameError):
+        found = re.search(r"unbound axis name: (\S+)", str(e))
+        return found.group(1) if found else None
+    if not isinstance(e, AssertionError) or str(e):
+        return None
+    tb = e.__traceback__
+    while tb is not None:
+        frame = tb.tb_frame
+        if frame.f_code.co_name == "pvary" and "jax" in frame.f_code.co_filename:
+            axes = frame.f_locals.get("axes")
+            for name in axes if isinstance(axes, tuple) else ():
+                if isinstance(name, str) and not axis_bound(name):
+                    return name
+        tb = tb.tb_next
+    return None
 
 
 def array_type() -> type | None:

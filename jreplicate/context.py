@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import threading
 from collections.abc import Iterator
 from typing import Any, TypeVar
 
@@ -14,8 +15,43 @@ from jax.sharding import Mesh
 from jreplicate._jax_compat import axis_bound
 from jreplicate._jax_compat import varying_axes as _varying
 from jreplicate._tree import check_array_leaves, covers
+from jreplicate.layout import REPLICA_AXIS
 
 T = TypeVar("T")
+
+_TRACING = threading.local()  # .axes: the replica axes of the steps traced in this thread
+
+
+@contextlib.contextmanager
+def tracing_step(axis_name: str) -> Iterator[None]:
+    """Marks the step being traced (by the executor, in this thread) as running over
+    replica axis ``axis_name``, for :func:`active_axis_name`."""
+    axes = _TRACING.__dict__.setdefault("axes", [])
+    axes.append(axis_name)
+    try:
+        yield
+    finally:
+        axes.pop()
+
+
+def active_axis_name() -> str | None:
+    """The replica axis of the innermost step :meth:`jreplicate.Replicator.run` is
+    tracing in this thread, or ``None`` outside a step."""
+    axes = getattr(_TRACING, "axes", None)
+    return axes[-1] if axes else None
+
+
+def replica_axis_or_none(axis_name: str | None) -> str | None:
+    """The replica axis a helper with an ``axis_name=`` argument works over, or ``None``
+    when that axis is not bound (outside a replica context).
+
+    ``axis_name=None`` (the helpers' default) means the axis of the step ``run`` is
+    tracing (the strategy's ``axis_name``), else :data:`jreplicate.REPLICA_AXIS` when a
+    hand-written ``jax.shard_map`` binds it; a name given is used as it is.
+    """
+    if axis_name is None:
+        axis_name = active_axis_name() or REPLICA_AXIS
+    return axis_name if axis_bound(axis_name) else None
 
 
 class ReplicaContext:

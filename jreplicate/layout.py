@@ -18,7 +18,9 @@ import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-#: The mesh axis enumerating replicas; collectives of :class:`ReplicaContext` run over it.
+#: The default name of the mesh axis enumerating replicas; collectives of
+#: :class:`ReplicaContext` run over it. A strategy's ``axis_name=`` chooses another (e.g.
+#: ``"batch"``, the name a ``jax.pmap`` program passes to its collectives).
 REPLICA_AXIS = "replica"
 #: The mesh axis enumerating the logical devices of one replica (size 1 by default).
 MODEL_AXIS = "model"
@@ -29,10 +31,11 @@ class Layout:
     """The facts of a strategy's placement, computed once when the strategy is built.
 
     Attributes:
-      mesh: the ``(REPLICA_AXIS, MODEL_AXIS)`` device mesh (its model axis has size 1
+      mesh: the ``(replica_axis, MODEL_AXIS)`` device mesh (its model axis has size 1
         unless a replica spans several logical devices). ``None`` for a strategy whose
         replicas do not form one SPMD mesh.
-      replica_axis: the mesh axis enumerating replicas (the step is manual over it).
+      replica_axis: the mesh axis enumerating replicas (the step is manual over it): the
+        strategy's ``axis_name``, ``REPLICA_AXIS`` (``"replica"``) unless chosen.
       model_axes: the mesh axes inside a replica (automatic in the step).
       replica_devices: the devices of each replica, by replica id, in logical device
         order (logical device ``i`` of replica ``r`` is ``replica_devices[r][i]``).
@@ -121,6 +124,50 @@ def check_logical_devices_per_replica(value: object, where: str) -> int:
     return int(value)
 
 
+#: Characters XLA's compiler mangles in a mesh axis name (found by
+#: tests/test_axis_name.py's property test; a name ending in a backslash aborts).
+_UNCOMPILABLE = frozenset("\\'")
+
+
+def check_axis_name(value: object, where: str) -> str:
+    """Validates a strategy's ``axis_name=`` (a non-empty str other than the model axis,
+    without the characters XLA cannot compile in a mesh axis name).
+
+    Raises:
+      TypeError: ``value`` is not a str.
+      ValueError: ``value`` is empty, is :data:`MODEL_AXIS`, or holds a backslash or a
+        single quote.
+    """
+    if not isinstance(value, str):
+        raise TypeError(
+            f"{where}(axis_name={value!r}) must be a str: the name of the replica mesh "
+            "axis, which the step's collectives use (e.g. axis_name='batch', the name a "
+            "jax.pmap program passes to jax.lax.pmean and nnx.BatchNorm(axis_name=...)). "
+            f"Default: jr.REPLICA_AXIS ({REPLICA_AXIS!r})."
+        )
+    if not value:
+        raise ValueError(
+            f"{where}(axis_name='') must be a non-empty str naming the replica mesh axis, "
+            f"e.g. axis_name='batch'; leave it out for jr.REPLICA_AXIS ({REPLICA_AXIS!r})."
+        )
+    if value == MODEL_AXIS:
+        raise ValueError(
+            f"{where}(axis_name={value!r}) clashes with the model axis: jr.MODEL_AXIS "
+            f"({MODEL_AXIS!r}) names the logical devices inside a replica on the same mesh. "
+            f"Choose another name for the replica axis, e.g. axis_name='batch', or leave it "
+            f"out for jr.REPLICA_AXIS ({REPLICA_AXIS!r})."
+        )
+    bad = sorted({c for c in value if c in _UNCOMPILABLE})
+    if bad:
+        raise ValueError(
+            f"{where}(axis_name={value!r}) contains {' and '.join(map(repr, bad))}, which "
+            "XLA cannot carry in a mesh axis name (jax 0.12: the step fails to compile, "
+            "or the process aborts). Use a name without backslashes and single quotes, "
+            "e.g. axis_name='batch'."
+        )
+    return value
+
+
 def check_factors(n: int, m: int, where: str, what: str, note: str = "") -> None:
     """Raises when ``n`` devices (``what``) do not split into replicas of ``m``."""
     if n % m:
@@ -134,8 +181,8 @@ def check_factors(n: int, m: int, where: str, what: str, note: str = "") -> None
 
 
 def replica_mesh(devices: Sequence[jax.Device], logical_devices_per_replica: int,
-                 where: str) -> Mesh:
-    """A ``(REPLICA_AXIS, MODEL_AXIS)`` mesh over ``devices`` in replica order: replica
+                 where: str, axis_name: str = REPLICA_AXIS) -> Mesh:
+    """A ``(axis_name, MODEL_AXIS)`` mesh over ``devices`` in replica order: replica
     ``r`` spans ``devices[r * m:(r + 1) * m]``.
 
     Raises:
@@ -146,4 +193,4 @@ def replica_mesh(devices: Sequence[jax.Device], logical_devices_per_replica: int
     n = len(devices)
     check_factors(n, m, where, "devices")
     grid = np.array(list(devices), dtype=object).reshape(n // m, m)
-    return Mesh(grid, (REPLICA_AXIS, MODEL_AXIS), axis_types=(AxisType.Auto, AxisType.Auto))
+    return Mesh(grid, (axis_name, MODEL_AXIS), axis_types=(AxisType.Auto, AxisType.Auto))

@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jreplicate.layout import REPLICA_AXIS
+from jreplicate.context import replica_axis_or_none
 
 
 def compute_average_loss(
@@ -75,7 +75,7 @@ def compute_average_loss(
 def scale_regularization_loss(
     regularization_loss: jax.Array | Sequence[jax.Array],
     *,
-    axis_name: str = REPLICA_AXIS,
+    axis_name: str | None = None,
 ) -> jax.Array:
     """This replica's share of a batch-independent loss term (TF's
     ``tf.nn.scale_regularization_loss``).
@@ -90,8 +90,8 @@ def scale_regularization_loss(
     scale_regularization_loss(term)`` equals a one-device step on the global batch with
     ``mean loss + term``.
 
-    Inside :meth:`jreplicate.Replicator.run` (any strategy; the ``axis_name`` mesh axis
-    is bound) it returns ``sum(terms) / ctx.num_replicas_in_sync``: under
+    Inside :meth:`jreplicate.Replicator.run` (any strategy, whatever its ``axis_name``)
+    it returns ``sum(terms) / ctx.num_replicas_in_sync``: under
     ``ParameterServerStrategy`` that is the size of a worker's sync group (1 without
     sync groups), whose replicas all-reduce into one push, exactly the replicas
     :func:`compute_average_loss`'s ``global_batch_size`` counts. Outside a replica
@@ -105,8 +105,9 @@ def scale_regularization_loss(
 
     Args:
       regularization_loss: a scalar, or a list/tuple of scalars which are summed.
-      axis_name: the replica mesh axis (``jr.REPLICA_AXIS``; set it only for your own
-        ``jax.shard_map`` over another axis name).
+      axis_name: the replica mesh axis. Default ``None``: the axis of the step ``run``
+        is tracing (its strategy's ``axis_name``), else ``jr.REPLICA_AXIS`` when bound;
+        set it only for your own ``jax.shard_map`` over another axis name.
 
     Returns:
       A scalar: the (summed) term divided by the number of replicas in sync.
@@ -128,11 +129,10 @@ def scale_regularization_loss(
     total = terms[0]
     for t in terms[1:]:
         total = total + t
-    try:
-        n = int(jax.lax.axis_size(axis_name))
-    except NameError:  # not inside a replica context: nothing is summed over replicas
+    axis = replica_axis_or_none(axis_name)
+    if axis is None:  # not inside a replica context: nothing is summed over replicas
         return total
-    return total / n
+    return total / int(jax.lax.axis_size(axis))
 
 
 def _regularization_terms(regularization_loss: object) -> list[jax.Array]:

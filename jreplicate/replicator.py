@@ -11,7 +11,7 @@ import jax
 import numpy as np
 
 from jreplicate._jax_compat import axis_bound
-from jreplicate.context import check_logical_device
+from jreplicate.context import active_axis_name, check_logical_device
 from jreplicate.execution.base import NOT_RUN
 from jreplicate.input.context import InputContext, InputReplicationMode
 from jreplicate.input.iterator import InputIterator
@@ -58,9 +58,9 @@ class Replicator:
 
     @property
     def mesh(self) -> jax.sharding.Mesh:
-        """The strategy's ``("replica", "model")`` mesh, whose ``"replica"`` axis
-        enumerates the replicas and whose ``"model"`` axis the logical devices of each
-        replica."""
+        """The strategy's ``(axis_name, "model")`` mesh, whose first axis (the
+        strategy's ``axis_name``, ``"replica"`` unless chosen) enumerates the replicas
+        and whose ``"model"`` axis the logical devices of each replica."""
         return self._layout.mesh
 
     @property
@@ -269,7 +269,7 @@ class Replicator:
             result = self._run_again(fn, inputs is not None, inputs, args, None, donate)
             if result is not NOT_RUN:
                 return result
-        if axis_bound(self._layout.replica_axis):
+        if axis_bound(self._layout.replica_axis) or active_axis_name() is not None:
             raise RuntimeError(
                 "Replicator.run was called inside a step that Replicator.run is running. "
                 "A step runs on every replica already: call the inner function directly "

@@ -27,7 +27,7 @@ from jax.sharding import PartitionSpec as P
 from jreplicate import _jax_compat
 from jreplicate._jax_compat import varying_axes
 from jreplicate._tree import flatten_arrays, path_str
-from jreplicate.context import MaskedBatch, ReplicaContext
+from jreplicate.context import MaskedBatch, ReplicaContext, tracing_step
 from jreplicate.execution import fast, nnx_args
 from jreplicate.layout import Layout
 
@@ -120,12 +120,13 @@ def _body(fn: Callable, sig: Signature, layout: Layout, program: Program) -> Cal
         ctx = ReplicaContext(axis_name=axis, num_replicas=layout.num_replicas,
                              num_replicas_in_sync=layout.num_replicas_in_sync,
                              logical_devices_per_replica=m)
-        if sig.steps is None:
-            out, new_state = _call(fn, ctx, sig, batch, plain, state)
-            program.returns_args = _returns_args(out, plain)
-        else:
-            out, new_state = _loop(fn, ctx, sig, batch, plain, state, axis)
-            program.returns_args = True
+        with tracing_step(axis):
+            if sig.steps is None:
+                out, new_state = _call(fn, ctx, sig, batch, plain, state)
+                program.returns_args = _returns_args(out, plain)
+            else:
+                out, new_state = _loop(fn, ctx, sig, batch, plain, state, axis)
+                program.returns_args = True
         flat = _out_leaves(out, program)
         if graphdef is not None:
             flat += nnx_args.state_leaves(new_state, state, axis, graphdef, sig.node_pos)
@@ -165,10 +166,28 @@ def _call(fn: Callable, ctx: ReplicaContext, sig: Signature, batch: Any, plain: 
         if better is None:
             raise
         raise better from e
+    except (NameError, AssertionError) as e:
+        name = _jax_compat.unbound_axis_in(e)
+        if name is None:
+            raise
+        raise _unbound_axis(name, ctx.axis_name) from e
     if sig.graphdef is None:
         return out, None
     nnx_args.check_static_unchanged(sig.graphdef, state, nodes, sig.node_pos)
     return out, nnx_args.state_of(nodes, sig.graphdef)
+
+
+def _unbound_axis(name: str, axis: str) -> NameError:
+    """JAX's error for an unbound axis ``name`` in a step, explained: the step names an
+    axis that is not the strategy's replica axis ``axis``."""
+    return NameError(
+        f"unbound axis name: {name}. Replicator.run: the step uses mesh axis {name!r} "
+        f"(e.g. jax.lax.pmean(x, {name!r}) or nnx.BatchNorm(..., axis_name={name!r}), as "
+        "in a jax.pmap program), "
+        f"but this strategy's replica axis is {axis!r}. Create the strategy with "
+        f"axis_name={name!r} (e.g. jr.MirroredStrategy(axis_name={name!r})), or use "
+        "ctx.axis_name in the step."
+    )
 
 
 class Carry(NamedTuple):

@@ -14,6 +14,7 @@ import uuid
 import jax
 
 from jreplicate.context import PerReplica
+from jreplicate.layout import REPLICA_AXIS
 from jreplicate.ps import wire
 from jreplicate.ps._malloc import keep_freed_blocks
 from jreplicate.ps._ray_proxy import _Forgotten, _ShardProxy
@@ -154,12 +155,13 @@ if ray is not None:
         queued on this worker."""
 
         def __init__(self, index, shards, placement, token_gated, opt_host, g, token_timeout,
-                     skip_stale, guarded=False):
+                     skip_stale, guarded=False, axis_name=REPLICA_AXIS):
             keep_freed_blocks()  # page faults of every step's buffers (ps/_malloc.py)
             proxies = [_ShardProxy(a) for a in shards]
             client = ShardClient(proxies, placement, token_gated, guarded=guarded)
             self.worker = PSWorker(index, jax.local_devices()[:g], client, opt_host,
-                                   token_timeout=token_timeout, skip_stale_tokens=skip_stale)
+                                   token_timeout=token_timeout, skip_stale_tokens=skip_stale,
+                                   axis_name=axis_name)
             self.fns = {}
             self.input_fns = {}  # PER_WORKER input_fn by key, sent once
             self.held = {}  # step id -> its outputs, until fetched and let go

@@ -29,7 +29,8 @@ class EmbeddedCarrier:
         self.workers = [PSWorker(w, list(grp), ShardClient(self.shards, placement, gated,
                                                            guarded=guarded),
                                  opt_host, token_timeout=s.token_timeout,
-                                 skip_stale_tokens=s.skip_stale_tokens)
+                                 skip_stale_tokens=s.skip_stale_tokens,
+                                 axis_name=s.layout.replica_axis)
                         for w, grp in enumerate(s.worker_devices)]
         self.client = ShardClient(self.shards, placement, gated, guarded=guarded)
         # A step runs on its worker's coordinator thread when the thread waits for it.

@@ -174,7 +174,7 @@ class RayCarrier:
         self.workers = [WorkerActor.options(**worker_actor_options(
             _opts(s.ray_worker_options, w), g)).remote(
             w, shards_ref, placement_ref, gated, opt_ref, g, s.token_timeout,
-            s.skip_stale_tokens, guarded) for w in range(s.num_workers)]
+            s.skip_stale_tokens, guarded, s.layout.replica_axis) for w in range(s.num_workers)]
         self._check_ready(ray.get([w.ready.remote() for w in self.workers], timeout=300))
         self._check_gpus()
         self.client = ShardClient([_ShardProxy(a) for a in self.shards], placement, gated,

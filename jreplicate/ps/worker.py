@@ -31,7 +31,7 @@ from jreplicate.context import PerReplica
 from jreplicate.execution.base import NOT_RUN
 from jreplicate.execution.cache import FunctionMap, weak_callable
 from jreplicate.execution.spmd import SPMDExecutor
-from jreplicate.layout import mesh_layout, replica_mesh
+from jreplicate.layout import REPLICA_AXIS, mesh_layout, replica_mesh
 from jreplicate.ps.capture import capturing
 from jreplicate.ps.client import ShardClient
 from jreplicate.ps.nnx_state import NnxArg, check_nothing_lost
@@ -89,13 +89,16 @@ class PSWorker:
       opt_state: a numpy copy of the optimizer state (passed to the step, unchanged).
       token_timeout: seconds a token wait may last (token-gated mode).
       skip_stale_tokens: see :meth:`jreplicate.ps.shard.PSShard.take_token`.
+      axis_name: the replica mesh axis of the sync group (the strategy's ``axis_name``).
     """
 
     def __init__(self, index: int, devices: list, client: ShardClient, opt_state: Any, *,
-                 token_timeout: float = 60.0, skip_stale_tokens: bool = True):
+                 token_timeout: float = 60.0, skip_stale_tokens: bool = True,
+                 axis_name: str = REPLICA_AXIS):
         self.index = index
-        self.layout = mesh_layout(replica_mesh(devices, 1, "ParameterServerStrategy"),
-                                  num_replicas_in_sync=len(devices))
+        self.layout = mesh_layout(
+            replica_mesh(devices, 1, "ParameterServerStrategy", axis_name),
+            num_replicas_in_sync=len(devices))
         self.executor = SPMDExecutor(self.layout)
         self.client = client
         self._opt_host = opt_state

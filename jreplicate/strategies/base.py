@@ -65,12 +65,13 @@ class Strategy(abc.ABC):
     # -- facts, from the layout ------------------------------------------------------
     @property
     def mesh(self) -> Mesh:
-        """The ``("replica", "model")`` device mesh."""
+        """The ``(axis_name, "model")`` device mesh."""
         return self.layout.mesh
 
     @property
     def axis_name(self) -> str:
-        """The mesh axis over which replicas are laid out (``"replica"``)."""
+        """The mesh axis over which replicas are laid out: the strategy's ``axis_name=``
+        (default ``jr.REPLICA_AXIS``, ``"replica"``); ``ctx.axis_name`` in a step."""
         return self.layout.replica_axis
 
     @property
@@ -123,4 +124,6 @@ class Strategy(abc.ABC):
     def __repr__(self) -> str:
         m = self.logical_devices_per_replica
         extra = f", logical_devices_per_replica={m}" if m > 1 else ""
+        if self.axis_name != REPLICA_AXIS:
+            extra += f", axis_name={self.axis_name!r}"
         return f"{type(self).__name__}(num_replicas={self.num_replicas}{extra})"

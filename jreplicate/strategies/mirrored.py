@@ -10,7 +10,9 @@ import numpy as np
 
 from jreplicate.execution.spmd import SPMDExecutor
 from jreplicate.layout import (
+    REPLICA_AXIS,
     Layout,
+    check_axis_name,
     check_logical_devices_per_replica,
     mesh_layout,
     replica_mesh,
@@ -72,8 +74,9 @@ class MirroredStrategy(Strategy):
     """Synchronous replication over some or all of this process's devices.
 
     Every replica holds a full copy of the replicated state; one compiled program
-    (``jax.jit`` over ``jax.shard_map``, manual over the ``"replica"`` mesh axis) runs
-    on a ``("replica", "model")`` mesh and gradients of replicated state are
+    (``jax.jit`` over ``jax.shard_map``, manual over the replica mesh axis, named
+    ``axis_name``) runs on an ``(axis_name, "model")`` mesh and gradients of replicated
+    state are
     all-reduced. With ``logical_devices_per_replica=M`` each replica spans M devices
     (the ``"model"`` axis, automatic inside the step): state created in
     :meth:`jreplicate.Replicator.scope` with a ``PartitionSpec`` on ``"model"`` is
@@ -84,6 +87,15 @@ class MirroredStrategy(Strategy):
         device ids. ``None`` (the default) uses all of ``jax.local_devices()``. Replica
         ``r`` spans ``devices[r * M:(r + 1) * M]``.
       logical_devices_per_replica: M, the devices of one replica (default 1).
+      axis_name: the name of the replica mesh axis (default ``jr.REPLICA_AXIS``,
+        ``"replica"``): ``ctx.axis_name`` in the step, the axis of its collectives. Name
+        it as the ``jax.pmap`` program you port does (``axis_name="batch"``) and its
+        ``jax.lax.pmean(x, "batch")`` and ``nnx.BatchNorm(..., axis_name="batch")`` work
+        unchanged. Any non-empty str but ``jr.MODEL_AXIS`` (``"model"``).
+
+    Raises:
+      TypeError / ValueError: bad ``devices``, ``logical_devices_per_replica`` or
+        ``axis_name`` (the message names the argument and the fix).
 
     Example:
       >>> import jax, jreplicate as jr
@@ -92,13 +104,16 @@ class MirroredStrategy(Strategy):
       2
       >>> jr.MirroredStrategy(logical_devices_per_replica=2).mesh.shape
       OrderedDict({'replica': 4, 'model': 2})
+      >>> jr.MirroredStrategy(axis_name="batch").mesh.shape  # a pmap program's name
+      OrderedDict({'batch': 8, 'model': 1})
     """
 
     def __init__(self, devices: Sequence[jax.Device | int] | None = None, *,
-                 logical_devices_per_replica: int = 1):
+                 logical_devices_per_replica: int = 1, axis_name: str = REPLICA_AXIS):
         m = check_logical_devices_per_replica(logical_devices_per_replica, "MirroredStrategy")
+        axis = check_axis_name(axis_name, "MirroredStrategy")
         devs = _resolve_devices(devices)
-        self._layout = mesh_layout(replica_mesh(devs, m, "MirroredStrategy"))
+        self._layout = mesh_layout(replica_mesh(devs, m, "MirroredStrategy", axis))
 
     @property
     def layout(self) -> Layout:

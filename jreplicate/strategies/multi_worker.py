@@ -14,7 +14,9 @@ from jreplicate.cluster.agreement import Agreement
 from jreplicate.cluster.spec import ClusterSpec, Timeouts
 from jreplicate.execution.spmd import SPMDExecutor
 from jreplicate.layout import (
+    REPLICA_AXIS,
     Layout,
+    check_axis_name,
     check_logical_devices_per_replica,
     mesh_layout,
     replica_mesh,
@@ -29,7 +31,7 @@ class MultiWorkerStrategy(Strategy):
     """Synchronous replication over every device of every process of a job.
 
     The processes (workers) join JAX's distributed runtime (``jax.distributed``; gloo
-    collectives on CPU, NCCL on GPU, ICI/DCN on TPU), and one global ``"replica"`` mesh
+    collectives on CPU, NCCL on GPU, ICI/DCN on TPU), and one global replica mesh
     spans all their devices, ordered by process: replicas ``0..k-1`` are process 0's
     ``k`` devices, the next ``k`` process 1's, and so on. Every process runs the same
     program; :meth:`jreplicate.Replicator.run` compiles one ``jax.jit(shard_map)`` step
@@ -103,6 +105,10 @@ class MultiWorkerStrategy(Strategy):
       logical_devices_per_replica: M, the devices one replica spans (default 1); must
         divide the number of devices of each process. See
         :class:`jreplicate.MirroredStrategy`.
+      axis_name: the name of the replica mesh axis (default ``jr.REPLICA_AXIS``,
+        ``"replica"``); e.g. ``"batch"`` for a ``jax.pmap`` program's collectives and
+        ``nnx.BatchNorm(axis_name="batch")``. The same on every process. See
+        :class:`jreplicate.MirroredStrategy`.
       fail_fast: whether an uncaught exception ends this process at once (status 1,
         130 for KeyboardInterrupt), without waiting in ``jax.distributed``'s shutdown
         barrier. A process that raised must not leave its peers hanging in a
@@ -117,7 +123,8 @@ class MultiWorkerStrategy(Strategy):
     Raises:
       ValueError: inconsistent arguments or environment, or processes with different
         numbers of devices.
-      TypeError: ``fail_fast`` is not a bool or None (checked before connecting).
+      TypeError: ``fail_fast`` is not a bool or None, or ``axis_name`` not a str
+        (checked before connecting).
       ClusterError: the coordinator cannot be reached within ``initialization_timeout``.
 
     Example (``train.py``, run with
@@ -153,9 +160,11 @@ class MultiWorkerStrategy(Strategy):
         logical_devices_per_replica: int = 1,
         coordinator_bind_address: str | None = None,
         fail_fast: bool | None = None,
+        axis_name: str = REPLICA_AXIS,
     ):
         m = check_logical_devices_per_replica(logical_devices_per_replica,
                                               "MultiWorkerStrategy")
+        axis = check_axis_name(axis_name, "MultiWorkerStrategy")  # before connecting
         fail_fast = watchdog.fail_fast_requested(fail_fast)
         self._timeouts = Timeouts.resolve(
             initialization_timeout=initialization_timeout, heartbeat_timeout=heartbeat_timeout,
@@ -164,7 +173,7 @@ class MultiWorkerStrategy(Strategy):
                                         local_device_ids)
         self._cluster = runtime.connect(spec, self._timeouts, cluster_detection_method,
                                        coordinator_bind_address)
-        self._layout = mesh_layout(_global_mesh(m))
+        self._layout = mesh_layout(_global_mesh(m, axis))
         self._uid = next(_instances)
         self._agreements = itertools.count()
         if fail_fast:
@@ -216,7 +225,7 @@ class MultiWorkerStrategy(Strategy):
                          self._timeouts.collective_timeout)
 
 
-def _global_mesh(logical_devices_per_replica: int) -> Mesh:
+def _global_mesh(logical_devices_per_replica: int, axis_name: str) -> Mesh:
     devices = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
     per_process: dict[int, int] = {}
     for d in devices:
@@ -230,4 +239,4 @@ def _global_mesh(logical_devices_per_replica: int) -> Mesh:
             "--devices-per-proc K with jreplicate.cluster.launch / "
             "XLA_FLAGS=--xla_force_host_platform_device_count=K on CPU)."
         )
-    return replica_mesh(devices, logical_devices_per_replica, "MultiWorkerStrategy")
+    return replica_mesh(devices, logical_devices_per_replica, "MultiWorkerStrategy", axis_name)

@@ -49,7 +49,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from jreplicate.layout import MODEL_AXIS, REPLICA_AXIS, Layout, replica_mesh
+from jreplicate.layout import MODEL_AXIS, REPLICA_AXIS, Layout, check_axis_name, replica_mesh
 from jreplicate.ps.config import PSConfig
 from jreplicate.ps.device_layout import assign_devices
 from jreplicate.ps.executor import ParameterServerExecutor
@@ -109,6 +109,11 @@ class ParameterServerStrategy(Strategy):
         workers. See :mod:`jreplicate.ps.ray_options`.
       ray_shard_options: ``carrier="ray"``: the shard actors' Ray options (as above;
         no ``max_restarts``: a lost shard stops training, see :meth:`restart_shard`).
+      axis_name: the name of the replica mesh axis of each worker's sync group (default
+        ``jr.REPLICA_AXIS``, ``"replica"``): ``ctx.axis_name`` in the step, over which a
+        sync group's collectives run (e.g. ``"batch"`` for a ``jax.pmap`` program's
+        ``jax.lax.pmean(x, "batch")`` and ``nnx.BatchNorm(axis_name="batch")``). See
+        :class:`jreplicate.MirroredStrategy`.
 
     Example:
       >>> import jax, jax.numpy as jnp, optax, jreplicate as jr
@@ -153,8 +158,10 @@ class ParameterServerStrategy(Strategy):
                  max_attempts: int = 4, carrier: str = "embedded",
                  min_slice_bytes: int = 256 << 10,
                  ray_worker_options: dict | Callable[[int], dict] | None = None,
-                 ray_shard_options: dict | Callable[[int], dict] | None = None):
+                 ray_shard_options: dict | Callable[[int], dict] | None = None,
+                 axis_name: str = REPLICA_AXIS):
         num_ps = _count("num_ps", num_ps, 1, "the parameter-server shards")
+        axis = check_axis_name(axis_name, "ParameterServerStrategy")
         g = _count("num_replicas_in_sync", num_replicas_in_sync, 1,
                    "the devices of one worker's sync group")
         devs = list(jax.local_devices() if devices is None else devices)
@@ -195,13 +202,14 @@ class ParameterServerStrategy(Strategy):
         if carrier == "ray":
             # The replicas' devices are the worker actors'; this process's mesh (where
             # e.g. a CheckpointManager places what it restores) is one of its devices.
-            mesh = replica_mesh(devs[:1], 1, "ParameterServerStrategy")
+            mesh = replica_mesh(devs[:1], 1, "ParameterServerStrategy", axis)
             replicas = tuple((devs[0],) for _ in range(len(self.worker_devices) * g))
         else:
-            mesh = replica_mesh(list(self.worker_devices[0]), 1, "ParameterServerStrategy")
+            mesh = replica_mesh(list(self.worker_devices[0]), 1, "ParameterServerStrategy",
+                                axis)
             replicas = tuple((d,) for grp in self.worker_devices for d in grp)
         self._layout = Layout(
-            mesh=mesh, replica_axis=REPLICA_AXIS, model_axes=(MODEL_AXIS,),
+            mesh=mesh, replica_axis=axis, model_axes=(MODEL_AXIS,),
             replica_devices=replicas,
             num_replicas_in_sync=g, local_replica_ids=tuple(range(g)), num_processes=1,
             process_index=0)

@@ -18,6 +18,7 @@ from jreplicate.layout import (
     MODEL_AXIS,
     REPLICA_AXIS,
     Layout,
+    check_axis_name,
     check_factors,
     check_logical_devices_per_replica,
     mesh_layout,
@@ -33,7 +34,7 @@ class TPUStrategy(Strategy):
     """Synchronous replication over TPU devices, with the mesh ordered for the
     interconnect and, optionally, device loops and several logical devices per replica.
 
-    The ``("replica", "model")`` mesh comes from ``jax.make_mesh`` (which orders devices
+    The ``(axis_name, "model")`` mesh comes from ``jax.make_mesh`` (which orders devices
     along the ICI torus); on a multi-slice job (devices with several ``slice_index``
     values) from ``mesh_utils.create_hybrid_device_mesh``, with the slices (DCN) as the
     outermost part of the replica axis, so that a replica's logical devices share a
@@ -54,10 +55,14 @@ class TPUStrategy(Strategy):
         runs this many steps per call as a device loop unless ``steps=`` is given (see
         ``Replicator.run``): the step must then return its arguments first. Default
         None: one step per call.
+      axis_name: the name of the replica mesh axis (default ``jr.REPLICA_AXIS``,
+        ``"replica"``); e.g. ``"batch"`` for a ``jax.pmap`` program's collectives and
+        ``nnx.BatchNorm(axis_name="batch")``. See :class:`jreplicate.MirroredStrategy`.
 
     Raises:
       ValueError: no TPU devices and none passed, devices that do not factor into
-        replicas x logical devices (per slice), or a bad ``steps_per_run``.
+        replicas x logical devices (per slice), or a bad ``steps_per_run`` or
+        ``axis_name``.
 
     Example (on CPU, with devices passed)::
 
@@ -68,8 +73,10 @@ class TPUStrategy(Strategy):
     """
 
     def __init__(self, devices: Sequence[jax.Device] | None = None, *,
-                 logical_devices_per_replica: int = 1, steps_per_run: int | None = None):
+                 logical_devices_per_replica: int = 1, steps_per_run: int | None = None,
+                 axis_name: str = REPLICA_AXIS):
         m = check_logical_devices_per_replica(logical_devices_per_replica, "TPUStrategy")
+        axis = check_axis_name(axis_name, "TPUStrategy")
         if steps_per_run is not None and (
                 isinstance(steps_per_run, bool) or not isinstance(steps_per_run, int)
                 or steps_per_run < 1):
@@ -78,7 +85,7 @@ class TPUStrategy(Strategy):
                 "per device loop), or None for one step per run call."
             )
         devs = _tpu_devices(devices)
-        self._layout = mesh_layout(tpu_mesh(devs, m))
+        self._layout = mesh_layout(tpu_mesh(devs, m, axis))
         self._steps_per_run = steps_per_run
         self._uid = next(_instances)
         self._agreements = itertools.count()
@@ -124,9 +131,10 @@ def _tpu_devices(devices: Sequence[jax.Device] | None) -> list:
     return devices
 
 
-def tpu_mesh(devices: Sequence, logical_devices_per_replica: int) -> Mesh:
-    """The ``(replica, model)`` mesh of ``devices``: ``jax.make_mesh`` order on one slice,
-    ``create_hybrid_device_mesh`` with the slices outermost on several."""
+def tpu_mesh(devices: Sequence, logical_devices_per_replica: int,
+             axis_name: str = REPLICA_AXIS) -> Mesh:
+    """The ``(axis_name, MODEL_AXIS)`` mesh of ``devices``: ``jax.make_mesh`` order on one
+    slice, ``create_hybrid_device_mesh`` with the slices outermost on several."""
     m, n = logical_devices_per_replica, len(devices)
     slices = sorted({getattr(d, "slice_index", 0) for d in devices})
     per_slice = n // len(slices)
@@ -139,6 +147,6 @@ def tpu_mesh(devices: Sequence, logical_devices_per_replica: int) -> Mesh:
     if len(slices) > 1:
         grid = mesh_utils.create_hybrid_device_mesh(
             (per_slice // m, m), (len(slices), 1), devices=list(devices))
-        return Mesh(np.asarray(grid), (REPLICA_AXIS, MODEL_AXIS), axis_types=_AUTO)
-    return jax.make_mesh((n // m, m), (REPLICA_AXIS, MODEL_AXIS), axis_types=_AUTO,
+        return Mesh(np.asarray(grid), (axis_name, MODEL_AXIS), axis_types=_AUTO)
+    return jax.make_mesh((n // m, m), (axis_name, MODEL_AXIS), axis_types=_AUTO,
                          devices=list(devices))

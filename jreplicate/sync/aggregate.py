@@ -35,7 +35,7 @@ class Config:
     n_tokens: int
     decay: float | None  # variable_averages
     variables_to_average: Any
-    axis_name: str
+    axis_name: str | None  # None: the active run's replica axis (resolved per update)
 
     @property
     def host_total(self) -> int:

@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 
 from jreplicate._jax_compat import varying_axes
+from jreplicate.context import replica_axis_or_none
 
 
 def bound_axis_size(axis_name: str) -> int | None:
@@ -58,7 +59,7 @@ def replica_value_and_grad(
     argnums: int | Sequence[int] = 0,
     has_aux: bool = False,
     *,
-    axis_name: str = "replica",
+    axis_name: str | None = None,
 ) -> Callable[..., Any]:
     """Like :func:`jax.value_and_grad`, but gives THIS replica's gradient in ``shard_map``.
 
@@ -74,7 +75,9 @@ def replica_value_and_grad(
       fun: function to differentiate, e.g. ``loss(params, batch)``.
       argnums: which positional argument(s) to differentiate with respect to.
       has_aux: as in :func:`jax.value_and_grad`.
-      axis_name: the replica mesh axis.
+      axis_name: the replica mesh axis. Default ``None``: the axis of the step
+        ``Replicator.run`` is tracing (its strategy's ``axis_name``), else
+        ``jr.REPLICA_AXIS`` when a hand-written ``jax.shard_map`` binds it.
 
     Returns:
       A function returning ``(value, grads)``; both vary over the replicas.
@@ -100,10 +103,11 @@ def replica_value_and_grad(
 
     @functools.wraps(fun)
     def wrapped(*args, **kwargs):
-        if bound_axis_size(axis_name) is not None:
+        axis = replica_axis_or_none(axis_name)
+        if axis is not None:
             args = list(args)
             for i in nums:
-                args[i] = to_varying(args[i], axis_name)
+                args[i] = to_varying(args[i], axis)
         return vg(*args, **kwargs)
 
     return wrapped
@@ -114,7 +118,7 @@ def replica_grad(
     argnums: int | Sequence[int] = 0,
     has_aux: bool = False,
     *,
-    axis_name: str = "replica",
+    axis_name: str | None = None,
 ) -> Callable[..., Any]:
     """Like :func:`jax.grad`, but gives this replica's own gradient in ``shard_map``.
 

@@ -8,6 +8,7 @@ each call to a driver in ``aggregate.py`` (the way ``optax.MultiSteps`` is writt
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import numbers
 from collections.abc import Callable
@@ -17,7 +18,9 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from jreplicate.sync import aggregate, checks, spmd
+from jreplicate.context import replica_axis_or_none
+from jreplicate.layout import REPLICA_AXIS
+from jreplicate.sync import aggregate, checks
 from jreplicate.sync.aggregate import Config
 from jreplicate.sync.state import SyncReplicasState, TokenQueue
 
@@ -32,7 +35,7 @@ def sync_replicas(
     *,
     variables_to_average: Any | Callable[[optax.Params], Any] | None = None,
     num_tokens: int | None = None,
-    axis_name: str = "replica",
+    axis_name: str | None = None,
 ) -> optax.GradientTransformationExtraArgs:
     """Synchronous replica training with backup replicas: TF's ``SyncReplicasOptimizer``.
 
@@ -46,12 +49,14 @@ def sync_replicas(
     ``state.dropped_stale`` and ``state.dropped_backup``.
 
     ``update(grads, state, params, *, local_step=None, arrival_time=None)`` has two
-    drivers, chosen by whether mesh axis ``axis_name`` is bound in the current trace:
+    drivers, chosen by whether the replica mesh axis (``axis_name``) is bound in the
+    current trace:
 
-    * **SPMD driver** (inside ``jax.shard_map`` over ``axis_name``, e.g. in
-      ``jreplicate.Replicator.run``): every replica calls ``update`` together with ITS
-      OWN gradient (see :func:`replica_value_and_grad`; plain ``jax.grad`` of replicated
-      params is already summed over replicas and is rejected). ``arrival_time`` (a
+    * **SPMD driver** (inside ``jreplicate.Replicator.run``, whatever the strategy's
+      ``axis_name``, or a ``jax.shard_map`` over ``axis_name``): every replica calls
+      ``update`` together with ITS OWN gradient (see :func:`replica_value_and_grad`;
+      plain ``jax.grad`` of replicated params is already summed over replicas and is
+      rejected). ``arrival_time`` (a
       per-replica scalar, default equal for all, ties broken by replica id; or a vector
       of every replica's time, identical on all replicas, which saves an all-reduce)
       orders the replicas: the fastest ``replicas_to_aggregate - state.num_accumulated`` fresh
@@ -89,7 +94,10 @@ def sync_replicas(
       num_tokens: initial tokens of the queue, all carrying the starting
         ``global_step``; default ``replicas_to_aggregate``. Must be ``>=
         replicas_to_aggregate - total_num_replicas``.
-      axis_name: the replica mesh axis of the SPMD driver.
+      axis_name: the replica mesh axis of the SPMD driver. Default ``None``: the axis of
+        the step ``Replicator.run`` is tracing (its strategy's ``axis_name``), else
+        ``jr.REPLICA_AXIS`` when a hand-written ``jax.shard_map`` binds it; name it
+        only for a ``jax.shard_map`` of your own over another axis.
 
     Returns:
       An ``optax.GradientTransformationExtraArgs`` whose state is a
@@ -161,9 +169,15 @@ def _config(
     variable_averages: Any,
     variables_to_average: Any,
     num_tokens: Any,
-    axis_name: str,
+    axis_name: str | None,
 ) -> Config:
     """The arguments of :func:`sync_replicas`, checked; raises naming the bad one."""
+    if axis_name is not None and (not isinstance(axis_name, str) or not axis_name):
+        raise TypeError(
+            f"sync_replicas(axis_name={axis_name!r}) must be a non-empty str naming a mesh "
+            "axis, or None (the default) for the replica axis of the step Replicator.run "
+            "is running."
+        )
     k = checks.check_count(
         "replicas_to_aggregate", replicas_to_aggregate, "gradients averaged per update"
     )
@@ -251,20 +265,21 @@ def _update(
             "sync_replicas(variable_averages=...) needs the params: call "
             "tx.update(grads, state, params)."
         )
-    axis_name = cfg.axis_name
-    n = spmd.bound_axis_size(axis_name)
-    if n is not None:
+    axis_name = replica_axis_or_none(cfg.axis_name)
+    if axis_name is not None:
+        n = int(jax.lax.axis_size(axis_name))
         if cfg.total is not None and cfg.total != n:
             raise ValueError(
                 f"total_num_replicas={cfg.total} but the {axis_name!r} mesh axis has {n} "
                 f"replicas; pass total_num_replicas={n} or None."
             )
-        return aggregate.spmd_update(cfg, updates, state, params, local_step, arrival_time,
-                                     n, extra_args)
+        return aggregate.spmd_update(dataclasses.replace(cfg, axis_name=axis_name), updates,
+                                     state, params, local_step, arrival_time, n, extra_args)
     if arrival_time is not None:
         raise ValueError(
-            "arrival_time is only used inside a replica context (shard_map over "
-            f"axis {axis_name!r}); the host driver takes pushes in call order."
+            "arrival_time is only used inside a replica context (Replicator.run, or a "
+            f"shard_map over axis {cfg.axis_name or REPLICA_AXIS!r}); the host driver takes "
+            "pushes in call order."
         )
     if local_step is not None:
         local_step = checks.as_scalar(local_step, "local_step", _I32, "int")

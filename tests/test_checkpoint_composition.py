@@ -1,4 +1,4 @@
-"""Review of 2026-11-26: checkpoints where features meet.
+"""Checkpoints where features meet.
 
 * ``ParameterServerStrategy.restore(state)`` took any state with the right number of
   shards: another placement raised a bare ``KeyError`` after the live shards were shut

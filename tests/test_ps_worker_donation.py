@@ -1,4 +1,4 @@
-"""Adversarial review of 2026-11-25's changes: the parameter-server worker donating its
+"""The parameter-server worker donating its
 placed parameters to the step (and its cached _unforward plans), the capturing wrapper
 holding the step weakly, and the one program cache per executor. Every reference is
 computed independently with numpy."""
@@ -417,7 +417,7 @@ def test_ps_distinct_step_functions_do_not_warn_and_a_lambda_per_step_names_itse
     seen, _ = _reference(8)
     for k, v in enumerate(values):
         np.testing.assert_allclose(np.asarray(v.fetch()), seen[k]["a"] * (k + 1), rtol=1e-6)
-    with pytest.warns(UserWarning, match="step function <lambda> .*test_review_2026_11_25"):
+    with pytest.warns(UserWarning, match="step function <lambda> .*test_ps_worker_donation"):
         for k in range(8):  # a new lambda per step: warned, naming the user's function
             rep.run(lambda ctx, w, opt, k=k: body(w, opt, k), None, w, opt)
         rep.join()

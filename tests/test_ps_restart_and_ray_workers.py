@@ -1,5 +1,5 @@
-"""Adversarial review of issue 18 items 6 and 8 (Ray pipelining, worker-held outputs,
-Ray options, worker restarts, restart_shard): reproducers where the features meet.
+"""Ray pipelining, worker-held outputs, Ray options, worker restarts and restart_shard:
+reproducers where the features meet.
 
 Each confirmed defect's test is marked ``xfail(strict=True)`` with the defect in its
 reason; the owners remove the mark with the fix. The unmarked tests pin behaviour that

@@ -1,4 +1,4 @@
-"""Defects found by an adversarial review of issue 15 (hardening), where features meet.
+"""Ordered input reads, training threads and the Ray address, where features meet.
 
 Each test failed before its fix.
 """

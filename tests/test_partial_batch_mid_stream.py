@@ -1,4 +1,4 @@
-"""Review 2026-11-26, partial batches: only a pipeline's *final* element may be a
+"""Partial batches: only a pipeline's *final* element may be a
 partial batch, and a partial batch is one where every batched leaf is shorter by the
 same number of rows.
 

@@ -1,4 +1,4 @@
-"""Review of 2026-11-26's input and checkpoint changes where they meet (io2).
+"""Input and checkpoints where they meet: byte order, and placement across processes.
 
 * Big-endian NumPy data (FITS, network-order files): a checkpoint saved from it could
   never be restored (its checksum was of the big-endian bytes: "every checkpoint is

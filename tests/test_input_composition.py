@@ -1,4 +1,4 @@
-"""Review 2026-11-26: the input layer where its features meet.
+"""The input layer where its features meet.
 
 Each test targets one place where two or more input features compose (modes, padding,
 prefetch, device loops, re-iteration, failing sources and steps, donation, logical

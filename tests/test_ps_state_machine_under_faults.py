@@ -1,4 +1,4 @@
-"""Review of 2026-11-26: ParameterServerStrategy where its features meet, under faults.
+"""ParameterServerStrategy where its features meet, under faults.
 
 A hypothesis state machine drives random interleavings of ``rep.run`` (kept and dropped
 RemoteValues, a step that raises), ``join``, ``kill_worker`` at "compute" / "push",

@@ -1,4 +1,4 @@
-"""Adversarial review of the PS worker's aliasing and forwarding (a worker on one device
+"""The PS worker's aliasing and forwarding (a worker on one device
 places the pulled parameters without a copy and forwards ``params + zero updates``) and
 of copying every NumPy array handed to the library (jax 0.12 on CPU aliases an aligned
 NumPy array in ``device_put``).

@@ -1,4 +1,4 @@
-"""Review of 2026-11-25 (d): the shard's state-first jitted update and typed PRNG keys
+"""The shard's state-first jitted update and typed PRNG keys
 under the parameter server.
 
 * An NNX model holding an ``nnx.Rngs`` (a Dropout's typed key) passed to a PS step: the

@@ -1,4 +1,4 @@
-"""Review of the day's PS changes: the Ray worker copying old held outputs out of the
+"""The PS worker's held outputs: the Ray worker copying old held outputs out of the
 object store, the shut-down fetch, and run(..., donate_argnums=...)'s warning."""
 
 import gc

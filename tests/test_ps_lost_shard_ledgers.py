@@ -1,5 +1,5 @@
-"""Second review of 2026-11-26's ParameterServerStrategy changes (skipped ids, restart_shard
-after a loss, PER_WORKER put-back, NNX arguments read as of each run), where they meet."""
+"""ParameterServerStrategy after a lost shard: skipped ids, restart_shard after a loss,
+PER_WORKER put-back, NNX arguments read as of each run, where they meet."""
 
 from __future__ import annotations
 
