@@ -3,7 +3,7 @@
 The top level holds what a researcher types daily: :class:`Replicator`, the four
 strategies, :class:`ReplicaContext` and :class:`PerReplica`, the input API,
 :func:`compute_average_loss`, :func:`scale_regularization_loss`,
-:func:`sync_replicas`, :class:`CheckpointManager` and the
+:func:`same_on_every_replica`, :func:`sync_replicas`, :class:`CheckpointManager` and the
 mesh axis names. The rest lives in namespaces, as ``tf.distribute`` tiers its
 ``cluster_resolver`` and ``coordinator``:
 
@@ -31,6 +31,7 @@ from jreplicate import _jax_compat  # noqa: F401, I001
 from jreplicate import checkpoint, cluster, execution, input, ps, strategies, sync
 from jreplicate.checkpoint import CheckpointManager
 from jreplicate.context import PerReplica, ReplicaContext
+from jreplicate.execution.nnx_rngs import same_on_every_replica
 from jreplicate.input import InputContext, InputIterator, InputReplicationMode
 from jreplicate.layout import MODEL_AXIS, REPLICA_AXIS
 from jreplicate.losses import compute_average_loss, scale_regularization_loss
@@ -65,6 +66,7 @@ __all__ = [
     "execution",
     "input",
     "ps",
+    "same_on_every_replica",
     "scale_regularization_loss",
     "strategies",
     "sync",

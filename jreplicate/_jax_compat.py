@@ -303,6 +303,13 @@ def array_type() -> type | None:
     return ArrayImpl
 
 
+def jit_wrapper_type() -> type | None:
+    """The class of what ``jax.jit(f)`` returns (``PjitFunction``; None if this JAX has
+    no class of its own for it)."""
+    t = type(jax.jit(lambda: None))
+    return None if t is type(lambda: None) else t
+
+
 def alias_host_arrays(leaves: Sequence[Any], sharding: Any, device: Any) -> list:
     """``leaves`` (NumPy arrays) as ``jax.Array`` values on ``device`` (``sharding``
     is a one-device sharding of it), each aliasing its NumPy array where the runtime

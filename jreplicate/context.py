@@ -329,7 +329,15 @@ class PerReplica:
         return cls(children[0], *aux)
 
     def __len__(self) -> int:
-        return int(self.array.shape[0])
+        shape = np.shape(self.array)
+        if not shape:
+            raise TypeError(
+                f"This PerReplica holds a {type(self.array).__name__} of shape {shape}, not "
+                "an array with a leading replica axis: a function mapped over the tree "
+                "(e.g. flax.jax_utils.unreplicate, which takes x[0]) replaced its "
+                "per-replica values. Index the PerReplica (x[i] is replica i's value) or "
+                "read rep.local_results(x) instead.")
+        return int(shape[0])
 
     def __getitem__(self, i: int) -> jax.Array:
         n = len(self)
@@ -372,4 +380,6 @@ class PerReplica:
         return self.array.dtype
 
     def __repr__(self) -> str:
+        if not np.shape(self.array):
+            return f"PerReplica(array={self.array!r})"
         return f"PerReplica(num_replicas={len(self)}, shape={self.shape}, dtype={self.dtype})"

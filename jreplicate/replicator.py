@@ -10,8 +10,9 @@ from typing import Any
 import jax
 import numpy as np
 
+from jreplicate import _porting
 from jreplicate._jax_compat import axis_bound
-from jreplicate.context import active_axis_name, check_logical_device
+from jreplicate.context import PerReplica, active_axis_name, check_logical_device
 from jreplicate.execution.base import NOT_RUN
 from jreplicate.input.context import InputContext, InputReplicationMode
 from jreplicate.input.iterator import InputIterator
@@ -48,6 +49,9 @@ class Replicator:
         self._executor = strategy.make_executor()
         self._run_again = self._executor.run_again  # the steady-state path of run
         self._steps_per_run = strategy.steps_per_run
+        # The leading dimensions of a batch shaped for jax.pmap (see _porting).
+        self._pmap_counts = _porting.device_counts(self._layout.num_replicas,
+                                                   len(self._layout.local_replica_ids))
         # Iterators finalize() closes; held weakly so a dropped one can be collected.
         self._iterators: weakref.WeakSet[InputIterator] = weakref.WeakSet()
 
@@ -212,6 +216,14 @@ class Replicator:
         automatically (the transpose of replication); scale each replica's loss with
         :func:`jreplicate.compute_average_loss` to get the global-batch mean.
 
+        Random streams of Flax NNX arguments (an ``nnx.Rngs``, the stream an
+        ``nnx.Dropout`` keeps) draw per replica, as rows draw independently on one
+        device: inside the step each key is ``jax.random.fold_in(key, ctx.replica_id)``
+        (with more than one replica), and the module keeps its key, its count advanced
+        as on one device. :func:`jreplicate.same_on_every_replica` marks streams that
+        should draw alike; a raw ``jax.random`` key argument is the same on every
+        replica.
+
         Args:
           fn: the step function, any callable. Compiled once per input signature
             and function object, by identity: distinct objects are distinct steps even
@@ -259,6 +271,13 @@ class Replicator:
 
         Raises:
           StopIteration: ``inputs`` is exhausted.
+          TypeError: ``fn`` is wrapped in ``jax.jit`` or ``nnx.jit`` (run compiles it).
+          ValueError: an argument holds state with a leading device axis
+            (``flax.jax_utils.replicate``), or another argument or batch is refused.
+
+        Warns:
+          jreplicate.input.PmapShapedBatchWarning: ``inputs`` looks shaped for
+          ``jax.pmap`` (every leaf ``[devices, b, ...]``).
         """
         if not callable(fn):
             raise TypeError(f"Replicator.run(fn) must be callable, got {type(fn).__name__}.")
@@ -269,6 +288,7 @@ class Replicator:
             result = self._run_again(fn, inputs is not None, inputs, args, None, donate)
             if result is not NOT_RUN:
                 return result
+        _porting.check_step(fn)  # (before any input is taken)
         if axis_bound(self._layout.replica_axis) or active_axis_name() is not None:
             raise RuntimeError(
                 "Replicator.run was called inside a step that Replicator.run is running. "
@@ -307,6 +327,8 @@ class Replicator:
                 " Pass the iterator, or inputs=None for a loop without input."
             )
         elif inputs is not None:
+            _porting.check_global_batch(inputs, self._pmap_counts, self._layout.num_replicas,
+                                        lambda x: isinstance(x, PerReplica))
             inputs = self._executor.split_batch(inputs)
         # No jax.set_mesh here: fn runs inside shard_map over this mesh, which is the
         # scope, and run stays usable under an outer jax.jit (set_mesh is not).

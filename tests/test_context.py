@@ -145,3 +145,14 @@ def test_collectives_match_numpy(n, shape, seed):
     np.testing.assert_array_equal(g["i"][0], ints)
     np.testing.assert_array_equal(b["x"], data[n - 1])
     np.testing.assert_array_equal(b["i"][0], ints[n - 1])
+
+
+def test_a_per_replica_whose_leading_axis_was_mapped_away_says_so():
+    # flax.jax_utils.unreplicate maps x[0] over the tree, through PerReplica's pytree node.
+    rep = jr.Replicator(jr.MirroredStrategy(devices=jax.local_devices()[:2]))
+    ids = rep.run(lambda ctx: ctx.replica_id * 10)
+    mapped = jax.tree.map(lambda a: a[0], ids)
+    assert "PerReplica(array=" in repr(mapped)
+    with pytest.raises(TypeError, match=r"unreplicate.*x\[i\] is replica i's value"):
+        len(mapped)
+    assert [int(v) for v in ids] == [0, 10]

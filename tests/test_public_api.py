@@ -21,7 +21,7 @@ TOP_LEVEL = {
     "Replicator", "ReplicaContext", "PerReplica", "InputContext", "InputIterator",
     "InputReplicationMode", "MirroredStrategy", "MultiWorkerStrategy", "TPUStrategy",
     "ParameterServerStrategy", "compute_average_loss", "scale_regularization_loss",
-    "sync_replicas",
+    "sync_replicas", "same_on_every_replica",
     "CheckpointManager", "MODEL_AXIS", "REPLICA_AXIS",
 }
 

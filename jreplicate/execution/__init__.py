@@ -8,7 +8,8 @@ MultiWorker, TPU); ``program.py`` the compiled program of one step signature
 cache per executor, by step function (its identity; held weakly), of its programs and the
 steady-state calls that skip repeated checks (``fast.py``); ``donation.py`` donation
 that never destroys an array another live object holds; ``nnx_args.py`` Flax NNX
-modules among the arguments. An executor receives a frozen
+modules among the arguments; ``nnx_rngs.py`` their random streams, drawn per replica.
+An executor receives a frozen
 :class:`jreplicate.strategies.Layout`, never a strategy, and knows nothing of the
 parameter server (:mod:`jreplicate.ps`), which builds on it.
 """

@@ -70,7 +70,9 @@ class PytreeDef:
         return hash(self.treedef)
 
     def __eq__(self, other: Any) -> bool:
-        return isinstance(other, PytreeDef) and other.treedef == self.treedef
+        # (type(self), not the module's global: a cache entry may be dropped while the
+        # interpreter exits, after the module's globals are gone)
+        return type(other) is type(self) and other.treedef == self.treedef
 
 
 def is_variable(x: Any) -> bool:
@@ -206,11 +208,60 @@ def state_leaves(new_state: Any, state: Any, axis: str, graphdef: Any,
     varying = [k for k, x in enumerate(leaves) if axis in varying_axes(x)]
     if varying:
         paths = state_paths(graphdef, state, node_pos)
+        kinds = state_kinds(graphdef, state)
         report([ValueError(
             f"the step function left NNX state {paths[k]} different on each replica, so "
-            "it can't be written back to the replicated module. Aggregate it first, e.g. "
-            "`ctx.all_sum(x) / ctx.num_replicas`.") for k in varying], "Replicator.run")
+            f"it can't be written back to the replicated module. "
+            f"{varying_hint(kinds[k], axis)}") for k in varying], "Replicator.run")
     return leaves
+
+
+#: What :func:`varying_hint` tells apart.
+BATCH_STAT, METRIC, OTHER = "batch_stat", "metric", "other"
+
+
+def state_kinds(graphdef: Any, state: Any) -> list[str]:
+    """The kind of each leaf of NNX state, for :func:`varying_hint`: an ``nnx.BatchStat``
+    (BatchNorm's running statistics), an ``nnx.metrics`` metric's state, or other."""
+    from flax import nnx
+    n = len(jax.tree.leaves(state))
+    nodes = merge(graphdef, jax.tree.unflatten(jax.tree.structure(state), range(n)))
+    metric = getattr(getattr(nnx, "metrics", None), "MetricState", ())
+    kinds = [OTHER] * n
+    for v in jax.tree.leaves(nodes, is_leaf=is_variable):
+        if not is_variable(v):
+            continue
+        kind = BATCH_STAT if isinstance(v, nnx.BatchStat) else \
+            METRIC if metric and isinstance(v, metric) else OTHER
+        for k in jax.tree.leaves(v.get_value()):
+            if isinstance(k, int) and 0 <= k < n:
+                kinds[k] = kind
+    return kinds
+
+
+def varying_hint(kind: str, axis: str) -> str:
+    """The fix for replicated state a step left different on each replica (the
+    replica axis ``axis``), by the state's kind (:func:`state_kinds`)."""
+    if kind == BATCH_STAT:
+        return (
+            "It is a BatchNorm's running statistics, computed from each replica's own "
+            f"batch: create the layer with axis_name={axis!r} (nnx.BatchNorm(..., "
+            f"axis_name={axis!r}); Linen: nn.BatchNorm(..., axis_name={axis!r})), which "
+            "computes the statistics over the replicas' batches together, as one device "
+            "would over the global batch.")
+    if kind == METRIC:
+        return (
+            "It is an nnx.metrics metric's state, updated with each replica's own values. "
+            "Update metrics with values that are the same on every replica: the loss as "
+            "ctx.all_sum(loss) where loss = jr.compute_average_loss(per_example_loss, "
+            "global_batch_size) (the global batch's mean), and per-example values gathered "
+            "from every replica (logits=ctx.all_gather(logits).reshape(-1, "
+            "*logits.shape[1:]), and labels alike); or return the per-replica values and "
+            "update the metric outside run. (Averaging the metric's state with "
+            "ctx.all_sum(x) / ctx.num_replicas gives a loss num_replicas times too small "
+            "when the loss comes from compute_average_loss.)")
+    return ("Aggregate it first (e.g. ctx.all_sum(x) / ctx.num_replicas for the mean over "
+            "the replicas), or compute it from values that are the same on every replica.")
 
 
 def state_paths(graphdef: Any, state: Any, node_pos: tuple) -> list[str]:

@@ -4,7 +4,8 @@ The step's inputs arrive as flat leaves of the kinds of :class:`ArgKind`: replic
 (in spec ``P()``), model-sharded (in spec ``P()`` too: it keeps its sharding, since the
 step is manual over the replica axis only) and per-replica (a :class:`PerReplica`,
 stacked on a leading replica axis, in spec ``P("replica")``). Flax NNX graph nodes
-among the arguments arrive as a state pytree and are merged inside the step. Output
+among the arguments arrive as a state pytree and are merged inside the step, where
+their random streams draw per replica (:mod:`jreplicate.execution.nnx_rngs`). Output
 specs are chosen per leaf from whether the value varies across replicas (see
 :mod:`jreplicate._jax_compat`).
 
@@ -28,7 +29,7 @@ from jreplicate import _jax_compat
 from jreplicate._jax_compat import varying_axes
 from jreplicate._tree import flatten_arrays, path_str
 from jreplicate.context import MaskedBatch, ReplicaContext, tracing_step
-from jreplicate.execution import fast, nnx_args
+from jreplicate.execution import fast, nnx_args, nnx_rngs
 from jreplicate.layout import Layout
 
 
@@ -159,6 +160,7 @@ def _call(fn: Callable, ctx: ReplicaContext, sig: Signature, batch: Any, plain: 
         ctx, batch = ctx.with_batch_mask(batch.mask), batch.batch
     nodes = nnx_args.merge(sig.graphdef, state) if sig.graphdef is not None else ()
     args = nnx_args.interleave(plain, nodes, sig.node_pos)
+    folded = nnx_rngs.fold_streams(nodes, ctx)  # each replica its own random streams
     try:
         out = fn(ctx, batch, *args) if sig.has_batch else fn(ctx, *args)
     except ValueError as e:
@@ -171,6 +173,7 @@ def _call(fn: Callable, ctx: ReplicaContext, sig: Signature, batch: Any, plain: 
         if name is None:
             raise
         raise _unbound_axis(name, ctx.axis_name) from e
+    out = nnx_rngs.restore(folded, out, ctx)  # the replicated keys leave the step
     if sig.graphdef is None:
         return out, None
     nnx_args.check_static_unchanged(sig.graphdef, state, nodes, sig.node_pos)
@@ -360,11 +363,12 @@ def _match_carry(new: tuple, old: tuple, axis: str) -> tuple:
         x = jax.lax.convert_element_type(x, o.dtype)
         vx, vo = axis in varying_axes(x), axis in varying_axes(o)
         if vx and not vo:
+            kind = nnx_args.BATCH_STAT if "batch_stats" in where else nnx_args.OTHER
             raise ValueError(
                 f"Replicator.run(..., steps=K): the step returned {where} different on "
                 "each replica, but it is replicated state carried to the next step. "
-                "Aggregate it first (ctx.all_sum(...) / ctx.num_replicas), or pass a "
-                "PerReplica value if each replica keeps its own."
+                f"{nnx_args.varying_hint(kind, axis)} (Or pass a PerReplica value if each "
+                "replica keeps its own.)"
             )
         if vo and not vx:
             x = jax.lax.pcast(x, axis, to="varying")

@@ -15,6 +15,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jreplicate import _porting
 from jreplicate._tree import (
     check_fits,
     covers,
@@ -311,6 +312,9 @@ class SPMDExecutor(Executor):
         replicated = self._replicated
         across = self._agreement is not None
         where = _LeafNames(treedef, node_pos)
+        # (state with a device axis, from flax.jax_utils.replicate: agreed as a refusal)
+        problems += _porting.device_axis_errors(_argument_groups(treedef, node_pos), leaves,
+                                                where, self._mesh)
         for i, x in enumerate(leaves):
             try:
                 if isinstance(x, PerReplica):
@@ -540,6 +544,23 @@ def _argument_leaves(treedef: Any, node_pos: tuple, donate_argnums: tuple[int, .
             out.append(donation.DonatedArgument(i, tuple(range(start, start + sizes[k]))))
         start += sizes[k]
     return tuple(out)
+
+
+def _argument_groups(treedef: Any, node_pos: tuple) -> list[tuple[str, range]]:
+    """``(name, flat leaf indices)`` of each plain argument, and of the NNX arguments'
+    state as one (see :func:`jreplicate._porting.device_axis_errors`)."""
+    batch_t, plain_t, state_t = treedef.children()
+    start = batch_t.num_leaves
+    children = plain_t.children()
+    ids = [i for i in range(len(children) + len(node_pos)) if i not in node_pos]
+    out = []
+    for i, child in zip(ids, children):
+        out.append((f"argument [{i}]", range(start, start + child.num_leaves)))
+        start += child.num_leaves
+    if node_pos:
+        out.append((f"the state of the Flax NNX argument(s) {list(node_pos)}",
+                    range(start, start + state_t.num_leaves)))
+    return out
 
 
 def _donated_leaves(treedef: Any, groups: tuple) -> tuple[int, ...]:

@@ -10,11 +10,14 @@ global sharded batches and, across processes, agrees on end of input and errors 
 its background threads and ``auto.py`` the automatic choice of prefetch; ``partial.py``
 what a partial batch is and where one may be dropped; ``padding.py`` exact final
 batches (``partial_batch="pad"``, ``batch_mask``); ``shutdown.py`` the pipeline at
-interpreter exit. The input layer sits beside the executors: it imports
+interpreter exit; :class:`PmapShapedBatchWarning` (defined with the other checks of
+batches shaped for ``jax.pmap``, in ``jreplicate/_porting.py``) says a batch looks like
+one. The input layer sits beside the executors: it imports
 the strategy protocol and the layout, never a concrete strategy.
 """
 
+from jreplicate._porting import PmapShapedBatchWarning
 from jreplicate.input.context import InputContext, InputReplicationMode
 from jreplicate.input.iterator import InputIterator
 
-__all__ = ["InputContext", "InputIterator", "InputReplicationMode"]
+__all__ = ["InputContext", "InputIterator", "InputReplicationMode", "PmapShapedBatchWarning"]

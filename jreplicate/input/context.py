@@ -52,6 +52,9 @@ class InputContext:
         self._num_in_sync = num_replicas_in_sync
         self._pipeline_id = input_pipeline_id
         self._num_pipelines = num_input_pipelines
+        # The per-replica batch size input_fn last asked for (None: never): a batch
+        # shaped for jax.pmap is told apart by it (see jreplicate._porting).
+        self._asked_batch_size: int | None = None
 
     @property
     def num_replicas(self) -> int:
@@ -94,7 +97,8 @@ class InputContext:
                 f"global batch size {global_batch_size} is not divisible by the "
                 f"{n} replicas in sync. Use a multiple of {n}, e.g. {lo} or {lo + n}."
             )
-        return global_batch_size // n
+        self._asked_batch_size = global_batch_size // n
+        return self._asked_batch_size
 
     def __repr__(self) -> str:
         return (f"InputContext(num_replicas={self._num_replicas}, "

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 import jax
 import numpy as np
 
-from jreplicate import _wire
+from jreplicate import _porting, _wire
 from jreplicate._tree import check_fits, is_array_like, native, path_str, report
 from jreplicate.input import padding, partial
 from jreplicate.input.context import InputContext, InputReplicationMode
@@ -345,11 +345,27 @@ class InputIterator:
             # there would end the input at its start.)
             leaves, _, paths = max(flat, key=lambda f: sum(
                 x.shape[0] for x in f[0] if x.ndim)) if self._pad else flat[0]
+            self._check_pmap_shaped(flat[0], ids[0])  # (raises again on a retry)
             self._spec = [(x.shape, x.dtype) for x in leaves]
             self._first = (treedef, [path_str(p) or "the root" for p in paths])
         elif treedef != self._first[0]:
             raise _structure_changed(self._first, treedef, flat[0][2], ids[0])
         return treedef
+
+    def _check_pmap_shaped(self, element: tuple, replica_id: int) -> None:
+        """The first step's element of one replica, checked not to be shaped for
+        ``jax.pmap`` (an error where input_fn said its per-replica batch size, else a
+        :class:`~jreplicate.input.PmapShapedBatchWarning`; see ``jreplicate._porting``)."""
+        leaves, _, paths = element
+        asked = {p.ctx._asked_batch_size for p in self._pipelines} - {None}
+        warning = _porting.check_element(
+            [x.shape for x in leaves], [path_str(p) or "the root" for p in paths],
+            _porting.device_counts(self._strategy.num_replicas,
+                                   len(self._strategy.local_replica_ids)),
+            asked.pop() if len(asked) == 1 else None,
+            f"the input element of replica {replica_id}")
+        if warning is not None:
+            self._staging.warn(warning)
 
     def _check_padded(self, elements: list[Any], ids: tuple[int, ...]) -> tuple[list, Any]:
         """The step's (flattened) elements padded to the first step's shapes, each with

@@ -93,7 +93,7 @@ class Staging:
             return self._auto_next(k)
         return self._read_next(k)
 
-    def warn(self, message: str) -> None:
+    def warn(self, message: str | Warning) -> None:
         """Gives a warning of the read under way: at once on the calling thread, or, on
         the prefetch thread, with the item it belongs to (when the caller takes it)."""
         notes = getattr(self._producing, "notes", None)

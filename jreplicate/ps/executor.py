@@ -14,7 +14,8 @@ from typing import Any
 import jax
 import numpy as np
 
-from jreplicate._tree import host_copy, read_now
+from jreplicate import _porting
+from jreplicate._tree import host_copy, path_str, read_now, report
 from jreplicate.context import PerReplica
 from jreplicate.execution.base import Executor
 from jreplicate.execution.cache import FunctionMap
@@ -386,6 +387,7 @@ class ParameterServerExecutor(Executor):
                 UserWarning, stacklevel=3)  # the caller of Replicator.run
         p_idx = o_idx = None
         nnx_pos = self._nnx_positions(args)
+        _check_device_axis(args, nnx_pos)
         for i, a in enumerate(args):
             if i in nnx_pos:
                 if nnx_pos[i] == "model":
@@ -521,3 +523,17 @@ def _decided_ids(led: dict[str, Any], start: int, stop: int) -> set[int]:
     wm = int(np.asarray(led["watermark"]))
     window = {int(x) for x in np.asarray(led["window"]).tolist() if start <= x < stop}
     return set(range(start, min(wm, stop))) | window
+
+
+def _check_device_axis(args: tuple, nnx_pos: dict) -> None:
+    """Refuses a plain argument holding state with a leading device axis
+    (``flax.jax_utils.replicate``'s; see :func:`jreplicate._porting.device_axis_errors`)."""
+    groups, leaves, names = [], [], []
+    for i, a in enumerate(args):
+        if i in nnx_pos:
+            continue
+        pairs = jax.tree_util.tree_flatten_with_path(a)[0]
+        groups.append((f"argument [{i}]", range(len(leaves), len(leaves) + len(pairs))))
+        leaves += [x for _, x in pairs]
+        names += [f"argument [{i}]{path_str(q)}" for q, _ in pairs]
+    report(_porting.device_axis_errors(groups, leaves, names.__getitem__), "Replicator.run")

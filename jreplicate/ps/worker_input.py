@@ -53,6 +53,7 @@ import warnings
 from collections.abc import Callable
 from typing import Any
 
+from jreplicate import _porting
 from jreplicate._tree import path_str, report
 from jreplicate.input import partial
 from jreplicate.input.context import InputContext, InputReplicationMode
@@ -195,7 +196,15 @@ class WorkerPipelines:
         """
         treedef = elements[0][1]
         if p.spec is None:
-            p.spec = (treedef, [(x.shape, x.dtype) for x in elements[0][0]])
+            leaves, _, paths = elements[0]
+            ctx = p.pipeline.ctx
+            warning = _porting.check_element(  # (raises again on a retry)
+                [x.shape for x in leaves], [path_str(q) or "the root" for q in paths],
+                _porting.device_counts(ctx.num_replicas, self.g), ctx._asked_batch_size,
+                f"worker {self.index}: the input element of replica {self.index * self.g}")
+            if warning is not None:
+                warnings.warn(warning, stacklevel=2)
+            p.spec = (treedef, [(x.shape, x.dtype) for x in leaves])
         problems, shorts = [], []
         for k, (leaves, td, paths) in enumerate(elements):
             rid = self.index * self.g + k
