@@ -1,16 +1,20 @@
 """Sphinx configuration of jreplicate's documentation (built as optax and Flax build theirs).
 
-Build locally: ``python -m sphinx -W --keep-going -b html docs docs/_build/html``.
+Build locally: ``python -m sphinx -W --keep-going -b html docs docs/_build/html``; the
+build is nitpicky (every reference must resolve), as in tests/test_docs_build.py.
 Notebooks (colab/) are rendered with their stored outputs, never executed here: they run
-in tests/test_notebooks.py, the guides' code in tests/test_docs_examples.py.
+in tests/test_notebooks.py, the guides' code in tests/test_docs_examples.py. This site's
+own extensions are in docs/_ext/, each saying what it fixes.
 """
 
 import os
 import pathlib
 import sys
+import tomllib
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "docs" / "_ext"))  # this site's own extensions
 # Importing jreplicate imports JAX; a CPU backend is all autodoc needs.
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
@@ -28,6 +32,11 @@ extensions = [
     "sphinx.ext.intersphinx",
     "sphinx.ext.viewcode",
     "myst_nb",
+    "sphinx_copybutton",
+    "offline_inventories",  # links to Python/JAX/optax/Flax/NumPy names, no network
+    "api_references",  # jreplicate names documented under another path; viewcode anchors
+    "table_code_breaks",  # long code in table cells wraps after its dots, not past the column
+    "notebook_links",  # "Download" (and "Open in Colab") atop each notebook page
 ]
 
 source_suffix = {".rst": "restructuredtext", ".md": "myst-nb", ".ipynb": "myst-nb"}
@@ -46,12 +55,36 @@ napoleon_google_docstring = True
 napoleon_numpy_docstring = False
 napoleon_use_rtype = False
 
-# Cross-links to the libraries the docstrings name. No network at build time: only
-# intersphinx inventories that are already cached would be used, so none are listed.
+# Every reference must resolve (tests/test_docs_build.py builds with -n -W). Links to
+# the libraries the docstrings name come from docs/_ext/offline_inventories.py, which
+# writes their inventories at build time (no network): add a newly referenced name there.
+nitpicky = True
 intersphinx_mapping = {}
+# Internal types that public signatures return or take: each is described where it
+# appears (the method's docstring), and documenting them would make them API.
+nitpick_ignore = [
+    # Strategy.agreement(): the strategy protocol's seam to the executors (written
+    # "Agreement" where the annotation is imported for type checking only).
+    ("py:class", "jreplicate.cluster.agreement.Agreement"),
+    ("py:class", "Agreement"),
+    # ParameterServerStrategy.make_executor(): the protocol's seam, as for Agreement.
+    ("py:class", "jreplicate.ps.executor.ParameterServerExecutor"),
+    # ParameterServerStrategy.placement: its docstring says how to read it (shard_of).
+    ("py:class", "jreplicate.ps.placement.Placement"),
+    # ParameterServerStrategy.restart_shard(): its fields are listed in "Returns".
+    ("py:class", "jreplicate.ps.shard_restart.ShardRestart"),
+    # jr.ps.pushable(): an optax transformation equal to tx, as its "Returns" says.
+    ("py:class", "jreplicate.ps.capture.PushableTransformation"),
+]
 
 # Notebooks are stored executed; the guides' code runs in the tests.
 nb_execution_mode = "off"
+# The repository's public URL has one home, pyproject.toml's [project.urls] Repository.
+# With it, each notebook page links "Open in Colab"; without it (no public repository
+# yet) only the notebook's download, which needs no URL.
+_URLS = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"].get("urls", {})
+notebook_repository_url = _URLS.get("Repository")
+notebook_branch = "main"
 myst_enable_extensions = ["colon_fence", "deflist", "substitution"]
 myst_substitutions = {"release": release}  # the front page states the version
 myst_heading_anchors = 3
@@ -59,6 +92,14 @@ myst_heading_anchors = 3
 html_theme = "furo"
 html_title = "jreplicate"
 html_static_path = ["_static"]
+html_css_files = ["tables.css"]  # long code in table cells wraps inside the cell
+
+# Copy buttons on code blocks copy the code alone: the ">>> " and "... " prompts of
+# doctest examples (a bare "..." is an empty continuation line) and "$ " of shell lines
+# are removed, and a block with prompts copies only its prompt lines (not the outputs).
+copybutton_prompt_text = r">>> |\.\.\. |\.\.\.$|\$ "
+copybutton_prompt_is_regexp = True
+copybutton_only_copy_prompt_lines = True
 
 
 

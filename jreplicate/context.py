@@ -308,6 +308,10 @@ class PerReplica:
     :attr:`array`), sharded over the ``"replica"`` mesh axis. Passed back to
     :meth:`jreplicate.Replicator.run`, each replica receives its own slice.
 
+    Attributes:
+      array: the values of every replica, stacked on a leading axis of length
+        ``num_replicas`` (replica ``r``'s value is ``array[r]``).
+
     Example:
       >>> import jax, jreplicate as jr
       >>> rep = jr.Replicator(jr.MirroredStrategy(devices=jax.local_devices()[:2]))

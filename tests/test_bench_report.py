@@ -55,7 +55,9 @@ def test_every_figure_is_drawn_from_records_alone(tmp_path):
     for png in ("steps_per_run.png", "stragglers_time_to_target.png", "ps_workers.png",
                 "host_overhead.png"):
         assert (tmp_path / png).stat().st_size > 1000, png
-        assert f"]({png})" in text
+        # A MyST figure: the docs site shows it at the column's width, with a caption.
+        caption = next(c for f, _, c in figures.FIGURES.values() if f == png)
+        assert f"```{{figure}} {png}\n:width: 100%\n:alt: {png[:-4]}\n\n{caption}\n```" in text
     assert "| m | 10 | 400 | 4 |" in text  # numbers as a table
     assert "8 x NVIDIA H100 80GB HBM3 (gpu)" in text  # the device kind
     assert "skipped: needs keras" in text and "donated: 1.00x" in text

@@ -1,9 +1,14 @@
-"""The documentation site builds with warnings as errors, and every public name of every
-namespace has its entry, with its example, in the API pages (a new public name without
-documentation fails here). Notebooks are rendered as stored, not executed (they run in
-tests/test_notebooks.py; the guides' code runs in tests/test_docs_examples.py)."""
+"""The documentation site builds nitpicky (every reference resolves) with no warning, and
+every public name of every namespace has its entry, with its example, in the API pages
+(a new public name without documentation fails here). Notebooks are rendered as stored,
+not executed (they run in tests/test_notebooks.py; the guides' code runs in
+tests/test_docs_examples.py). Also checked on the built HTML, as a reader meets it: every
+link to an anchor lands on one, tables keep long code inside their column, figures have
+captions, copy buttons copy runnable code without prompts, notebooks can be downloaded."""
 
+import html
 import inspect
+import json
 import os
 import pathlib
 import re
@@ -23,17 +28,33 @@ DOCS = ROOT / "docs"
 
 
 @pytest.fixture(scope="module")
-def site(tmp_path_factory):
+def build(tmp_path_factory):
+    """The site built nitpicky with warnings as errors (``-n -W --keep-going``, so a
+    warning still builds every page): the process, and the html folder, which the other
+    tests read even where ``test_the_build_is_clean`` fails."""
     out = tmp_path_factory.mktemp("site")
     env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT))
     start = time.monotonic()
     proc = subprocess.run(
-        [sys.executable, "-m", "sphinx", "-W", "--keep-going", "-q", "-b", "html",
+        [sys.executable, "-m", "sphinx", "-n", "-W", "--keep-going", "-q", "-b", "html",
          "-d", str(out / ".doctrees"), str(DOCS), str(out / "html")],
         capture_output=True, text=True, env=env, timeout=300, cwd=ROOT)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert (out / "html" / "index.html").exists(), proc.stdout + proc.stderr
     print(f"docs built in {time.monotonic() - start:.1f} s")
-    return out / "html"
+    return out / "html", proc
+
+
+@pytest.fixture(scope="module")
+def site(build):
+    return build[0]
+
+
+def test_the_build_is_clean(build):
+    """No warning in a nitpicky build (``-n -W``): a name in a docstring or page that
+    links nowhere (a typo, a moved object, a library name missing from
+    docs/_ext/offline_inventories.py) fails here, as any other warning does."""
+    _, proc = build
+    assert proc.returncode == 0 and "WARNING" not in proc.stderr, proc.stdout + proc.stderr
 
 
 def _page(site, module) -> str:
@@ -164,3 +185,221 @@ def test_notebooks_are_listed_in_reading_order(site):
     at = [html.find(f'href="notebooks/{stem}.html"') for stem in
           ("quickstart", "model_parallel_and_device_loops", "parameter_server")]
     assert -1 not in at and at == sorted(at), at
+
+
+# --- The site as a reader meets it -------------------------------------------------------
+
+def test_api_pages_show_public_paths_only(site):
+    """A library class appears under its public name (``Layout.mesh`` showed
+    ``jax._src.mesh.Mesh``, its ``__module__``), linked to its library's documentation."""
+    for page in sorted((site / "api").glob("*.html")):
+        text = _text(page.read_text())
+        private = sorted(set(re.findall(r"[\w.]*\._(?:src|jax)\.[\w.]*", text)))
+        assert not private, f"{page.name}: {private}"
+    strategies = (site / "api" / "jreplicate.strategies.html").read_text()
+    assert 'href="https://docs.jax.dev/en/latest/jax.sharding.html#jax.sharding.Mesh"' in (
+        strategies)
+
+
+def _ids(page: pathlib.Path, cache: dict) -> set[str] | None:
+    if page not in cache:
+        cache[page] = set(re.findall(r'\sid="([^"]+)"', page.read_text())) if page.exists() \
+            else None
+    return cache[page]
+
+
+def test_every_link_to_an_anchor_lands_on_one(site):
+    """Every internal link with a ``#fragment`` (the API's "[source]" links into
+    ``_modules/``, viewcode's "[docs]" links back, cross-references, tables of contents)
+    names an id of its target page. viewcode once linked ``CheckpointError``'s source
+    back to ``#jreplicate.CheckpointError``: it names one documenting module per source
+    file, and ``CheckpointManager``, defined beside it, is documented at the top level."""
+    cache, broken, count = {}, [], 0
+    for page in sorted(site.rglob("*.html")):
+        for path, fragment in re.findall(r'href="([^"#:?]*\.html)?#([^"]+)"', page.read_text()):
+            target = (page.parent / path).resolve() if path else page
+            count += 1
+            ids = _ids(target, cache)
+            if ids is None or html.unescape(fragment) not in ids:
+                broken.append(f"{page.relative_to(site)} -> {path}#{fragment}")
+    assert count > 500, count  # the API's source links, the back-links, the cross-references
+    assert not broken, "\n".join(broken)
+
+
+def _text(fragment: str) -> str:
+    return html.unescape(re.sub(r"<[^>]+>", "", fragment))
+
+
+def test_name_tables_keep_long_code_inside_their_column(site):
+    """The porting guide's three-column name tables fit the content column: the
+    stylesheet lets table code wrap (``overflow-wrap: anywhere`` also narrows the column
+    in the browser's layout), and ``<wbr>`` after each dot makes a name break where a
+    reader splits it. The text is unchanged."""
+    names = (site / "porting" / "names.html").read_text()
+    assert '<link rel="stylesheet" type="text/css" href="../_static/tables.css' in names
+    css = re.sub(r"\s+", " ", (site / "_static" / "tables.css").read_text())
+    assert re.search(r"table\.docutils td code\.literal,[^{]*\{ overflow-wrap: anywhere; \}",
+                     css), css
+    tables = re.findall(r'<table class="docutils[^"]*">(.*?)</table>', names, re.S)
+    three_columns = [t for t in tables if len(re.findall(r"<th[ >]", t)) == 3]
+    assert len(three_columns) == len(tables) >= 6, (len(three_columns), len(tables))
+    for table in three_columns:
+        codes = re.findall(r"<code[^>]*>(.*?)</code>", table, re.S)
+        assert any("<wbr>" in c for c in codes)
+        for code in codes:  # a break opportunity after a dot only, never inside a word
+            assert not re.search(r"[^.,(=]<wbr>", code.replace('</span>', '')), code
+    assert "tf.distribute.experimental.CentralStorageStrategy" in _text(names)
+
+
+def test_figures_are_captioned_at_the_column_width(site):
+    """Every figure of the guides and the benchmark pages is a captioned figure as wide
+    as the content column (they were 48 % wide, two abreast, with no caption)."""
+    pages = sorted((site / "guides").glob("*.html")) + sorted(
+        (site / "benchmarks").rglob("*.html"))
+    seen = 0
+    for page in pages:
+        text = page.read_text()
+        images = re.findall(r"<img [^>]*>", text)
+        figures = re.findall(r"<figure[^>]*>(.*?)</figure>", text, re.S)
+        captioned = [f for f in figures if re.search(r"<figcaption>\s*<p>.{20,}</p>", f, re.S)]
+        assert len(captioned) == len(images), f"{page.name}: an image without a caption"
+        for img in images:
+            assert 'style="width: 100%;"' in img, f"{page.name}: {img}"
+        seen += len(images)
+    assert seen >= 10, seen  # performance (4), sync_replicas (1), the 2026-11-25 report (5)
+    performance = _text((site / "guides" / "performance.html").read_text())
+    assert "Device loops: steps per second of run(..., steps=K) against K" in performance
+
+
+def _copy_button_text(js: str, block: str) -> str:
+    """What a copy button copies from ``block``: ``formatCopyText`` of
+    sphinx-copybutton, with the arguments the built ``copybutton.js`` passes it (the
+    prompt regex, prompt lines only, prompts removed, empty lines kept)."""
+    call = re.search(r"return formatCopyText\(text, '((?:[^'\\]|\\.)*)', (\w+), (\w+), (\w+), "
+                     r"(\w+), '', ''\)", js)
+    assert call, "copybutton.js does not call formatCopyText as configured"
+    prompt = call[1].encode().decode("unicode_escape")
+    assert call.groups()[1:] == ("true", "true", "true", "true"), call.groups()
+    lines, found = [], False
+    for line in block.split("\n"):
+        m = re.match(f"^({prompt})(.*)", line)
+        if m:
+            found = True
+            lines.append(m[2])
+        elif not line.strip():
+            lines.append(line)
+    return ("\n".join(lines) if found else block).removesuffix("\n")
+
+
+def test_copy_buttons_copy_the_examples_without_prompts(site):
+    """The copy button of every ``>>>`` example of the API pages copies runnable code: no
+    ``>>>`` or ``...`` prompt, no output line."""
+    api = (site / "api" / "jreplicate.html").read_text()
+    assert '<script src="../_static/copybutton.js' in api
+    js = (site / "_static" / "copybutton.js").read_text()
+    copied = 0
+    for page in sorted((site / "api").glob("*.html")):
+        for block in re.findall(r'<div class="doctest highlight[^"]*"><div class="highlight">'
+                                r"<pre>(.*?)</pre>", page.read_text(), re.S):
+            code = _copy_button_text(js, _text(block))
+            assert ">>>" not in code and not re.search(r"^\.\.\.", code, re.M), code
+            compile(code, f"{page.name}: copied example", "exec")
+            copied += 1
+    assert copied >= 30, copied
+    # A continuation line keeps its code, an empty one ("...") stays empty, outputs go.
+    assert _copy_button_text(js, ">>> def f(x):\n...     return x\n...\n>>> f(1)\n1") == (
+        "def f(x):\n    return x\n\nf(1)")
+
+
+def test_notebooks_download_and_colab_only_with_a_repository(site):
+    """Each notebook page links its ``.ipynb`` as a download (the file is in the site);
+    "Open in Colab" appears only when pyproject.toml names the repository."""
+    import tomllib
+
+    urls = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"].get("urls", {})
+    for notebook in sorted((ROOT / "colab").glob("*.ipynb")):
+        page = (site / "notebooks" / f"{notebook.stem}.html").read_text()
+        links = re.search(r'<p class="notebook-links">(.*?)</p>', page, re.S)
+        assert links, f"{notebook.stem}: no links under the title"
+        href = re.search(r'<a class="reference download internal" download="" '
+                         r'href="([^"]+)"', links[1])
+        assert href and href[1].endswith(f"/{notebook.name}"), links[1]
+        served = (site / "notebooks" / href[1]).resolve()
+        assert served.read_bytes() == notebook.read_bytes()
+        json.loads(served.read_text())  # a notebook, not a page
+        assert ("colab.research.google.com" in links[1]) == ("Repository" in urls)
+
+
+def _extension(name: str):
+    sys.path.insert(0, str(DOCS / "_ext"))
+    try:
+        return __import__(name)
+    finally:
+        sys.path.remove(str(DOCS / "_ext"))
+
+
+def test_colab_url_from_the_repository_url():
+    from sphinx.errors import ConfigError
+
+    colab_url = _extension("notebook_links").colab_url
+    want = ("https://colab.research.google.com/github/org/jreplicate/blob/main/"
+            "colab/quickstart.ipynb")
+    for url in ("https://github.com/org/jreplicate", "https://github.com/org/jreplicate/",
+                "https://github.com/org/jreplicate.git"):
+        assert colab_url(url, "colab/quickstart.ipynb") == want
+    assert colab_url(None, "colab/quickstart.ipynb") is None
+    assert colab_url("", "colab/quickstart.ipynb") is None
+    with pytest.raises(ConfigError, match=r"Repository.*github\.com/OWNER/REPO"):
+        colab_url("https://gitlab.com/org/jreplicate", "colab/quickstart.ipynb")
+
+
+def test_offline_inventories_name_real_objects_and_load(tmp_path):
+    """Every name the offline inventories link is an object of the installed library (a
+    typo would link a page that does not have it), a private runtime path is shown under
+    its public name, and each inventory loads as intersphinx reads it."""
+    import builtins
+
+    from sphinx.util.inventory import InventoryFile
+
+    inv = _extension("offline_inventories")
+    for key, project in inv.PROJECTS.items():
+        for name, _ in project.entries:
+            found = (inv.lookup(name) is not None) if "." in name else name in vars(builtins)
+            assert found, f"{key}: {name} is not an object of the installed library"
+        inv.write_inventory(tmp_path / f"{key}.inv", project)
+        loaded = InventoryFile.loads((tmp_path / f"{key}.inv").read_bytes(), uri=project.url)
+        data = getattr(loaded, "data", loaded)  # Sphinx >= 9: an _Inventory
+        for (name, role), page in project.entries.items():
+            item = data[role][name]
+            uri = item.uri if hasattr(item, "uri") else item[2]
+            assert uri == project.url + page.replace("$", name)
+    mesh = inv.runtime_path("jax.sharding.Mesh")
+    assert mesh and mesh.startswith("jax._src.")  # as autodoc writes it in signatures
+    assert f"{mesh} py:class 1 jax.sharding.html#jax.sharding.Mesh jax.sharding.Mesh" in (
+        inv.inventory_lines(inv.PROJECTS["jax"]))
+
+
+def test_jreplicate_references_resolve_by_identity_and_typos_still_fail(tmp_path):
+    """docs/_ext/api_references.py resolves a name to the entry documenting the same
+    object and shows an existing undocumented module as text, but hides nothing else: a
+    name that does not exist, or an undocumented class, still fails the build."""
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "conf.py").write_text(
+        f"import sys\nsys.path.insert(0, {str(DOCS / '_ext')!r})\n"
+        "extensions = ['sphinx.ext.autodoc', 'api_references']\nnitpicky = True\n")
+    (src / "index.rst").write_text(
+        "Page\n====\n\n.. autoclass:: jreplicate.strategies.Layout\n   :no-members:\n\n"
+        ":class:`jreplicate.layout.Layout` :mod:`jreplicate.ps.placement` "
+        ":class:`jreplicate.NoSuchThing` :mod:`jreplicate.no_such_module` "
+        ":class:`jreplicate.ps.placement.Placement`\n")
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT))
+    proc = subprocess.run(
+        [sys.executable, "-m", "sphinx", "-q", "-b", "html", str(src), str(tmp_path / "out")],
+        capture_output=True, text=True, env=env, timeout=120, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr
+    unresolved = sorted(re.findall(r"reference target not found: (\S+)", proc.stderr))
+    assert unresolved == ["jreplicate.NoSuchThing", "jreplicate.no_such_module",
+                          "jreplicate.ps.placement.Placement"], proc.stderr
+    page = (tmp_path / "out" / "index.html").read_text()
+    assert 'href="#jreplicate.strategies.Layout"' in page  # the defining path, resolved

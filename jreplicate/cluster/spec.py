@@ -130,7 +130,7 @@ class ClusterSpec:
         ``"TF_CONFIG"``, ``"auto-detect"`` or ``"single process"``).
       coordinator_bind_address: where process 0's coordination service listens, as
         passed to JAX (``None``: JAX's default, every interface, or
-        ``JAX_COORDINATOR_BIND_ADDRESS``); filled in by :func:`connect`.
+        ``JAX_COORDINATOR_BIND_ADDRESS``); filled in by ``jreplicate.cluster.runtime.connect``.
 
     Example (TensorFlow's ``TF_CONFIG`` of worker 1 of two):
       >>> from jreplicate.cluster.discovery import from_tf_config

@@ -61,7 +61,7 @@ class Executor(abc.ABC):
         callers pass copies nothing else writes."""
 
     def split_batch(self, batch: Any) -> Any:
-        """``run``'s ``inputs`` given as a pytree: :class:`PerReplica` leaves as they are,
+        """``run``'s ``inputs`` given as a pytree: :class:`.PerReplica` leaves as they are,
         other leaves taken as global batches and split over the replicas."""
         return batch
 
@@ -74,8 +74,9 @@ class Executor(abc.ABC):
     def run_again(self, fn: Callable, has_batch: bool, batch: Any, args: tuple,
                   steps: int | None, donate_argnums: tuple[int, ...]) -> Any:
         """Runs a call shaped like an earlier one without repeating its checks (the
-        steady state of a training loop), or returns :data:`NOT_RUN` for :meth:`run`
-        to take it. Its result or error is always :meth:`run`'s."""
+        steady state of a training loop), or returns ``NOT_RUN`` (of
+        ``jreplicate.execution.base``) for :meth:`run` to take it. Its result or error is
+        always :meth:`run`'s."""
         return NOT_RUN
 
     def per_worker_input(self, owner: object, input_fn: Callable, *,

@@ -70,7 +70,7 @@ class Strategy(abc.ABC):
 
     @property
     def axis_name(self) -> str:
-        """The mesh axis over which replicas are laid out: the strategy's ``axis_name=``
+        """The mesh axis over which replicas are laid out, the strategy's ``axis_name=``
         (default ``jr.REPLICA_AXIS``, ``"replica"``); ``ctx.axis_name`` in a step."""
         return self.layout.replica_axis
 

@@ -94,7 +94,7 @@ class MirroredStrategy(Strategy):
         unchanged. Any non-empty str but ``jr.MODEL_AXIS`` (``"model"``).
 
     Raises:
-      TypeError / ValueError: bad ``devices``, ``logical_devices_per_replica`` or
+      TypeError or ValueError: bad ``devices``, ``logical_devices_per_replica`` or
         ``axis_name`` (the message names the argument and the fix).
 
     Example:

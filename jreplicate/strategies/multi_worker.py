@@ -58,7 +58,7 @@ class MultiWorkerStrategy(Strategy):
       the survivor exits 2.7-3.5 s after the kill; the bound is
       ``heartbeat_timeout + shutdown_timeout`` plus about a second.
     * a process that is alive but stops taking part makes the others' next collective
-      (gloo: "Timed out waiting ...ms") or input agreement (:class:`ClusterError`) fail
+      (gloo: "Timed out waiting ...ms") or input agreement (:class:`.ClusterError`) fail
       after ``collective_timeout``; those processes exit at once, and the stuck one is
       stopped by the runtime when it loses them (or by the launcher). Measured with
       ``collective_timeout=8, heartbeat_timeout=4``: all processes exit 8.4 s after the
@@ -118,7 +118,7 @@ class MultiWorkerStrategy(Strategy):
         ``False`` never does; ``None`` (the default) installs it only when the
         environment sets ``JREPLICATE_FAIL_FAST=1``, as ``python -m
         jreplicate.cluster.launch`` does for the processes of a job of more than one
-        process. See :func:`jreplicate.cluster.watchdog.install_fail_fast`.
+        process. See ``jreplicate.cluster.watchdog.install_fail_fast``.
 
     Raises:
       ValueError: inconsistent arguments or environment, or processes with different

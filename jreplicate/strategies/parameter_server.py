@@ -85,7 +85,7 @@ class ParameterServerStrategy(Strategy):
         lightest shard, so every shard holds a share of the bytes and of each step's
         traffic) or ``"round_robin"`` (TensorFlow's ``replica_device_setter`` order,
         which gives shard 0 of an MLP's ``{"b", "w"}`` layers only the biases); see
-        :func:`jreplicate.ps.placement.place_parameters`.
+        ``jreplicate.ps.placement.place_parameters``.
       max_staleness: bounded staleness tau (None: fully asynchronous): no applied
         update is more than tau updates stale (Li et al., OSDI'14); workers wait
         rather than exceed it, tau = 0 is sequential. Asynchronous mode only.
@@ -264,7 +264,10 @@ class ParameterServerStrategy(Strategy):
 
     @property
     def placement(self) -> Placement:
-        """Which shard holds which parameter leaf."""
+        """Which shard holds which parameter leaf.
+
+        ``strategy.placement.shard_of(path)`` is the shard of the leaf at ``path`` (a list
+        of shards for a leaf split into slices)."""
         return self._ex().placement
 
     def parameters(self) -> Any:

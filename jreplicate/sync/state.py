@@ -37,11 +37,11 @@ class TokenQueue(NamedTuple):
     """
 
     head_step: jax.Array
-    """int32: the value of the token at the head of the queue."""
+    """The value of the token at the head of the queue (int32)."""
     head_count: jax.Array
-    """int32: how many tokens of value ``head_step`` are left."""
+    """How many tokens of value ``head_step`` are left (int32)."""
     per_step: jax.Array
-    """int32: tokens appended after each update (``max(total, replicas_to_aggregate)``)."""
+    """Tokens appended after each update, ``max(total, replicas_to_aggregate)`` (int32)."""
 
 
 class SyncReplicasState(NamedTuple):
@@ -68,9 +68,9 @@ class SyncReplicasState(NamedTuple):
     as they are (not zeroed, which would cost a pass over memory every step) and the
     next accepted gradient overwrites them."""
     num_accumulated: jax.Array
-    """int32: how many gradients ``accumulators`` holds."""
+    """How many gradients ``accumulators`` holds (int32)."""
     global_step: jax.Array
-    """int32: number of aggregated updates applied so far."""
+    """Number of aggregated updates applied so far (int32)."""
     tokens: TokenQueue
     """The token queue of the host driver (see :func:`take_token`)."""
     inner_state: optax.OptState
@@ -79,13 +79,13 @@ class SyncReplicasState(NamedTuple):
     """Moving averages of the params (``None`` leaves for params not averaged), or
     ``None`` without ``variable_averages``; see :func:`averaged_params`."""
     late_this_step: jax.Array
-    """int32: late gradients seen for the step completed last (used to tell backups
+    """Late gradients seen for the step completed last (int32; used to tell backups
     from stale gradients)."""
     dropped_stale: jax.Array
-    """int32: gradients dropped because they were computed at an old ``local_step``."""
+    """Gradients dropped because they were computed at an old ``local_step`` (int32)."""
     dropped_backup: jax.Array
-    """int32: gradients dropped because ``replicas_to_aggregate`` faster ones of the same
-    step had already been aggregated (at most ``total_num_replicas -
+    """Gradients dropped because ``replicas_to_aggregate`` faster ones of the same step
+    had already been aggregated (int32; at most ``total_num_replicas -
     replicas_to_aggregate`` a step)."""
 
 

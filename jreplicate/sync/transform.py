@@ -54,7 +54,7 @@ def sync_replicas(
 
     * **SPMD driver** (inside ``jreplicate.Replicator.run``, whatever the strategy's
       ``axis_name``, or a ``jax.shard_map`` over ``axis_name``): every replica calls
-      ``update`` together with ITS OWN gradient (see :func:`replica_value_and_grad`;
+      ``update`` together with ITS OWN gradient (see :func:`.replica_value_and_grad`;
       plain ``jax.grad`` of replicated params is already summed over replicas and is
       rejected). ``arrival_time`` (a
       per-replica scalar, default equal for all, ties broken by replica id; or a vector
@@ -76,7 +76,7 @@ def sync_replicas(
       gradient computed at ``local_step`` (default: the current ``global_step``). The
       updates are zero until the ``replicas_to_aggregate``-th fresh push of the step,
       which returns ``inner``'s update of the average; ``state.global_step`` has then
-      incremented. Replicas take their next ``local_step`` with :func:`take_token`. With
+      incremented. Replicas take their next ``local_step`` with :func:`.take_token`. With
       one replica and no ``local_step`` this equals ``optax.MultiSteps(inner,
       replicas_to_aggregate, use_grad_mean=True)``.
 
@@ -88,7 +88,7 @@ def sync_replicas(
         which requires the two to be equal when given).
       variable_averages: decay of exponential moving averages of the params, updated
         after each aggregated update (TF's ``ExponentialMovingAverage``); read them with
-        :func:`averaged_params` or ``state.ema``.
+        :func:`.averaged_params` or ``state.ema``.
       variables_to_average: which params to average: a pytree of bools like params, or
         a function of params returning one; default all.
       num_tokens: initial tokens of the queue, all carrying the starting
@@ -101,13 +101,16 @@ def sync_replicas(
 
     Returns:
       An ``optax.GradientTransformationExtraArgs`` whose state is a
-      :class:`SyncReplicasState`. Extra keyword arguments other than ``local_step`` and
+      :class:`.SyncReplicasState`. Extra keyword arguments other than ``local_step`` and
       ``arrival_time`` are passed on to ``inner``.
 
     Raises:
-      ValueError / TypeError: for invalid arguments, at construction, ``init`` or
-        ``update`` (empty or mismatched gradients, too few tokens, a NaN arrival time
-        known at trace time, ...).
+      ValueError: for invalid arguments, at construction, ``init`` or ``update``
+        (empty or mismatched gradients, too few tokens, a NaN arrival time known at
+        trace time, ...).
+      TypeError: for arguments of the wrong type (``inner`` not an optax
+        transformation, a count that is not an int, a ``local_step`` that is not an
+        integer).
 
     Example (host driver, TensorFlow's two-worker test):
       >>> import jax.numpy as jnp, optax
