@@ -3,9 +3,9 @@
 The top level holds what a researcher types daily: :class:`Replicator`, the four
 strategies, :class:`ReplicaContext` and :class:`PerReplica`, the input API,
 :func:`compute_average_loss`, :func:`scale_regularization_loss`,
-:func:`same_on_every_replica`, :func:`sync_replicas`, :class:`CheckpointManager` and the
-mesh axis names. The rest lives in namespaces, as ``tf.distribute`` tiers its
-``cluster_resolver`` and ``coordinator``:
+:func:`same_on_every_replica`, :func:`sync_replicas`, :class:`CheckpointManager`, the
+mesh axis names and :func:`one_replica`. The rest lives in namespaces, as
+``tf.distribute`` tiers its ``cluster_resolver`` and ``coordinator``:
 
 * ``jr.ps``: parameter-server training (:func:`jreplicate.ps.pushable`,
   :class:`jreplicate.ps.RemoteValue` and its errors);
@@ -35,6 +35,7 @@ from jreplicate.execution.nnx_rngs import same_on_every_replica
 from jreplicate.input import InputContext, InputIterator, InputReplicationMode
 from jreplicate.layout import MODEL_AXIS, REPLICA_AXIS
 from jreplicate.losses import compute_average_loss, scale_regularization_loss
+from jreplicate.one_replica import one_replica
 from jreplicate.replicator import Replicator
 from jreplicate.strategies import (
     MirroredStrategy,
@@ -65,6 +66,7 @@ __all__ = [
     "compute_average_loss",
     "execution",
     "input",
+    "one_replica",
     "ps",
     "same_on_every_replica",
     "scale_regularization_loss",

@@ -305,7 +305,8 @@ class PerReplica:
     Behaves as the list of per-replica values the Replicator design returns from
     ``run``: ``len(x)``, ``x[i]`` (replica ``i``'s value) and iteration, while the data
     stays on the devices as one ``jax.Array`` of shape ``[num_replicas, ...]`` (see
-    :attr:`array`), sharded over the ``"replica"`` mesh axis. Passed back to
+    :attr:`array`), sharded over the replica mesh axis (``axis_name``: the strategy's,
+    ``"replica"`` unless chosen). Passed back to
     :meth:`jreplicate.Replicator.run`, each replica receives its own slice.
 
     Attributes:
@@ -320,7 +321,8 @@ class PerReplica:
       [0, 10]
     """
 
-    def __init__(self, array: jax.Array, mesh: Mesh | None = None, axis_name: str = "replica"):
+    def __init__(self, array: jax.Array, mesh: Mesh | None = None,
+                 axis_name: str = REPLICA_AXIS):
         self.array = array
         self.mesh = mesh
         self.axis_name = axis_name

@@ -16,6 +16,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jreplicate as jr
+from tests._optional import installed
 
 # -- the strategies, each with a replica axis name ---------------------------------------
 
@@ -536,4 +537,35 @@ def test_parameter_server_sync_groups_all_reduce_over_the_chosen_name():
         assert [int(i) for i in np.asarray(ids).reshape(-1)] == [0, 1]
     np.testing.assert_allclose(strategy.parameters(), np.full(3, -6.0))  # 6 pushes of 1
     assert strategy.ledger()[0]["applied"] == 6
+    strategy.shutdown()
+
+
+if installed("ray"):
+    from tests.test_ps_ray import local_ray  # noqa: F401 (this module's Ray instance)
+else:
+    @pytest.fixture
+    def local_ray():
+        pytest.skip("Ray is not installed: pip install 'jreplicate[ray]'")
+
+
+def test_ray_workers_build_their_sync_groups_on_the_chosen_name(local_ray):
+    """The Ray carrier's worker actors lay out their own sync-group mesh: it carries the
+    strategy's axis_name too."""
+    strategy = jr.ParameterServerStrategy(num_ps=1, num_workers=1, num_replicas_in_sync=2,
+                                          carrier="ray", axis_name="batch")
+    rep = jr.Replicator(strategy)
+    with rep.scope():
+        w = jnp.zeros(2)
+        tx = jr.ps.pushable(optax.sgd(1.0))
+        opt = tx.init(w)
+
+    def step(ctx, w, opt):
+        g = jax.grad(lambda w: jnp.sum(w) * jax.lax.psum(1.0, "batch") / 2)(w)
+        u, opt = tx.update(g, opt, w)
+        return optax.apply_updates(w, u), opt, jax.lax.psum(ctx.replica_id, "batch")
+
+    value = rep.run(step, None, w, opt)
+    rep.join()
+    assert int(np.asarray(value.fetch()[2]).reshape(-1)[0]) == 1  # 0 + 1
+    np.testing.assert_allclose(strategy.parameters(), np.full(2, -1.0))
     strategy.shutdown()

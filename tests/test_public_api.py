@@ -22,7 +22,7 @@ TOP_LEVEL = {
     "InputReplicationMode", "MirroredStrategy", "MultiWorkerStrategy", "TPUStrategy",
     "ParameterServerStrategy", "compute_average_loss", "scale_regularization_loss",
     "sync_replicas", "same_on_every_replica",
-    "CheckpointManager", "MODEL_AXIS", "REPLICA_AXIS",
+    "CheckpointManager", "MODEL_AXIS", "REPLICA_AXIS", "one_replica",
 }
 
 

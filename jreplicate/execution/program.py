@@ -3,7 +3,7 @@
 The step's inputs arrive as flat leaves of the kinds of :class:`ArgKind`: replicated
 (in spec ``P()``), model-sharded (in spec ``P()`` too: it keeps its sharding, since the
 step is manual over the replica axis only) and per-replica (a :class:`PerReplica`,
-stacked on a leading replica axis, in spec ``P("replica")``). Flax NNX graph nodes
+stacked on a leading replica axis, in spec ``P(layout.replica_axis)``). Flax NNX graph nodes
 among the arguments arrive as a state pytree and are merged inside the step, where
 their random streams draw per replica (:mod:`jreplicate.execution.nnx_rngs`). Output
 specs are chosen per leaf from whether the value varies across replicas (see
