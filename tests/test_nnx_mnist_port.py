@@ -99,6 +99,17 @@ def test_the_port_on_8_replicas_equals_the_tutorial_on_one_device(programs, caps
     assert "step    3  train_loss" in printed and "step    3  test_accuracy" in printed
 
 
+def test_the_shape_check_leaves_the_tutorials_state_dropout_included(programs):
+    """The tutorial calls the model once in training mode before training (its running
+    statistics move); the port makes that call through jr.one_replica, with dropout."""
+    original, train, tx = programs
+    want = _state(original.main(0, dropout=True, tx=tx, verbose=False)[1])
+    got = _state(train.main(0, dropout=True, tx=tx, verbose=False)[1])
+    assert np.abs(want["batch_norm1.mean"]).max() > 0  # the check moved the statistics
+    for name, value in want.items():
+        np.testing.assert_allclose(got[name], value, rtol=1e-6, atol=1e-7, err_msg=name)
+
+
 def tempting_loss_fn(model, batch, rngs=None):
     """The tutorial's loss kept as it is: each replica's own mean."""
     logits = model(batch["image"], rngs)

@@ -28,10 +28,10 @@ from ``original.py`` (``diff original.py train.py`` shows each):
    gives the one-device numbers;
 6. ``pred_step``'s predictions come back per replica (``jr.PerReplica``): ``.array``
    is ``[8, 4]``, reshaped to the batch's 32;
-7. the shape check runs inside ``run``, one row of ones per replica (BatchNorm with an
-   ``axis_name`` needs its axis, which only a step has; without dropout the statistics
-   of 8 equal rows are those of the tutorial's one row, so the running statistics it
-   leaves are the original's).
+7. the shape check calls the model through ``jr.one_replica``: outside ``run`` no
+   replica axis exists, and BatchNorm with an ``axis_name`` would raise ``NameError:
+   unbound axis name``; ``one_replica`` binds it with size 1, so the call computes, and
+   moves the running statistics, exactly as the tutorial's call on one device.
 
 ``nnx.Rngs`` and ``nnx.Optimizer`` are passed to ``run`` like the model; their state is
 updated in place. Run: ``python examples/nnx_mnist_port/train.py`` (8 simulated CPU
@@ -131,10 +131,6 @@ def pred_step(ctx: jr.ReplicaContext, batch, model: CNN):
   return logits.argmax(axis=1)
 
 
-def check_step(ctx: jr.ReplicaContext, x, model: CNN, rngs: nnx.Rngs):
-  return model(x, rngs)
-
-
 def main(train_steps=train_steps, eval_every=eval_every, dropout=True, tx=None, verbose=True):
   rep = jr.Replicator(jr.MirroredStrategy())
   with rep.scope():  # placed replicated on every device
@@ -143,10 +139,10 @@ def main(train_steps=train_steps, eval_every=eval_every, dropout=True, tx=None, 
     if not dropout:
       model = nnx.view(model, deterministic=True)
 
-  # One row of ones per replica: as the tutorial's one row (BatchNorm needs its axis).
-  y = rep.run(check_step, jnp.ones((rep.num_replicas, 28, 28, 1)), model, nnx.Rngs(0))
+  # BatchNorm's axis bound with size 1: as on one device, running statistics included.
+  y = jr.one_replica(model)(jnp.ones((1, 28, 28, 1)), nnx.Rngs(0))
   if verbose:
-    print(y[0])
+    print(y)
 
   with rep.scope():
     optimizer = nnx.Optimizer(
