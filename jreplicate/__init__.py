@@ -4,8 +4,9 @@ The top level holds what a researcher types daily: :class:`Replicator`, the four
 strategies, :class:`ReplicaContext` and :class:`PerReplica`, the input API,
 :func:`compute_average_loss`, :func:`scale_regularization_loss`,
 :func:`same_on_every_replica`, :func:`sync_replicas`, :class:`CheckpointManager`, the
-mesh axis names and :func:`one_replica`. The rest lives in namespaces, as
-``tf.distribute`` tiers its ``cluster_resolver`` and ``coordinator``:
+mesh axis names, :func:`one_replica` and :class:`ReplicationHabitWarning` (the pmap
+habits ``run`` warns about). The rest lives in namespaces, as ``tf.distribute`` tiers its
+``cluster_resolver`` and ``coordinator``:
 
 * ``jr.ps``: parameter-server training (:func:`jreplicate.ps.pushable`,
   :class:`jreplicate.ps.RemoteValue` and its errors);
@@ -31,6 +32,7 @@ from jreplicate import _jax_compat  # noqa: F401, I001
 from jreplicate import checkpoint, cluster, execution, input, ps, strategies, sync
 from jreplicate.checkpoint import CheckpointManager
 from jreplicate.context import PerReplica, ReplicaContext
+from jreplicate.execution.habits import ReplicationHabitWarning
 from jreplicate.execution.nnx_rngs import same_on_every_replica
 from jreplicate.input import InputContext, InputIterator, InputReplicationMode
 from jreplicate.layout import MODEL_AXIS, REPLICA_AXIS
@@ -59,6 +61,7 @@ __all__ = [
     "ParameterServerStrategy",
     "PerReplica",
     "ReplicaContext",
+    "ReplicationHabitWarning",
     "Replicator",
     "TPUStrategy",
     "checkpoint",

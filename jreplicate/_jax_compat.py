@@ -12,6 +12,9 @@ Moving jreplicate to a new JAX release should be a change to this file alone:
 * :func:`alias_host_arrays` places read-only NumPy arrays without a copy, and
   :func:`producing_equation` reads which equation made a traced value (the PS worker's
   forwarding of the parameters a step returns unchanged);
+* :func:`aval_varying_axes`, :func:`transform_names`, :func:`user_source` and their
+  neighbours read a traced step's jaxpr (the detection of pmap habits in
+  :mod:`jreplicate.execution.habits`);
 * :func:`unbound_axis_in` reads the axis name out of JAX's error for a collective over
   an unbound mesh axis (a bare AssertionError in jax 0.12, for a replica-invariant
   value);
@@ -351,6 +354,61 @@ def producing_equation(x: Any) -> tuple[str, list] | None:
     if not isinstance(name, str) or not isinstance(ins, list):
         return None
     return name, ins
+
+
+# -- reading a traced step's jaxpr (jreplicate.execution.habits) ------------------
+def aval_varying_axes(aval: Any) -> frozenset:
+    """The manual mesh axes over which a jaxpr variable's abstract value varies."""
+    mat = getattr(aval, "manual_axis_type", None)
+    if mat is not None:
+        return frozenset(getattr(mat, "varying", ()))
+    return frozenset(getattr(aval, "vma", ()))
+
+
+def is_literal(atom: Any) -> bool:
+    """Whether a jaxpr equation's operand is a literal constant (not a variable)."""
+    return isinstance(atom, _literal_type())
+
+
+@functools.cache
+def _literal_type() -> type:
+    from jax.extend.core import Literal
+    return Literal
+
+
+def sub_jaxprs(params: dict) -> list:
+    """The jaxprs (open or closed) among an equation's parameters, in order."""
+    from jax.extend.core import jaxprs_in_params
+    return list(jaxprs_in_params(params))
+
+
+def transform_names(source_info: Any) -> tuple[str, ...]:
+    """The transformations (``"jvp"``, ``"transpose"``, ...) and scopes an equation was
+    traced under, outermost first, from its name stack (``()`` where JAX records none).
+    A scope is given as ``"scope:<name>"``."""
+    stack = getattr(getattr(source_info, "name_stack", None), "stack", ())
+    out = []
+    for elem in stack:
+        name = getattr(elem, "name", None)
+        if isinstance(name, str):
+            out.append(name if type(elem).__name__ == "Transform" else f"scope:{name}")
+    return tuple(out)
+
+
+def user_source(source_info: Any, skip: Callable[[str], bool]) -> tuple | None:
+    """``(file, line, column, function)`` of the innermost frame of the user's code that
+    made an equation: JAX's own frames and those ``skip(file)`` accepts are passed
+    over. None where JAX kept no traceback."""
+    try:
+        from jax._src import source_info_util
+        frames = list(source_info_util.user_frames(source_info.traceback))
+    except (ImportError, AttributeError, TypeError) as e:
+        logging.getLogger("jreplicate").debug("user_source: no frames (%s)", e)
+        return None
+    chosen = next((f for f in frames if not skip(f.file_name)), frames[0] if frames else None)
+    if chosen is None:
+        return None
+    return chosen.file_name, chosen.start_line, chosen.start_column, chosen.function_name
 
 
 # -- the distributed runtime -------------------------------------------------------

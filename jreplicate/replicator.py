@@ -13,6 +13,7 @@ import numpy as np
 from jreplicate import _porting
 from jreplicate._jax_compat import axis_bound
 from jreplicate.context import PerReplica, active_axis_name, check_logical_device
+from jreplicate.execution import habits
 from jreplicate.execution.base import NOT_RUN
 from jreplicate.input.context import InputContext, InputReplicationMode
 from jreplicate.input.iterator import InputIterator
@@ -202,7 +203,8 @@ class Replicator:
 
     # -- running -------------------------------------------------------------------
     def run(self, fn: Callable[..., Any], inputs: Any = None, *args: Any,
-            steps: int | None = None, donate_argnums: int | Sequence[int] = ()) -> Any:
+            steps: int | None = None, donate_argnums: int | Sequence[int] = (),
+            allow: str | Sequence[str] = ()) -> Any:
         """Runs ``fn`` on every replica, compiled once with ``jax.jit`` over ``shard_map``.
 
         ``run(fn)`` calls ``fn(ctx)``; ``run(fn, inputs, *args)`` calls
@@ -263,6 +265,20 @@ class Replicator:
             whoever holds one sees the new state. A step that fails while
             running has consumed the donated state: its error says so; reading the
             module's Variables afterwards raises the step's error.
+          allow: the pmap habits the step has on purpose, by name, not to be warned
+            about: ``"mean_loss"``, ``"batch_independent_term"``,
+            ``"invariant_all_reduce"`` (a name or a tuple of names). At the first call
+            of each compiled program, ``run`` reads the step's trace and warns with
+            :class:`jreplicate.ReplicationHabitWarning`, naming the line and the fix,
+            where the step differentiates a per-replica mean loss (``jnp.mean``: an
+            N-times update, since gradients of replicated arguments are summed over
+            the replicas), adds a batch-independent term such as an L2 penalty
+            unscaled (N-times weight decay), or all-reduces (``lax.psum`` /
+            ``lax.pmean`` / ``ctx.all_sum``) a value that is already identical on
+            every replica, such as the gradients. See the guide's "Warnings about
+            pmap habits" (``docs/guides/getting_started.md``) for what is caught and
+            what is not. Read when a program is compiled; later calls of it are not
+            checked again.
 
         Returns:
           ``fn``'s outputs: each leaf identical on all replicas comes back as one
@@ -283,6 +299,7 @@ class Replicator:
             raise TypeError(f"Replicator.run(fn) must be callable, got {type(fn).__name__}.")
         donate = () if type(donate_argnums) is tuple and not donate_argnums \
             else _check_donate(donate_argnums, len(args))
+        allow = habits.check_allow(allow) if allow else _NO_HABITS_ALLOWED
         if steps is None and not isinstance(inputs, InputIterator):
             # The steady state of a training loop: a call shaped like an earlier one.
             result = self._run_again(fn, inputs is not None, inputs, args, None, donate)
@@ -314,7 +331,7 @@ class Replicator:
                 result = self._executor.run_again(fn, has_batch, inputs, args, steps, donate)
                 if result is NOT_RUN:
                     result = self._executor.run(fn, has_batch, inputs, args, steps=steps,
-                                                donate_argnums=donate)
+                                                donate_argnums=donate, allow=allow)
                 return result
             except BaseException:
                 # The step raised (or was interrupted): its batch stays for a retry.
@@ -333,7 +350,7 @@ class Replicator:
         # No jax.set_mesh here: fn runs inside shard_map over this mesh, which is the
         # scope, and run stays usable under an outer jax.jit (set_mesh is not).
         return self._executor.run(fn, has_batch, inputs, args, steps=steps,
-                                  donate_argnums=donate)
+                                  donate_argnums=donate, allow=allow)
 
     # -- results -------------------------------------------------------------------
     def reduce(self, reduce_op: str, value: Any) -> Any:
@@ -359,6 +376,9 @@ class Replicator:
     def replicate(self, value: Any) -> Any:
         """Places a pytree of arrays replicated on every replica's device."""
         return self._executor.place(value)
+
+
+_NO_HABITS_ALLOWED: frozenset = frozenset()
 
 
 def _check_steps(steps: Any) -> int:

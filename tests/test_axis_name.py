@@ -183,6 +183,8 @@ def test_collectives_per_replica_values_and_input_use_the_chosen_name():
     np.testing.assert_array_equal(rep.reduce("sum", got[0]), np.full(2, sum(range(n))))
 
 
+# (all-reduces a replicated value on purpose: a pmap habit run warns about)
+@pytest.mark.filterwarnings("ignore::jreplicate.ReplicationHabitWarning")
 def test_the_same_step_on_two_names_compiles_for_each():
     """Programs are never shared across names: a step whose collectives follow
     ``ctx.axis_name`` runs under both, one that names ``"batch"`` only under it (in

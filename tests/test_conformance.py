@@ -99,7 +99,7 @@ def test_compiled_once_and_retraced_only_on_new_signature(strategy):
 
     def f(ctx, x):
         traces.append(jax.tree.map(jnp.shape, x))
-        return ctx.all_sum(jax.tree.map(lambda v: v * 2, x))
+        return ctx.all_sum(jax.tree.map(lambda v: v * (ctx.replica_id + 1), x))
 
     for _ in range(3):
         rep.run(f, None, jnp.ones(3))

@@ -15,6 +15,11 @@ import jreplicate as jr
 from jreplicate import _jax_compat
 from tests._models import init_mlp, mlp, per_example_loss
 
+# Toy steps here all-reduce replicated values (ctx.all_sum of a module's own state) as
+# the computation they check, which Replicator.run warns about as a pmap habit
+# (jr.ReplicationHabitWarning, an error in this suite): allowed in this module.
+pytestmark = pytest.mark.filterwarnings("ignore::jreplicate.ReplicationHabitWarning")
+
 TX = optax.adam(1e-2)
 
 

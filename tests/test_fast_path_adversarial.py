@@ -22,6 +22,11 @@ from jax.sharding import PartitionSpec as P
 import jreplicate as jr
 from jreplicate.execution import fast, nnx_args
 
+# Toy steps here all-reduce replicated values (ctx.all_sum of a module's own state) as
+# the computation they check, which Replicator.run warns about as a pmap habit
+# (jr.ReplicationHabitWarning, an error in this suite): allowed in this module.
+pytestmark = pytest.mark.filterwarnings("ignore::jreplicate.ReplicationHabitWarning")
+
 
 @pytest.fixture
 def rep():

@@ -11,6 +11,11 @@ import pytest
 
 import jreplicate as jr
 
+# Toy steps here all-reduce replicated values (ctx.all_sum of a module's own state) as
+# the computation they check, which Replicator.run warns about as a pmap habit
+# (jr.ReplicationHabitWarning, an error in this suite): allowed in this module.
+pytestmark = pytest.mark.filterwarnings("ignore::jreplicate.ReplicationHabitWarning")
+
 
 @pytest.fixture
 def rep():

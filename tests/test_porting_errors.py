@@ -230,6 +230,8 @@ def _metrics():
                            accuracy=nnx.metrics.Accuracy())
 
 
+# (all-reduces a replicated value on purpose: a pmap habit run warns about)
+@pytest.mark.filterwarnings("ignore::jreplicate.ReplicationHabitWarning")
 def test_a_metric_updated_per_replica_names_the_fix_and_the_fix_equals_one_device():
     def naive(ctx, batch, model, metrics):
         x, y = batch

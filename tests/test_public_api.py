@@ -23,6 +23,7 @@ TOP_LEVEL = {
     "ParameterServerStrategy", "compute_average_loss", "scale_regularization_loss",
     "sync_replicas", "same_on_every_replica",
     "CheckpointManager", "MODEL_AXIS", "REPLICA_AXIS", "one_replica",
+    "ReplicationHabitWarning",
 }
 
 

@@ -6,6 +6,8 @@ scale_regularization_loss(wd * sum(w ** 2))`` and compares the new parameters wi
 NumPy step on the global batch with ``mean loss + wd * sum(w ** 2)``; the same step with
 the term unscaled is shown to apply the penalty N times (why the function exists)."""
 
+import contextlib
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -47,6 +49,14 @@ def _loss(w, x, y, gbs, wd, scaled):
         jr.scale_regularization_loss(reg) if scaled else reg)
 
 
+def _unscaled_warned(scaled):
+    """Unscaled, the term is a pmap habit run warns about (it is N-times weight decay):
+    these tests show that effect on purpose."""
+    if scaled:
+        return contextlib.nullcontext()
+    return pytest.warns(jr.ReplicationHabitWarning, match="batch_independent_term")
+
+
 def _close(got, want):
     for k in ("w", "b"):
         np.testing.assert_allclose(np.asarray(got[k]), want[k], rtol=1e-5, atol=1e-6)
@@ -84,7 +94,8 @@ def test_mirrored_8_replicas_equals_one_device(scaled):
     rep, step = _mirrored_step(8, scaled)
     x, y = _data(16)
     wd = 0.5
-    got = rep.run(step, None, _w0(), x, y, jnp.float32(wd))
+    with _unscaled_warned(scaled):
+        got = rep.run(step, None, _w0(), x, y, jnp.float32(wd))
     if scaled:
         _close(got, _reference(_w0(), x, y, wd))
     else:  # the penalty is applied once per replica: 8-times weight decay
@@ -111,7 +122,8 @@ def test_tpu_device_loop_equals_one_device_steps(scaled):
         g = jax.grad(_loss)(w, x, y, per * ctx.num_replicas_in_sync, wd, scaled)
         return jax.tree.map(lambda p, d: p - LR * d, w, g)
 
-    got = rep.run(step, inputs, _w0())
+    with _unscaled_warned(scaled):
+        got = rep.run(step, inputs, _w0())
     want = _w0()
     for s in range(k):
         want = _reference(want, xs[s].reshape(-1, D), ys[s].reshape(-1), wd,
@@ -143,8 +155,9 @@ def test_parameter_server_worker_push_equals_one_device(g, scaled):
         tx = jr.ps.pushable(optax.sgd(LR))
         opt = tx.init(w)
     x, y = _data(g * per, seed=2)
-    rep.run(_ps_step(tx, wd, per, scaled), None, w, opt, x, y)
-    rep.join()
+    with _unscaled_warned(scaled):  # (on the worker)
+        rep.run(_ps_step(tx, wd, per, scaled), None, w, opt, x, y)
+        rep.join()
     _close(s.parameters(), _reference(_w0(), x, y, wd, times=1 if scaled else g))
 
 

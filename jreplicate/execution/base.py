@@ -31,9 +31,9 @@ class Executor(abc.ABC):
       >>> w = ex.place(jnp.ones(2))  # replicated for the replicas
       >>> w.sharding.is_fully_replicated
       True
-      >>> ex.run(lambda ctx, w: ctx.all_sum(w), False, None, (w,), steps=None,
-      ...        donate_argnums=()).tolist()
-      [8.0, 8.0]
+      >>> ex.run(lambda ctx, w: ctx.all_sum(w * ctx.replica_id), False, None, (w,),
+      ...        steps=None, donate_argnums=()).tolist()  # 0 + 1 + ... + 7
+      [28.0, 28.0]
     """
 
     def __init__(self, layout: Layout):
@@ -67,9 +67,12 @@ class Executor(abc.ABC):
 
     @abc.abstractmethod
     def run(self, fn: Callable, has_batch: bool, batch: Any, args: tuple, *,
-            steps: int | None, donate_argnums: tuple[int, ...]) -> Any:
+            steps: int | None, donate_argnums: tuple[int, ...],
+            allow: frozenset = frozenset()) -> Any:
         """Runs ``fn`` on every replica, once (``steps=None``) or as a loop of ``steps``
-        steps over a batch whose per-replica leaves have a leading axis of that length."""
+        steps over a batch whose per-replica leaves have a leading axis of that length.
+        ``allow``: the names of the pmap habits not to warn about
+        (:mod:`jreplicate.execution.habits`), read when a step is first compiled."""
 
     def run_again(self, fn: Callable, has_batch: bool, batch: Any, args: tuple,
                   steps: int | None, donate_argnums: tuple[int, ...]) -> Any:

@@ -27,7 +27,7 @@ from jreplicate._tree import (
     report,
 )
 from jreplicate.context import PerReplica
-from jreplicate.execution import agreed, donation, fast, nnx_args
+from jreplicate.execution import agreed, donation, fast, habits, nnx_args
 from jreplicate.execution.base import Executor
 from jreplicate.execution.cache import ProgramCache, ProgramKey
 from jreplicate.execution.program import (
@@ -115,6 +115,8 @@ class SPMDExecutor(Executor):
         self._local_position = {r: k for k, r in enumerate(layout.local_replica_ids)}
         self._fast = fast.FastPath(self._cache, self._mesh, self._axis,
                                    check_shardings=layout.logical_devices_per_replica > 1)
+        # (step, habit, line) already warned about (execution.habits.report)
+        self._habits_reported: set = set()
 
     # -- state -----------------------------------------------------------------------
     @contextlib.contextmanager
@@ -223,11 +225,15 @@ class SPMDExecutor(Executor):
 
     # -- running ---------------------------------------------------------------------
     def run(self, fn: Callable, has_batch: bool, batch: Any, args: tuple, *,
-            steps: int | None = None, donate_argnums: tuple[int, ...] = ()) -> Any:
+            steps: int | None = None, donate_argnums: tuple[int, ...] = (),
+            allow: frozenset = frozenset()) -> Any:
         call = self._prepare(fn, has_batch, batch, args, steps, donate_argnums)
         program, node_pos = call.program, call.node_pos
+        jitted = program.jitted_nested if call.traced else program.jitted
         try:
-            flat = (program.jitted_nested if call.traced else program.jitted)(*call.arrays)
+            if not program.habits_checked:
+                self._check_habits(fn, jitted, call, allow)
+            flat = jitted(*call.arrays)
         except Exception as e:
             if node_pos:
                 nnx_args.note_failed_step(e, jax.tree.leaves(
@@ -253,11 +259,30 @@ class SPMDExecutor(Executor):
         return self._fast.call(fn, has_batch, batch, args, steps, donate_argnums)
 
     def compiled(self, fn: Callable, has_batch: bool, batch: Any, args: tuple, *,
-                 steps: int | None = None, donate_argnums: tuple[int, ...] = ()) -> Any:
+                 steps: int | None = None, donate_argnums: tuple[int, ...] = (),
+                 allow: frozenset = frozenset()) -> Any:
         """The ``jax.stages.Compiled`` program ``run`` would call (for inspection:
         ``.as_text()``, ``.memory_analysis()``); runs nothing."""
         call = self._prepare(fn, has_batch, batch, args, steps, donate_argnums)
+        if not call.program.habits_checked:
+            self._check_habits(fn, call.program.jitted, call, allow)
         return call.program.jitted.lower(*call.arrays).compile()
+
+    def _check_habits(self, fn: Callable, jitted: Any, call: Prepared,
+                      allow: frozenset) -> None:
+        """Warns about the pmap habits in the step's trace (:mod:`.habits`), once per
+        program, at its first call: the trace is JAX's own (``jitted`` reuses it), so
+        this costs one reading of the jaxpr, and nothing afterwards."""
+        if self._num_replicas > 1:
+            traced = jitted.trace(*call.arrays)  # the step's own errors raise here
+            try:
+                found = habits.find(traced.jaxpr, self._axis, self._num_replicas)
+            except Exception as e:  # noqa: BLE001 - a detector's fault never stops a step
+                habits.log_failure(fn, e)
+                found = []
+            habits.report(found, habits.step_name(fn), allow, self._num_replicas,
+                          self._habits_reported)
+        call.program.habits_checked = True
 
     def _prepare(self, fn: Callable, has_batch: bool, batch: Any, args: tuple,
                  steps: int | None, donate_argnums: tuple[int, ...]) -> Prepared:

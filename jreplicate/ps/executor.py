@@ -366,7 +366,8 @@ class ParameterServerExecutor(Executor):
         return HostBatch([list(e) for e in elements], treedef)
 
     def run(self, fn: Callable, has_batch: bool, batch: Any, args: tuple, *,
-            steps: int | None, donate_argnums: tuple[int, ...]) -> RemoteValue:
+            steps: int | None, donate_argnums: tuple[int, ...],
+            allow: frozenset = frozenset()) -> RemoteValue:
         if steps is not None:
             raise ValueError(
                 "Replicator.run(..., steps=K) under ParameterServerStrategy: device loops "
@@ -417,7 +418,8 @@ class ParameterServerExecutor(Executor):
         if key is None:
             key = self._fn_keys[fn] = self._next_key
             self._next_key += 1
-        c = Closure(self.next_id, fn, has_batch, batch, args, p_idx, o_idx, key)
+        c = Closure(self.next_id, fn, has_batch, batch, args, p_idx, o_idx, key,
+                    allow=allow)
         rv = self.coordinator.schedule(c)
         # The id is taken only once the step is scheduled: a refused one (a lost shard's
         # error, the end of input, shut down) would be decided by no shard, and every

@@ -30,6 +30,7 @@ from jreplicate._jax_compat import alias_host_arrays, producing_equation, varyin
 from jreplicate.context import PerReplica
 from jreplicate.execution.base import NOT_RUN
 from jreplicate.execution.cache import FunctionMap, weak_callable
+from jreplicate.execution.habits import step_name
 from jreplicate.execution.spmd import SPMDExecutor
 from jreplicate.layout import REPLICA_AXIS, mesh_layout, replica_mesh
 from jreplicate.ps.capture import capturing
@@ -66,6 +67,8 @@ class Closure:
     #: Start from the parameters the worker's previous push returned, if it has them
     #: (set by the Ray carrier for a step queued behind another on its worker).
     reuse: bool = False
+    #: The pmap habits the step has on purpose (``Replicator.run(..., allow=...)``).
+    allow: frozenset = frozenset()
 
 
 class ApplicationError(Exception):
@@ -235,7 +238,7 @@ class PSWorker:
             if not nnx_model:
                 args[c.param_index] = placed
             args, placed = tuple(args), None
-            got, full = self._execute(fn, c.has_batch, batch, args, donate)
+            got, full = self._execute(fn, c.has_batch, batch, args, donate, c.allow)
             if full and not (nnx_model or c.reuse or self.client.token_gated
                              or c.fn_key in self._first_runs):
                 self._first_runs.add(c.fn_key)
@@ -246,7 +249,7 @@ class PSWorker:
                 args = list(args)
                 args[c.param_index], batch = self._place_inputs(params, c.batch)
                 args = tuple(args)
-                got, _ = self._execute(fn, c.has_batch, batch, args, donate)
+                got, _ = self._execute(fn, c.has_batch, batch, args, donate, c.allow)
             out, grads, _ = got
             if first is None and c.fn_key not in self._nnx_checked:
                 check_nothing_lost(c.args, args)  # (once per step function here)
@@ -279,14 +282,15 @@ class PSWorker:
         return out, decision
 
     def _execute(self, fn: Callable, has_batch: bool, batch: Any, args: tuple,
-                 donate: tuple[int, ...]) -> tuple[Any, bool]:
+                 donate: tuple[int, ...], allow: frozenset = frozenset()
+                 ) -> tuple[Any, bool]:
         """The step's outputs by the steady-state path, else by the full one (which may
         compile), and whether the full path ran."""
         got = self.executor.run_again(fn, has_batch, batch, args, None, donate)
         if got is not NOT_RUN:
             return got, False
         return self.executor.run(fn, has_batch, batch, args, steps=None,
-                                 donate_argnums=donate), True
+                                 donate_argnums=donate, allow=allow), True
 
     def _place(self, params: Any) -> Any:
         """``params`` (numpy) placed replicated over this worker's mesh."""
@@ -352,6 +356,7 @@ class PSWorker:
             # The cache's warning about recompiled code counts the step's code, not
             # this wrapper's (one code object for every step function).
             wrapped.__wrapped__ = step
+            wrapped.__qualname__ = step_name(fn)  # (warnings name the step)
             self._wrapped[fn][(first, donated)] = wrapped
         return wrapped
 
