@@ -16,7 +16,8 @@ parameter and every BatchNorm statistic must agree to float tolerance. How:
 
 The tempting port that keeps the tutorial's ``.mean()`` loss has 8x the gradient of the
 port (gradients of replicated state are summed over the replicas), so 8x its update
-under SGD. (Adam's update hardly changes with the gradient's scale: with the tutorial's
+under SGD, and ``run`` reports it (``jr.ReplicationHabitWarning`` at the ``.mean()``
+line). (Adam's update hardly changes with the gradient's scale: with the tutorial's
 ``adamw`` that error is nearly hidden, until clipping, a schedule tuned elsewhere or
 another optimizer meets it.)
 """
@@ -24,6 +25,7 @@ another optimizer meets it.)
 from __future__ import annotations
 
 import importlib.util
+import inspect
 import sys
 from pathlib import Path
 
@@ -117,7 +119,8 @@ def tempting_loss_fn(model, batch, rngs=None):
         logits=logits, labels=batch["label"]).mean(), logits
 
 
-def test_the_tempting_port_with_the_mean_loss_has_8_times_the_gradient(programs):
+def test_the_tempting_port_with_the_mean_loss_has_8_times_the_gradient_and_is_reported(
+        programs):
     _, train, _ = programs
 
     def gradients(ctx, batch, model):
@@ -129,8 +132,17 @@ def test_the_tempting_port_with_the_mean_loss_has_8_times_the_gradient(programs)
     with rep.scope():
         model = train.CNN(rngs=nnx.Rngs(0))
     batch = next(train.make_batches(train.train_ds, train.batch_size))
-    port, tempting = rep.run(gradients, batch, nnx.view(model, deterministic=True,
-                                                         use_running_average=False))
+    with pytest.warns(jr.ReplicationHabitWarning) as caught:
+        port, tempting = rep.run(gradients, batch, nnx.view(model, deterministic=True,
+                                                             use_running_average=False))
+    # Reported once, at the line of the tempting loss's .mean(), naming the fix.
+    mean_line = next(i for i, line in enumerate(inspect.getsourcelines(tempting_loss_fn)[0],
+                                                tempting_loss_fn.__code__.co_firstlineno)
+                     if ".mean()" in line)
+    habits = [w for w in caught if w.category is jr.ReplicationHabitWarning]
+    assert [(Path(w.filename).name, w.lineno) for w in habits] == [
+        (Path(__file__).name, mean_line)], [str(w.message) for w in caught]
+    assert "jr.compute_average_loss" in str(habits[0].message)
     port, tempting = nnx.to_flat_state(port), nnx.to_flat_state(tempting)
     checked = 0
     for (path, g), (_, t) in zip(port, tempting, strict=True):
