@@ -16,7 +16,8 @@ from ``original.py`` (``diff original.py train.py`` shows each):
 3. ``loss_fn``: ``jr.compute_average_loss(per_example, batch_size)`` instead of
    ``.mean()``: the gradients of replicated state are summed over the replicas, so each
    replica's loss is its share of the global batch's mean. (``.mean()`` gives 8x the
-   gradient, as ``tests/test_nnx_mnist_port.py`` shows; the tutorial's ``adamw``
+   gradient, and ``run`` warns at its line, ``jr.ReplicationHabitWarning``, as
+   ``tests/test_nnx_mnist_port.py`` shows; the tutorial's ``adamw``
    nearly hides it, as Adam's step hardly depends on the gradient's scale, but the
    loss the metrics report is 8x; with SGD the update is 8x);
 4. ``@nnx.jit`` removed from the steps, which take ``ctx`` and the batch first, and
