@@ -24,6 +24,8 @@ another optimizer meets it.)
 
 from __future__ import annotations
 
+import ast
+import difflib
 import importlib.util
 import inspect
 import sys
@@ -110,6 +112,27 @@ def test_the_shape_check_leaves_the_tutorials_state_dropout_included(programs):
     assert np.abs(want["batch_norm1.mean"]).max() > 0  # the check moved the statistics
     for name, value in want.items():
         np.testing.assert_allclose(got[name], value, rtol=1e-6, atol=1e-7, err_msg=name)
+
+
+def _code_lines(name: str) -> list[str]:
+    """The lines of examples/nnx_mnist_port/<name>.py after its module docstring."""
+    text = (EXAMPLE / f"{name}.py").read_text()
+    return text.splitlines()[ast.parse(text).body[0].end_lineno:]
+
+
+def test_every_change_of_the_port_is_marked():
+    """``diff original.py train.py`` is the port: each changed stretch of train.py carries
+    a ``[jr]`` mark (a deletion: within three lines of it), so its header note and the
+    marks list every change."""
+    before, after = _code_lines("original"), _code_lines("train")
+    unmarked = []
+    matcher = difflib.SequenceMatcher(None, before, after, autojunk=False)
+    for tag, i1, i2, j1, j2 in matcher.get_opcodes():
+        near = after[j1:j2] if j2 > j1 else after[max(j1 - 3, 0):j1 + 3]
+        if tag != "equal" and not any("[jr]" in line for line in near):
+            unmarked.append((before[i1:i2], after[j1:j2]))
+    assert not unmarked, unmarked
+    assert sum("[jr]" in line for line in after) >= 15
 
 
 def tempting_loss_fn(model, batch, rngs=None):

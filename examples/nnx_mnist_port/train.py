@@ -6,7 +6,8 @@ of 32 is split into 8 per-replica batches of 4, and the result equals the one-de
 program to float tolerance (``tests/test_nnx_mnist_port.py``; with dropout on, the masks
 are drawn per replica, so the numbers differ as two dropout seeds do). On N devices there
 are N replicas (32 must be divisible by N). The lines changed
-from ``original.py`` (``diff original.py train.py`` shows each):
+from ``original.py`` (``diff original.py train.py`` shows each; every changed line is
+marked ``# [jr]``):
 
 1. ``rep = jr.Replicator(jr.MirroredStrategy())``, and the model, optimizer and
    metrics created in ``rep.scope()`` (placed replicated on every device);
@@ -32,30 +33,25 @@ from ``original.py`` (``diff original.py train.py`` shows each):
 7. the shape check calls the model through ``jr.one_replica``: outside ``run`` no
    replica axis exists, and BatchNorm with an ``axis_name`` would raise ``NameError:
    unbound axis name``; ``one_replica`` binds it with size 1, so the call computes, and
-   moves the running statistics, exactly as the tutorial's call on one device.
+   moves the running statistics, exactly as the tutorial's call on one device;
+8. run as a script, it asks JAX for 8 CPU devices (``jax_num_cpu_devices``), the
+   replicas where there is no GPU or TPU.
 
 ``nnx.Rngs`` and ``nnx.Optimizer`` are passed to ``run`` like the model; their state is
-updated in place. Run: ``python examples/nnx_mnist_port/train.py`` (8 simulated CPU
-devices where there is no accelerator).
+updated in place. Run: ``python examples/nnx_mnist_port/train.py``.
 """
 # ruff: noqa: E501 - the tutorial's own long lines, kept as they are
 
-import os
+from functools import partial
 
-# 8 simulated CPU devices where there is no accelerator (set before JAX starts).
-if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
-  os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
-                             + " --xla_force_host_platform_device_count=8").strip()
+import jax  # [jr] for its config: 8 CPU devices where there is no GPU/TPU
+import jax.numpy as jnp  # JAX NumPy
+import numpy as np
+import optax
+from flax import nnx  # The Flax NNX API.
+from tutorial_stand_ins import SummaryWriter, load_dataset
 
-from functools import partial  # noqa: E402
-
-import jax.numpy as jnp  # JAX NumPy  # noqa: E402
-import numpy as np  # noqa: E402
-import optax  # noqa: E402
-from flax import nnx  # The Flax NNX API.  # noqa: E402
-from tutorial_stand_ins import SummaryWriter, load_dataset  # noqa: E402
-
-import jreplicate as jr  # noqa: E402
+import jreplicate as jr  # [jr]
 
 train_steps = 40
 eval_every = 10
@@ -83,10 +79,10 @@ class CNN(nnx.Module):
 
   def __init__(self, *, rngs: nnx.Rngs):
     self.conv1 = nnx.Conv(1, 32, kernel_size=(3, 3), rngs=rngs)
-    self.batch_norm1 = nnx.BatchNorm(32, axis_name=jr.REPLICA_AXIS, rngs=rngs)
+    self.batch_norm1 = nnx.BatchNorm(32, axis_name=jr.REPLICA_AXIS, rngs=rngs)  # [jr] global batch statistics
     self.dropout1 = nnx.Dropout(rate=0.025)
     self.conv2 = nnx.Conv(32, 64, kernel_size=(3, 3), rngs=rngs)
-    self.batch_norm2 = nnx.BatchNorm(64, axis_name=jr.REPLICA_AXIS, rngs=rngs)
+    self.batch_norm2 = nnx.BatchNorm(64, axis_name=jr.REPLICA_AXIS, rngs=rngs)  # [jr] global batch statistics
     self.avg_pool = partial(nnx.avg_pool, window_shape=(2, 2), strides=(2, 2))
     self.linear1 = nnx.Linear(3136, 256, rngs=rngs)
     self.dropout2 = nnx.Dropout(rate=0.025)
@@ -105,47 +101,47 @@ momentum = 0.9
 
 def loss_fn(model: CNN, batch, rngs: nnx.Rngs | None = None):
   logits = model(batch['image'], rngs)
-  loss = jr.compute_average_loss(optax.softmax_cross_entropy_with_integer_labels(
+  loss = jr.compute_average_loss(optax.softmax_cross_entropy_with_integer_labels(  # [jr]
     logits=logits, labels=batch['label']
-  ), batch_size)  # this replica's share of the global batch's mean loss
+  ), batch_size)  # [jr] this replica's share of the global batch's mean loss
   return loss, logits
 
-def update_metrics(ctx: jr.ReplicaContext, metrics: nnx.MultiMetric, loss, logits, labels):
+def update_metrics(ctx: jr.ReplicaContext, metrics: nnx.MultiMetric, loss, logits, labels):  # [jr]
   """Feeds the metrics the global batch's values, identical on every replica."""
   metrics.update(loss=ctx.all_sum(loss),  # the global batch's mean loss
                  logits=ctx.all_gather(logits).reshape(-1, logits.shape[-1]),
                  labels=ctx.all_gather(labels).reshape(-1))
 
-def train_step(ctx: jr.ReplicaContext, batch, model: CNN, optimizer: nnx.Optimizer, metrics: nnx.MultiMetric, rngs: nnx.Rngs):
+def train_step(ctx: jr.ReplicaContext, batch, model: CNN, optimizer: nnx.Optimizer, metrics: nnx.MultiMetric, rngs: nnx.Rngs):  # [jr] no @nnx.jit
   """Train for a single step."""
   grad_fn = nnx.value_and_grad(loss_fn, has_aux=True)
   (loss, logits), grads = grad_fn(model, batch, rngs)
-  update_metrics(ctx, metrics, loss, logits, batch['label'])  # In-place updates.
+  update_metrics(ctx, metrics, loss, logits, batch['label'])  # In-place updates. [jr]
   optimizer.update(model, grads)  # In-place updates.
 
-def eval_step(ctx: jr.ReplicaContext, batch, model: CNN, metrics: nnx.MultiMetric):
+def eval_step(ctx: jr.ReplicaContext, batch, model: CNN, metrics: nnx.MultiMetric):  # [jr] no @nnx.jit
   loss, logits = loss_fn(model, batch)
-  update_metrics(ctx, metrics, loss, logits, batch['label'])  # In-place updates.
+  update_metrics(ctx, metrics, loss, logits, batch['label'])  # In-place updates. [jr]
 
-def pred_step(ctx: jr.ReplicaContext, batch, model: CNN):
+def pred_step(ctx: jr.ReplicaContext, batch, model: CNN):  # [jr] no @nnx.jit
   logits = model(batch['image'], None)
   return logits.argmax(axis=1)
 
 
 def main(train_steps=train_steps, eval_every=eval_every, dropout=True, tx=None, verbose=True):
-  rep = jr.Replicator(jr.MirroredStrategy())
-  with rep.scope():  # placed replicated on every device
+  rep = jr.Replicator(jr.MirroredStrategy())  # [jr]
+  with rep.scope():  # [jr] placed replicated on every device
     # Instantiate the model.
     model = CNN(rngs=nnx.Rngs(0))
     if not dropout:
       model = nnx.view(model, deterministic=True)
 
-  # BatchNorm's axis bound with size 1: as on one device, running statistics included.
+  # [jr] BatchNorm's axis bound with size 1: as on one device, running statistics included.
   y = jr.one_replica(model)(jnp.ones((1, 28, 28, 1)), nnx.Rngs(0))
   if verbose:
     print(y)
 
-  with rep.scope():
+  with rep.scope():  # [jr]
     optimizer = nnx.Optimizer(
       model, tx or optax.adamw(learning_rate, momentum), wrt=nnx.Param
     )
@@ -168,7 +164,7 @@ def main(train_steps=train_steps, eval_every=eval_every, dropout=True, tx=None, 
     # - The train state's model parameters
     # - The optimizer state
     # - The training loss and accuracy batch metrics
-    rep.run(train_step, batch, train_model, optimizer, metrics, rngs)
+    rep.run(train_step, batch, train_model, optimizer, metrics, rngs)  # [jr]
 
     if step > 0 and (step % eval_every == 0 or step == train_steps - 1):  # Evaluation period passed.
       # Log the training metrics.
@@ -178,10 +174,10 @@ def main(train_steps=train_steps, eval_every=eval_every, dropout=True, tx=None, 
 
       # Compute the metrics on the test set after each training epoch.
       for test_batch in make_batches(test_ds, batch_size):
-        rep.run(eval_step, test_batch, eval_model, metrics)
+        rep.run(eval_step, test_batch, eval_model, metrics)  # [jr]
 
       # Show predicted labels on a single test batch
-      pred = rep.run(pred_step, test_batch, eval_model).array.reshape(-1)
+      pred = rep.run(pred_step, test_batch, eval_model).array.reshape(-1)  # [jr]
       writer.add_scalar('pred_correct', (pred == test_batch['label']).sum(), step)
 
       # Log the test metrics.
@@ -194,4 +190,5 @@ def main(train_steps=train_steps, eval_every=eval_every, dropout=True, tx=None, 
 
 
 if __name__ == '__main__':
+  jax.config.update('jax_num_cpu_devices', 8)  # [jr] before JAX starts; CPU only
   main()
