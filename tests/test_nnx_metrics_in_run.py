@@ -9,11 +9,11 @@ and Average('loss')) updated on one device with the global batch:
 * outside ``run``, from the step's per-replica outputs: ``rep.reduce("sum", share)``
   and ``PerReplica.array`` reshaped to the global batch.
 
-Over replica counts, per-replica batch sizes and numbers of steps (hypothesis), and in a
-device loop (``steps=3``). The habits it exists against: per-replica values fed to the
-metric inside the step (its state then differs per replica: ``run`` refuses it), and
-the mean of the shares (``rep.reduce("mean", ...)``), the loss divided by the number of
-replicas.
+Over replica counts (with 2 logical devices per replica too), per-replica batch sizes and
+numbers of steps (hypothesis), and in a device loop (``steps=3``). The habits it exists
+against: per-replica values fed to the metric inside the step (its state then differs per
+replica: ``run`` refuses it), and the mean of the shares (``rep.reduce("mean", ...)``),
+the loss divided by the number of replicas.
 """
 
 from __future__ import annotations
@@ -34,8 +34,11 @@ CLASSES = 10
 
 
 @functools.cache
-def _replicator(n: int) -> jr.Replicator:
-    return jr.Replicator(jr.MirroredStrategy(devices=jax.local_devices()[:n]))
+def _replicator(layout: str) -> jr.Replicator:
+    """``"n"``: n replicas of one device; ``"4x2"``: 4 replicas of 2 logical devices."""
+    if layout == "4x2":
+        return jr.Replicator(jr.MirroredStrategy(logical_devices_per_replica=2))
+    return jr.Replicator(jr.MirroredStrategy(devices=jax.local_devices()[:int(layout)]))
 
 
 def _metrics() -> nnx.MultiMetric:
@@ -83,10 +86,11 @@ def _assert_equal(got: dict, want: dict) -> None:
 
 @needs_devices(8)
 @settings(deadline=None, max_examples=10)
-@given(n=st.sampled_from([1, 2, 8]), per_replica=st.sampled_from([1, 3]),
+@given(layout=st.sampled_from(["1", "2", "8", "4x2"]), per_replica=st.sampled_from([1, 3]),
        steps=st.integers(1, 3), seed=st.integers(0, 2**16))
-def test_both_forms_count_what_one_device_counts(n, per_replica, steps, seed):
-    rep = _replicator(n)
+def test_both_forms_count_what_one_device_counts(layout, per_replica, steps, seed):
+    rep = _replicator(layout)
+    n = rep.num_replicas
     batches = _batches(np.random.default_rng(seed), steps, n * per_replica)
     want = _one_device(batches)
 
@@ -108,7 +112,7 @@ def test_both_forms_count_what_one_device_counts(n, per_replica, steps, seed):
 
 @needs_devices(8)
 def test_per_replica_values_fed_inside_are_refused_not_written_back():
-    rep = _replicator(8)
+    rep = _replicator("8")
     (batch,) = _batches(np.random.default_rng(0), 1, 16)
     with rep.scope():
         metrics = _metrics()
@@ -119,7 +123,7 @@ def test_per_replica_values_fed_inside_are_refused_not_written_back():
 
 @needs_devices(8)
 def test_in_a_device_loop_equals_one_device():
-    rep = _replicator(8)
+    rep = _replicator("8")
     batches = _batches(np.random.default_rng(1), 6, 16)
     per_replica = [{k: v[r * 2:(r + 1) * 2] for k, v in b.items()}
                    for b in batches for r in range(8)]  # step by step, replica by replica
