@@ -171,18 +171,19 @@ if ray is not None:
             # told it again what it told the first one (set_shards, ...).
             self.restarted = ray.get_runtime_context().was_current_actor_reconstructed
 
-        def run(self, closure, live_workers, let_go=(), forget=()):
+        def run(self, closure, live_workers, let_go=(), forget=(), release=()):
             for step_id in let_go:
                 self.held.pop(step_id, None)
             for key in forget:  # step functions freed on the driver
                 self.fns.pop(key, None)
+            self.release_inputs(release)
             if self.lost is not None:  # a lost worker runs nothing (a step queued behind)
                 raise WorkerLostError(f"worker {self.worker.index} was lost ({self.lost}); "
                                       f"step {closure.step_id} did not run")
             m = closure.batch
             if self.restarted or closure.fn is None and closure.fn_key not in self.fns or \
                     isinstance(m, WorkerInput) and m.input_fn is None and \
-                    m.key not in self.input_fns:
+                    m.key not in self.input_fns and m.key not in self.worker.inputs.released:
                 raise _Forgotten(f"worker {self.worker.index} was restarted")
             if closure.fn is None:  # sent before: one function object, compiled once
                 closure = dataclasses.replace(closure, fn=self.fns[closure.fn_key])
@@ -190,7 +191,8 @@ if ray is not None:
                 closure = dataclasses.replace(
                     closure, fn=self.fns.setdefault(closure.fn_key, closure.fn))
             m = closure.batch
-            if isinstance(m, WorkerInput):  # input read here, from this actor's pipeline
+            if isinstance(m, WorkerInput) and m.key not in self.worker.inputs.released:
+                # input read here, from this actor's pipeline (a released one: not run)
                 fn = self.input_fns.setdefault(m.key, m.input_fn)
                 closure = dataclasses.replace(closure, batch=dataclasses.replace(
                     m, input_fn=fn))
@@ -208,6 +210,18 @@ if ray is not None:
                     self.held[old] = _host_copy(self.held[old])
             # Where this worker's pipeline is (the carrier restarts a replacement there).
             return self.worker.inputs.position(m.key) if isinstance(m, WorkerInput) else None
+
+        def release_inputs(self, keys):
+            """Frees the PER_WORKER pipelines (and input_fns) of ``keys``: their
+            iterators were closed or collected on the driver."""
+            for key in keys:
+                self.input_fns.pop(key, None)
+                self.worker.inputs.release(key)
+
+        @ray.method(concurrency_group="control")
+        def pipeline_count(self):
+            """How many PER_WORKER pipelines this actor holds (for tests)."""
+            return self.worker.inputs.pipeline_count()
 
         @ray.method(concurrency_group="control")
         def fetch(self, step_id):

@@ -350,6 +350,12 @@ class ParameterServerExecutor(Executor):
                 "(replication_mode=InputReplicationMode.SINGLE).")
         return WorkerInputIterator(owner, self.config, self, input_fn)
 
+    def release_input(self, key: int, now: bool = False) -> None:
+        """The iterator of input ``key`` was closed (``now``) or collected: every worker
+        frees its pipeline (may run on any thread, as a finalizer: never blocks)."""
+        if self._carrier is not None:
+            self._carrier.release_input(key, now=now)
+
     def input_exhausted(self, key: int, generation: int) -> bool:
         return self.coordinator is not None and \
             self.coordinator.input_exhausted(key, generation)

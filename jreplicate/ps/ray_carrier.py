@@ -44,6 +44,7 @@ import collections
 import contextlib
 import dataclasses
 import functools
+import logging
 import os
 import time
 import warnings
@@ -58,6 +59,8 @@ from jreplicate.ps.remote import ParameterServerError, StepCancelledError, Worke
 from jreplicate.ps.shard import ShardClosedError
 from jreplicate.ps.worker import ApplicationError
 from jreplicate.ps.worker_input import InputEnded, WorkerInput
+
+_log = logging.getLogger("jreplicate")
 
 
 def ensure_ray(**options: Any) -> Any:
@@ -197,6 +200,10 @@ class RayCarrier:
         self._delays = [0.0] * len(self.workers)  # set_worker_delay, kept for restarts
         # Per worker, input key -> (generation, elements its completed steps read).
         self._positions: list[dict] = [{} for _ in self.workers]
+        #: PER_WORKER inputs whose iterator was closed or collected on the driver, and
+        #: per worker those its actor has not been told of yet (sent with its next call).
+        self._released: set[int] = set()
+        self._release = [collections.deque() for _ in self.workers]
         self.runners = [self._runner(w) for w in range(len(self.workers))]
 
     def _runner(self, w: int):
@@ -205,7 +212,7 @@ class RayCarrier:
         sent: set = set()
         sent_inputs: set = set()  # PER_WORKER input_fns this actor holds (by key)
         running = [0]  # steps started on this actor and not yet waited for
-        drops, freed = self._drops[w], self._freed[w]
+        drops, freed, release = self._drops[w], self._freed[w], self._release[w]
         self._forget[w] = lambda: (sent.clear(), sent_inputs.clear(), drops.clear())
 
         def start(closure, on_token_wait):
@@ -213,6 +220,8 @@ class RayCarrier:
             if closure.fn_key in sent:
                 send = dataclasses.replace(closure, fn=None)
             read = closure.batch if isinstance(closure.batch, WorkerInput) else None
+            if read is not None and read.key in self._released:  # closed: not run
+                raise InputEnded(read.key, w, read.generation)
             if read is not None and read.key in sent_inputs:
                 send = dataclasses.replace(send, batch=dataclasses.replace(read, input_fn=None))
             if running[0]:  # queued behind a step of this actor: it reuses that push's
@@ -220,13 +229,16 @@ class RayCarrier:
             let_go = [drops.popleft() for _ in range(len(drops))]
             forget = [freed.popleft() for _ in range(len(freed))]
             sent.difference_update(forget)
+            freeing = [release.popleft() for _ in range(len(release))]
+            sent_inputs.difference_update(freeing)
             # live_workers=0: no "one gradient per worker and step" wait on Ray, where
             # the coordinator does not see token waits to relax it.
             try:
-                done = self.workers[w].run.remote(send, 0, let_go, forget)
+                done = self.workers[w].run.remote(send, 0, let_go, forget, freeing)
             except Exception as e:  # nothing was sent: Ray could not serialize the step
                 drops.extend(let_go)
                 freed.extend(forget)
+                release.extend(freeing)
                 raise ApplicationError(TypeError(
                     f"step {closure.step_id} cannot be sent to worker {w}: Ray failed to "
                     f"serialize it ({type(e).__name__}: {e}); its function, arguments and "
@@ -275,6 +287,24 @@ class RayCarrier:
         (freed here: no step of it is scheduled, and its key is never used again)."""
         for freed in self._freed:
             freed.append(key)
+
+    def release_input(self, key: int, *, now: bool = False) -> None:
+        """Every worker actor frees its pipeline of input ``key``: with its next step,
+        or (``now``, from ``close()`` on the driver's thread) by a call of its own, run
+        after the steps already sent to it. Never a Ray call unless ``now``: this also
+        runs as a finalizer, on whatever thread the garbage collector runs."""
+        self._released.add(key)
+        for w, queue in enumerate(self._release):
+            self._positions[w].pop(key, None)  # (a restarted actor never rebuilds it)
+            queue.append(key)
+        if now and not self._closed:
+            for w, queue in enumerate(self._release):
+                keys = [queue.popleft() for _ in range(len(queue))]
+                try:  # not waited for: ordered after the steps sent before
+                    self.workers[w].release_inputs.remote(keys)
+                except Exception as e:  # noqa: BLE001 - sent with its next step instead
+                    queue.extend(keys)
+                    _log.debug("worker %d: release of inputs %s deferred: %r", w, keys, e)
 
     def set_live_workers(self, fn) -> None:
         self._live = fn
