@@ -171,12 +171,15 @@ if ray is not None:
             # told it again what it told the first one (set_shards, ...).
             self.restarted = ray.get_runtime_context().was_current_actor_reconstructed
 
-        def run(self, closure, live_workers, let_go=(), forget=(), release=()):
+        def run(self, closure, live_workers, let_go=(), forget=(), release=(),
+                release_values=()):
             for step_id in let_go:
                 self.held.pop(step_id, None)
             for key in forget:  # step functions freed on the driver
                 self.fns.pop(key, None)
             self.release_inputs(release)
+            for key in release_values:  # PerWorkerValues collected on the driver
+                self.worker.values.release(key)
             if self.lost is not None:  # a lost worker runs nothing (a step queued behind)
                 raise WorkerLostError(f"worker {self.worker.index} was lost ({self.lost}); "
                                       f"step {closure.step_id} did not run")

@@ -97,6 +97,11 @@ class EmbeddedCarrier:
         for w in self.workers:
             w.inputs.release(key)
 
+    def release_value(self, key: int) -> None:
+        """Every worker lets its per-worker value of ``key`` go."""
+        for w in self.workers:
+            w.values.release(key)
+
     def workers_alive(self, n: int) -> None:
         self.shards[0].set_live_workers(n)
 

@@ -26,6 +26,7 @@ from jreplicate.ps.coordinator import Coordinator
 from jreplicate.ps.embedded import EmbeddedCarrier
 from jreplicate.ps.handle import Carrier
 from jreplicate.ps.nnx_state import NnxArg
+from jreplicate.ps.per_worker import PerWorkerValue
 from jreplicate.ps.placement import Placement, place_parameters
 from jreplicate.ps.remote import ParameterServerError, RemoteValue, is_key, to_host
 from jreplicate.ps.shard import _is_sync, check_transformation
@@ -356,6 +357,16 @@ class ParameterServerExecutor(Executor):
         if self._carrier is not None:
             self._carrier.release_input(key, now=now)
 
+    def per_worker_value(self, fn: Callable) -> PerWorkerValue:
+        """``strategy.create_per_worker_value(fn)`` (see :mod:`jreplicate.ps.per_worker`)."""
+        return PerWorkerValue(fn, self.config.num_workers, self.release_value)
+
+    def release_value(self, key: int) -> None:
+        """The PerWorkerValue of ``key`` was collected: every worker lets its value go
+        (a finalizer: never blocks)."""
+        if self._carrier is not None:
+            self._carrier.release_value(key)
+
     def input_exhausted(self, key: int, generation: int) -> bool:
         return self.coordinator is not None and \
             self.coordinator.input_exhausted(key, generation)
@@ -412,7 +423,9 @@ class ParameterServerExecutor(Executor):
                 "(the shards hold their current values; the worker substitutes them).")
         # The step runs later, on a worker: NumPy values are read now (copied), so that
         # refilling the caller's arrays after run returns never changes the step.
+        # (a PerWorkerValue: each worker substitutes its own value)
         args = tuple(self._nnx_arg(a) if i in nnx_pos else None if i in (p_idx, o_idx)
+                     else a._arg() if isinstance(a, PerWorkerValue)
                      else jax.tree.map(read_now, a) for i, a in enumerate(args))
         if isinstance(batch, (HostBatch, WorkerInput)) or batch is None:
             pass

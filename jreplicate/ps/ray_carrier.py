@@ -204,6 +204,7 @@ class RayCarrier:
         #: per worker those its actor has not been told of yet (sent with its next call).
         self._released: set[int] = set()
         self._release = [collections.deque() for _ in self.workers]
+        self._release_values = [collections.deque() for _ in self.workers]  # (the same)
         self.runners = [self._runner(w) for w in range(len(self.workers))]
 
     def _runner(self, w: int):
@@ -213,6 +214,7 @@ class RayCarrier:
         sent_inputs: set = set()  # PER_WORKER input_fns this actor holds (by key)
         running = [0]  # steps started on this actor and not yet waited for
         drops, freed, release = self._drops[w], self._freed[w], self._release[w]
+        release_values = self._release_values[w]
         self._forget[w] = lambda: (sent.clear(), sent_inputs.clear(), drops.clear())
 
         def start(closure, on_token_wait):
@@ -231,14 +233,16 @@ class RayCarrier:
             sent.difference_update(forget)
             freeing = [release.popleft() for _ in range(len(release))]
             sent_inputs.difference_update(freeing)
+            values = [release_values.popleft() for _ in range(len(release_values))]
             # live_workers=0: no "one gradient per worker and step" wait on Ray, where
             # the coordinator does not see token waits to relax it.
             try:
-                done = self.workers[w].run.remote(send, 0, let_go, forget, freeing)
+                done = self.workers[w].run.remote(send, 0, let_go, forget, freeing, values)
             except Exception as e:  # nothing was sent: Ray could not serialize the step
                 drops.extend(let_go)
                 freed.extend(forget)
                 release.extend(freeing)
+                release_values.extend(values)
                 raise ApplicationError(TypeError(
                     f"step {closure.step_id} cannot be sent to worker {w}: Ray failed to "
                     f"serialize it ({type(e).__name__}: {e}); its function, arguments and "
@@ -305,6 +309,12 @@ class RayCarrier:
                 except Exception as e:  # noqa: BLE001 - sent with its next step instead
                     queue.extend(keys)
                     _log.debug("worker %d: release of inputs %s deferred: %r", w, keys, e)
+
+    def release_value(self, key: int) -> None:
+        """Every worker actor lets its per-worker value of ``key`` go, with its next
+        step (a finalizer: no Ray call here)."""
+        for queue in self._release_values:
+            queue.append(key)
 
     def set_live_workers(self, fn) -> None:
         self._live = fn

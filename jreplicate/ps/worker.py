@@ -36,6 +36,7 @@ from jreplicate.layout import REPLICA_AXIS, mesh_layout, replica_mesh
 from jreplicate.ps.capture import capturing
 from jreplicate.ps.client import ShardClient
 from jreplicate.ps.nnx_state import NnxArg, check_nothing_lost
+from jreplicate.ps.per_worker import PerWorkerArg, WorkerValues
 from jreplicate.ps.remote import ShardUpdateError, StepCancelledError, WorkerLostError
 from jreplicate.ps.shard import Decision, TokenTimeoutError, TokenWaitInterrupted
 from jreplicate.ps.worker_input import InputEnded, WorkerInput, WorkerPipelines
@@ -121,6 +122,7 @@ class PSWorker:
         self.return_params = False
         self._returned: tuple[list[int], Any] | None = None
         self.inputs = WorkerPipelines(index, len(devices))  # PER_WORKER input, read here
+        self.values = WorkerValues(index, len(devices))  # PerWorkerValues, built here
         # The pulled parameters (replicated) and a host batch (per replica) placed over
         # the mesh. On one device the parameters alias the read-only NumPy arrays a
         # pull returns (Ray's object store, the embedded shards' own buffers: 64-byte
@@ -198,6 +200,13 @@ class PSWorker:
             raise ApplicationError(e) from e
         return HostBatch(elements, treedef)
 
+    def _worker_value(self, a: PerWorkerArg) -> Any:
+        """This worker's value of a PerWorkerValue argument (built on first use)."""
+        try:
+            return self.values.get(a)
+        except Exception as e:  # fn raised: the step's error
+            raise ApplicationError(e) from e
+
     def _run(self, c: Closure, token: int | None) -> tuple[Any, Decision]:
         returned, self._returned = self._returned, None
         # A step queued behind this worker's previous one starts from the parameters that
@@ -212,7 +221,8 @@ class PSWorker:
             fetched = [min(token, *steps)]
         else:
             fetched = steps
-        args = [a.build(c.step_id) if isinstance(a, NnxArg) else a for a in c.args]
+        args = [a.build(c.step_id) if isinstance(a, NnxArg) else
+                self._worker_value(a) if isinstance(a, PerWorkerArg) else a for a in c.args]
         nnx_model = isinstance(c.args[c.param_index], NnxArg)
         if nnx_model:  # an NNX model: its params pulled
             from flax import nnx
