@@ -23,7 +23,7 @@ from jreplicate.ps.ledger import Ledger
 from jreplicate.ps.remote import WorkerLostError, to_host
 from jreplicate.ps.shard import PSShard
 from jreplicate.ps.worker import PSWorker
-from jreplicate.ps.worker_input import WorkerInput
+from jreplicate.ps.worker_input import WorkerInput, WorkerInputs, markers
 
 try:
     import ray
@@ -185,8 +185,8 @@ if ray is not None:
                                       f"step {closure.step_id} did not run")
             m = closure.batch
             if self.restarted or closure.fn is None and closure.fn_key not in self.fns or \
-                    isinstance(m, WorkerInput) and m.input_fn is None and \
-                    m.key not in self.input_fns and m.key not in self.worker.inputs.released:
+                    any(r.input_fn is None and r.key not in self.input_fns and
+                        r.key not in self.worker.inputs.released for r in markers(m)):
                 raise _Forgotten(f"worker {self.worker.index} was restarted")
             if closure.fn is None:  # sent before: one function object, compiled once
                 closure = dataclasses.replace(closure, fn=self.fns[closure.fn_key])
@@ -194,11 +194,12 @@ if ray is not None:
                 closure = dataclasses.replace(
                     closure, fn=self.fns.setdefault(closure.fn_key, closure.fn))
             m = closure.batch
-            if isinstance(m, WorkerInput) and m.key not in self.worker.inputs.released:
-                # input read here, from this actor's pipeline (a released one: not run)
-                fn = self.input_fns.setdefault(m.key, m.input_fn)
-                closure = dataclasses.replace(closure, batch=dataclasses.replace(
-                    m, input_fn=fn))
+            if markers(m):  # input read here, from this actor's pipelines
+                read = [r if r.key in self.worker.inputs.released else  # (not run)
+                        dataclasses.replace(r, input_fn=self.input_fns.setdefault(
+                            r.key, r.input_fn)) for r in markers(m)]
+                closure = dataclasses.replace(closure, batch=read[0] if isinstance(
+                    m, WorkerInput) else WorkerInputs(tuple(read)))
             self.worker.live_workers = lambda: live_workers
             try:
                 out, _ = self.worker.run(closure)
@@ -212,7 +213,8 @@ if ray is not None:
                 if old in self.held:  # still held: copied out of the object store
                     self.held[old] = _host_copy(self.held[old])
             # Where this worker's pipeline is (the carrier restarts a replacement there).
-            return self.worker.inputs.position(m.key) if isinstance(m, WorkerInput) else None
+            return {r.key: self.worker.inputs.position(r.key) for r in markers(m)
+                    if self.worker.inputs.position(r.key) is not None}
 
         def release_inputs(self, keys):
             """Frees the PER_WORKER pipelines (and input_fns) of ``keys``: their

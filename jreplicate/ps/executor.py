@@ -19,6 +19,7 @@ from jreplicate._tree import host_copy, path_str, read_now, report
 from jreplicate.context import PerReplica
 from jreplicate.execution.base import Executor
 from jreplicate.execution.cache import FunctionMap
+from jreplicate.input.iterator import InputIterator
 from jreplicate.ps import capture
 from jreplicate.ps.client import ShardClient
 from jreplicate.ps.config import PSConfig
@@ -40,7 +41,12 @@ from jreplicate.ps.shard_restart import (
 )
 from jreplicate.ps.step_record import StepRecord
 from jreplicate.ps.worker import Closure, HostBatch
-from jreplicate.ps.worker_input import WorkerInput, WorkerInputIterator
+from jreplicate.ps.worker_input import (
+    WorkerInput,
+    WorkerInputIterator,
+    WorkerInputs,
+    ZippedWorkerInputs,
+)
 
 
 class ParameterServerExecutor(Executor):
@@ -367,6 +373,28 @@ class ParameterServerExecutor(Executor):
         if self._carrier is not None:
             self._carrier.release_value(key)
 
+    def zip_inputs(self, owner: object, iterators: tuple) -> ZippedWorkerInputs:
+        """``rep.run(step, (it1, it2, ...))``: a step reading the next element of each
+        per-worker iterator (:class:`ZippedWorkerInputs`).
+
+        Raises:
+          TypeError: one of them is not a per-worker iterator of this strategy.
+        """
+        bad = [f"inputs[{i}] ({type(it).__name__}"
+               + (", InputReplicationMode.SINGLE)" if isinstance(it, InputIterator) else ")")
+               for i, it in enumerate(iterators) if not isinstance(it, WorkerInputIterator)]
+        if bad:
+            raise TypeError(
+                "Replicator.run(fn, (it1, it2, ...)) under ParameterServerStrategy reads "
+                "several per-worker iterators (rep.prepare_input(input_fn) with "
+                "InputReplicationMode.PER_WORKER, the default); not "
+                f"{', '.join(bad)}. Prepare each with PER_WORKER, or combine the inputs "
+                "in one input_fn.")
+        return ZippedWorkerInputs(owner, self, tuple(iterators))
+
+    def sweep_exhausted(self, sweep: tuple) -> bool:
+        return self.coordinator is not None and self.coordinator.sweep_exhausted(sweep)
+
     def input_exhausted(self, key: int, generation: int) -> bool:
         return self.coordinator is not None and \
             self.coordinator.input_exhausted(key, generation)
@@ -427,7 +455,7 @@ class ParameterServerExecutor(Executor):
         args = tuple(self._nnx_arg(a) if i in nnx_pos else None if i in (p_idx, o_idx)
                      else a._arg() if isinstance(a, PerWorkerValue)
                      else jax.tree.map(read_now, a) for i, a in enumerate(args))
-        if isinstance(batch, (HostBatch, WorkerInput)) or batch is None:
+        if isinstance(batch, (HostBatch, WorkerInput, WorkerInputs)) or batch is None:
             pass
         else:
             # (a PerReplica's array too: it may be the caller's NumPy array)

@@ -58,7 +58,7 @@ from jreplicate.ps.ray_options import is_gpu_worker, shard_actor_options, worker
 from jreplicate.ps.remote import ParameterServerError, StepCancelledError, WorkerLostError
 from jreplicate.ps.shard import ShardClosedError
 from jreplicate.ps.worker import ApplicationError
-from jreplicate.ps.worker_input import InputEnded, WorkerInput
+from jreplicate.ps.worker_input import InputEnded, WorkerInput, WorkerInputs, markers
 
 _log = logging.getLogger("jreplicate")
 
@@ -221,11 +221,15 @@ class RayCarrier:
             send = closure
             if closure.fn_key in sent:
                 send = dataclasses.replace(closure, fn=None)
-            read = closure.batch if isinstance(closure.batch, WorkerInput) else None
-            if read is not None and read.key in self._released:  # closed: not run
-                raise InputEnded(read.key, w, read.generation)
-            if read is not None and read.key in sent_inputs:
-                send = dataclasses.replace(send, batch=dataclasses.replace(read, input_fn=None))
+            read = markers(closure.batch)  # the per-worker inputs it reads (if any)
+            for m in read:
+                if m.key in self._released:  # closed: not run
+                    raise InputEnded(m.key, w, m.generation)
+            if any(m.key in sent_inputs for m in read):  # (input_fns sent once)
+                sent_read = [dataclasses.replace(m, input_fn=None) if m.key in sent_inputs
+                             else m for m in read]
+                send = dataclasses.replace(send, batch=sent_read[0] if isinstance(
+                    closure.batch, WorkerInput) else WorkerInputs(tuple(sent_read)))
             if running[0]:  # queued behind a step of this actor: it reuses that push's
                 send = dataclasses.replace(send, reuse=True)  # returned parameters
             let_go = [drops.popleft() for _ in range(len(drops))]
@@ -254,10 +258,10 @@ class RayCarrier:
             try:
                 position = ray.get(done)
                 sent.add(closure.fn_key)
-                if read is not None:
-                    sent_inputs.add(read.key)
-                    if position is not None:
-                        self._positions[w][read.key] = tuple(position)
+                for m in read:
+                    sent_inputs.add(m.key)
+                for key, at in (position or {}).items():
+                    self._positions[w][key] = tuple(at)
                 return HeldOutputs(self.workers[w], w, closure.step_id, drops, self._closed)
             except ray.exceptions.RayTaskError as e:
                 cause = getattr(e, "cause", None)
@@ -266,8 +270,8 @@ class RayCarrier:
                     self._forget[w]()
                     running[0] += 1  # the resent closure carries its functions
                     return wait(closure, read, self.workers[w].run.remote(closure, 0, []))
-                if read is not None:  # the actor built the pipeline (or failed to)
-                    sent_inputs.add(read.key)
+                for m in read:  # the actor built the pipeline (or failed to)
+                    sent_inputs.add(m.key)
                 if isinstance(cause, (ApplicationError, StepCancelledError, InputEnded,
                                       ShardClosedError, _ShardLost, ParameterServerError)):
                     raise cause from None

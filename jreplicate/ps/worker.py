@@ -39,7 +39,12 @@ from jreplicate.ps.nnx_state import NnxArg, check_nothing_lost
 from jreplicate.ps.per_worker import PerWorkerArg, WorkerValues
 from jreplicate.ps.remote import ShardUpdateError, StepCancelledError, WorkerLostError
 from jreplicate.ps.shard import Decision, TokenTimeoutError, TokenWaitInterrupted
-from jreplicate.ps.worker_input import InputEnded, WorkerInput, WorkerPipelines
+from jreplicate.ps.worker_input import (
+    InputEnded,
+    WorkerInput,
+    WorkerInputs,
+    WorkerPipelines,
+)
 
 
 @dataclasses.dataclass
@@ -152,6 +157,8 @@ class PSWorker:
         its input included, and a shard's update raising for its push),
         :class:`InputEnded` when its input (read here, before any token) is exhausted,
         and :class:`WorkerLostError` (or any other exception) for worker failures."""
+        if isinstance(c.batch, WorkerInputs):
+            return self._run_zipped(c, on_token_wait)
         if not isinstance(c.batch, WorkerInput):
             return self._run_read(c, on_token_wait)
         m = c.batch
@@ -161,6 +168,29 @@ class PSWorker:
         except (ApplicationError, StepCancelledError):
             # Not applied by any shard: the next step of the sweep here takes the batch.
             self.inputs.put_back(m, c.batch.elements, c.batch.treedef)
+            raise
+
+    def _run_zipped(self, c: Closure, on_token_wait: Callable[[bool], None] | None
+                    ) -> tuple[Any, Decision]:
+        """:meth:`run` of a step reading several per-worker iterators: its batch is the
+        tuple of their elements. Where one of them ends (or fails), the elements read
+        from the others are put back for their next step here."""
+        parts: list[tuple[WorkerInput, HostBatch]] = []
+        try:
+            for m in c.batch.markers:
+                parts.append((m, self._read_input(m)))
+        except BaseException:
+            for m, b in parts:
+                self.inputs.put_back(m, b.elements, b.treedef)
+            raise
+        g = len(parts[0][1].elements)
+        batch = HostBatch([[x for _, b in parts for x in b.elements[r]] for r in range(g)],
+                          jax.tree_util.treedef_tuple([b.treedef for _, b in parts]))
+        try:
+            return self._run_read(dataclasses.replace(c, batch=batch), on_token_wait)
+        except (ApplicationError, StepCancelledError):
+            for m, b in parts:
+                self.inputs.put_back(m, b.elements, b.treedef)
             raise
 
     def _run_read(self, c: Closure, on_token_wait: Callable[[bool], None] | None

@@ -109,6 +109,33 @@ class WorkerInput:
     def __getstate__(self) -> dict:
         return {**self.__dict__, "keep": None}  # (the driver's, not the worker's)
 
+    @property
+    def sweep(self) -> tuple[int, int]:
+        """``(key, generation)``: the sweep of the input this step reads."""
+        return self.key, self.generation
+
+
+@dataclasses.dataclass
+class WorkerInputs:
+    """A scheduled step's batch read from several per-worker iterators
+    (``rep.run(step, (it1, it2), ...)``): the tuple of their elements, each read from
+    the worker's pipeline of its iterator."""
+
+    markers: tuple[WorkerInput, ...]
+
+    @property
+    def sweep(self) -> tuple:
+        """The sweeps read together: this tuple's end of input is its own (the step
+        ends where any of its iterators ends)."""
+        return tuple(m.sweep for m in self.markers)
+
+
+def markers(batch: Any) -> tuple[WorkerInput, ...]:
+    """The per-worker inputs a step's batch reads (none for a driver-fed batch)."""
+    if isinstance(batch, WorkerInput):
+        return (batch,)
+    return batch.markers if isinstance(batch, WorkerInputs) else ()
+
 
 class _WorkerPipeline:
     """One iterator's pipeline on one worker, and the first step's element spec."""
@@ -310,6 +337,31 @@ class WorkerPipelines:
     def _dropped(self, what: str) -> None:
         warnings.warn(f"jreplicate: worker {self.index} dropped {what}; its input "
                       "pipeline is exhausted.", stacklevel=3)
+
+
+class ZippedWorkerInputs(InputIterator):
+    """``rep.run(step, (it1, it2, ...), ...)``: each step reads the next element of
+    every iterator on the worker that runs it, and takes their tuple as its batch. The
+    step ends (not run, ``StopIteration``) where any of them ends."""
+
+    def __init__(self, owner: object, executor: Any,
+                 iterators: tuple[WorkerInputIterator, ...]):
+        self._owner, self._executor, self._iterators = owner, executor, iterators
+
+    def get_next(self) -> WorkerInputs:
+        batch = WorkerInputs(tuple(it.get_next() for it in self._iterators))
+        if self._executor.sweep_exhausted(batch.sweep):
+            raise StopIteration
+        return batch
+
+    def next_steps(self, k: int) -> Any:
+        return self._iterators[0].next_steps(k)
+
+    def put_back(self, item: Any, steps: int | None) -> None:
+        """Markers hold no data: nothing to put back."""
+
+    def close(self) -> None:
+        """Nothing: the iterators it reads stay open (close them)."""
 
 
 class WorkerInputIterator(InputIterator):
