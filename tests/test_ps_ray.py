@@ -244,6 +244,43 @@ def test_per_worker_pipelines_are_freed_in_the_worker_actors(local_ray):
     s.shutdown()
 
 
+def test_per_worker_values_and_two_iterators_in_the_worker_actors(local_ray):
+    """A PerWorkerValue is built once in each worker actor (its process), and a step
+    reading two per-worker iterators sees the matching elements of both, read there."""
+    s = jr.ParameterServerStrategy(num_ps=1, num_workers=2, carrier="ray")
+    rep = jr.Replicator(s)
+    with rep.scope():
+        w = jnp.zeros(3)
+        tx = jr.ps.pushable(optax.sgd(1.0))
+        opt = tx.init(w)
+
+    def value_fn(wc):  # [worker, the building process's pid, a fresh random number]
+        return np.array([wc.worker_index, os.getpid(), np.random.rand()], np.float32)
+
+    def input_fn(tag):
+        return lambda ctx: [np.array([ctx.input_pipeline_id, i, tag], np.float32)
+                            for i in range(50)]
+
+    def step(ctx, batch, w, opt, v):
+        x, y = batch
+        u, opt = tx.update(jax.grad(lambda w: jnp.sum(w * (x + y)))(w), opt, w)
+        return optax.apply_updates(w, u), opt, (x, y, v)
+
+    v = s.create_per_worker_value(value_fn)
+    it1, it2 = rep.prepare_input(input_fn(1)), rep.prepare_input(input_fn(2))
+    out = [rep.run(step, (it1, it2), w, opt, v) for _ in range(8)]
+    rep.join()
+    total, built = np.zeros(3), {}
+    for r in out:
+        x, y, val = (np.asarray(a).reshape(3) for a in r.fetch()[2])
+        assert x[0] == y[0] == val[0] == r.worker and x[1] == y[1]
+        assert (x[2], y[2]) == (1, 2) and val[1] != os.getpid()  # built in the actor
+        assert built.setdefault(r.worker, tuple(val)) == tuple(val)  # built once there
+        total += x + y
+    np.testing.assert_allclose(s.parameters(), -total, rtol=1e-6)
+    s.shutdown()
+
+
 def _ran(v):
     try:
         v.fetch()
