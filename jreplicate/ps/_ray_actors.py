@@ -20,6 +20,7 @@ from jreplicate.ps._malloc import keep_freed_blocks
 from jreplicate.ps._ray_proxy import _Forgotten, _ShardProxy
 from jreplicate.ps.client import ShardClient
 from jreplicate.ps.ledger import Ledger
+from jreplicate.ps.per_worker import PerWorkerArg
 from jreplicate.ps.remote import WorkerLostError, to_host
 from jreplicate.ps.shard import PSShard
 from jreplicate.ps.worker import PSWorker
@@ -164,6 +165,7 @@ if ray is not None:
                                    axis_name=axis_name)
             self.fns = {}
             self.input_fns = {}  # PER_WORKER input_fn by key, sent once
+            self.value_fns = {}  # PerWorkerValue fn by key, sent once
             self.held = {}  # step id -> its outputs, until fetched and let go
             self._in_store = collections.deque()  # the latest held steps (HELD_IN_STORE)
             self.lost = None  # why this worker is lost (it then runs no step)
@@ -179,6 +181,7 @@ if ray is not None:
                 self.fns.pop(key, None)
             self.release_inputs(release)
             for key in release_values:  # PerWorkerValues collected on the driver
+                self.value_fns.pop(key, None)
                 self.worker.values.release(key)
             if self.lost is not None:  # a lost worker runs nothing (a step queued behind)
                 raise WorkerLostError(f"worker {self.worker.index} was lost ({self.lost}); "
@@ -186,13 +189,19 @@ if ray is not None:
             m = closure.batch
             if self.restarted or closure.fn is None and closure.fn_key not in self.fns or \
                     any(r.input_fn is None and r.key not in self.input_fns and
-                        r.key not in self.worker.inputs.released for r in markers(m)):
+                        r.key not in self.worker.inputs.released for r in markers(m)) or \
+                    any(isinstance(a, PerWorkerArg) and a.fn is None and
+                        a.key not in self.value_fns for a in closure.args):
                 raise _Forgotten(f"worker {self.worker.index} was restarted")
             if closure.fn is None:  # sent before: one function object, compiled once
                 closure = dataclasses.replace(closure, fn=self.fns[closure.fn_key])
             else:
                 closure = dataclasses.replace(
                     closure, fn=self.fns.setdefault(closure.fn_key, closure.fn))
+            if any(isinstance(a, PerWorkerArg) for a in closure.args):
+                closure = dataclasses.replace(closure, args=tuple(
+                    dataclasses.replace(a, fn=self.value_fns.setdefault(a.key, a.fn))
+                    if isinstance(a, PerWorkerArg) else a for a in closure.args))
             m = closure.batch
             if markers(m):  # input read here, from this actor's pipelines
                 read = [r if r.key in self.worker.inputs.released else  # (not run)

@@ -53,6 +53,7 @@ from typing import Any
 from jreplicate.ps._ray_proxy import _Forgotten, _ray, _ShardLost, _ShardProxy
 from jreplicate.ps.client import ShardClient
 from jreplicate.ps.config import PSConfig
+from jreplicate.ps.per_worker import PerWorkerArg
 from jreplicate.ps.placement import Placement
 from jreplicate.ps.ray_options import is_gpu_worker, shard_actor_options, worker_actor_options
 from jreplicate.ps.remote import ParameterServerError, StepCancelledError, WorkerLostError
@@ -212,10 +213,12 @@ class RayCarrier:
 
         sent: set = set()
         sent_inputs: set = set()  # PER_WORKER input_fns this actor holds (by key)
+        sent_values: set = set()  # PerWorkerValue fns this actor holds (by key)
         running = [0]  # steps started on this actor and not yet waited for
         drops, freed, release = self._drops[w], self._freed[w], self._release[w]
         release_values = self._release_values[w]
-        self._forget[w] = lambda: (sent.clear(), sent_inputs.clear(), drops.clear())
+        self._forget[w] = lambda: (sent.clear(), sent_inputs.clear(), sent_values.clear(),
+                                   drops.clear())
 
         def start(closure, on_token_wait):
             send = closure
@@ -238,6 +241,12 @@ class RayCarrier:
             freeing = [release.popleft() for _ in range(len(release))]
             sent_inputs.difference_update(freeing)
             values = [release_values.popleft() for _ in range(len(release_values))]
+            sent_values.difference_update(values)
+            if any(isinstance(a, PerWorkerArg) and a.key in sent_values
+                   for a in closure.args):  # (each fn sent once, as step functions)
+                send = dataclasses.replace(send, args=tuple(
+                    dataclasses.replace(a, fn=None) if isinstance(a, PerWorkerArg) and
+                    a.key in sent_values else a for a in closure.args))
             # live_workers=0: no "one gradient per worker and step" wait on Ray, where
             # the coordinator does not see token waits to relax it.
             try:
@@ -252,11 +261,13 @@ class RayCarrier:
                     f"serialize it ({type(e).__name__}: {e}); its function, arguments and "
                     "input must be picklable (a lock or an open file is not).")) from e
             running[0] += 1
-            return functools.partial(wait, closure, read, done)
+            keys = [a.key for a in closure.args if isinstance(a, PerWorkerArg)]
+            return functools.partial(wait, closure, read, done, keys)
 
-        def wait(closure, read, done):
+        def wait(closure, read, done, keys=()):
             try:
                 position = ray.get(done)
+                sent_values.update(keys)
                 sent.add(closure.fn_key)
                 for m in read:
                     sent_inputs.add(m.key)
@@ -272,6 +283,7 @@ class RayCarrier:
                     return wait(closure, read, self.workers[w].run.remote(closure, 0, []))
                 for m in read:  # the actor built the pipeline (or failed to)
                     sent_inputs.add(m.key)
+                sent_values.update(keys)  # (it holds their fns)
                 if isinstance(cause, (ApplicationError, StepCancelledError, InputEnded,
                                       ShardClosedError, _ShardLost, ParameterServerError)):
                     raise cause from None
@@ -315,8 +327,8 @@ class RayCarrier:
                     _log.debug("worker %d: release of inputs %s deferred: %r", w, keys, e)
 
     def release_value(self, key: int) -> None:
-        """Every worker actor lets its per-worker value of ``key`` go, with its next
-        step (a finalizer: no Ray call here)."""
+        """Every worker actor lets its per-worker value of ``key`` (and its fn) go, with
+        its next step (a finalizer: no Ray call here)."""
         for queue in self._release_values:
             queue.append(key)
 
