@@ -29,8 +29,9 @@ _KEYS = itertools.count()
 
 @dataclasses.dataclass(frozen=True)
 class WorkerContext:
-    """What ``fn`` of :meth:`ParameterServerStrategy.create_per_worker_value` is told:
-    the worker it builds the value for (``0 <= worker_index < num_workers``) and the
+    """What ``fn`` of
+    :meth:`jreplicate.ParameterServerStrategy.create_per_worker_value` is told: the
+    worker it builds the value for (``0 <= worker_index < num_workers``) and the
     replicas of that worker's sync group."""
 
     worker_index: int
