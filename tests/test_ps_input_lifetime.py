@@ -6,7 +6,6 @@ scheduled from a closed iterator either ran (read and applied once) or were not 
 
 import gc
 import threading
-import time
 
 import hypothesis.strategies as st
 import jax
@@ -143,8 +142,8 @@ def test_closing_while_steps_are_queued_runs_each_once_or_not_at_all():
     jrt.set_worker_delay(s, 0, 0.05)
     jrt.set_worker_delay(s, 1, 0.05)
     it = rep.prepare_input(_input_fn(3))
-    values = [rep.run(step, it, w, opt) for _ in range(20)]
-    time.sleep(0.12)
+    values = [rep.run(step, it, w, opt) for _ in range(30)]
+    values[0].fetch()  # (then the other 29 need 0.7 s at least: most are still queued)
     it.close()
     rep.join()  # no error: the end of an input is no failure
     ran, not_run = [], 0
@@ -153,7 +152,7 @@ def test_closing_while_steps_are_queued_runs_each_once_or_not_at_all():
             ran.append((v.worker, _batch(v)))
         except StopIteration:
             not_run += 1
-    assert ran and not_run and len(ran) + not_run == 20
+    assert ran and not_run and len(ran) + not_run == 30
     for k in range(2):  # what ran read each worker's pipeline in order, once each
         mine = [int(b[1]) for wk, b in ran if wk == k]
         assert mine == list(range(len(mine)))
