@@ -300,6 +300,9 @@ class Replicator:
         donate = () if type(donate_argnums) is tuple and not donate_argnums \
             else _check_donate(donate_argnums, len(args))
         allow = habits.check_allow(allow) if allow else _NO_HABITS_ALLOWED
+        if type(inputs) is tuple and inputs and all(
+                isinstance(x, InputIterator) for x in inputs):
+            inputs = self._zip_iterators(inputs)
         if steps is None and not isinstance(inputs, InputIterator):
             # The steady state of a training loop: a call shaped like an earlier one.
             result = self._run_again(fn, inputs is not None, inputs, args, None, donate)
@@ -351,6 +354,23 @@ class Replicator:
         # scope, and run stays usable under an outer jax.jit (set_mesh is not).
         return self._executor.run(fn, has_batch, inputs, args, steps=steps,
                                   donate_argnums=donate, allow=allow)
+
+    def _zip_iterators(self, iterators: tuple) -> InputIterator:
+        """``run(fn, (it1, it2, ...))``: one iterator reading all of them (the step's
+        batch is the tuple of their elements), where the strategy supports it."""
+        zip_inputs = getattr(self._executor, "zip_inputs", None)
+        if zip_inputs is None:
+            raise TypeError(
+                f"Replicator.run(fn, inputs): a tuple of {len(iterators)} InputIterators "
+                f"is read together only under ParameterServerStrategy's per-worker input; "
+                f"{type(self._strategy).__name__} reads one. Return the tuple of elements "
+                "from one input_fn, and prepare_input that.")
+        for i, it in enumerate(iterators):
+            if not it.belongs_to(self):
+                raise ValueError(
+                    f"Replicator.run(fn, inputs): inputs[{i}] was prepared by another "
+                    "Replicator. Call prepare_input on the Replicator that runs the step.")
+        return zip_inputs(self, iterators)
 
     # -- results -------------------------------------------------------------------
     def reduce(self, reduce_op: str, value: Any) -> Any:

@@ -5,6 +5,7 @@ temporary directory of its own (removed after); every wait is bounded. Skipped o
 installed (the `test` extra installs it).
 """
 
+import gc
 import os
 import pathlib
 import shutil
@@ -188,6 +189,104 @@ def test_per_worker_input_is_read_in_the_worker_actors(local_ray):
     np.testing.assert_allclose(s.parameters(), -sum(b for _, b in used), rtol=1e-6)
     _invariant(s, scheduled=6)
     s.shutdown()
+
+
+def test_per_worker_pipelines_are_freed_in_the_worker_actors(local_ray):
+    """A worker actor holds one pipeline per live iterator: those closed (at once) or
+    let go (with the actor's next step) are freed; a closed iterator's queued step is
+    not run (StopIteration), an iterator let go with its step queued still runs it."""
+    s = jr.ParameterServerStrategy(num_ps=1, num_workers=2, carrier="ray")
+    rep = jr.Replicator(s)
+    with rep.scope():
+        w = jnp.zeros(3)
+        tx = jr.ps.pushable(optax.sgd(1.0))
+        opt = tx.init(w)
+
+    def input_fn(ctx):
+        return [np.array([ctx.input_pipeline_id, i, 1], np.float32) for i in range(100)]
+
+    def step(ctx, x, w, opt):
+        u, opt = tx.update(jax.grad(lambda w: jnp.sum(w * x))(w), opt, w)
+        return optax.apply_updates(w, u), opt, x
+
+    def counts():
+        return [ray.get(a.pipeline_count.remote(), timeout=60)
+                for a in s._executor._carrier.workers]
+
+    values = []
+    for k in range(10):
+        it = rep.prepare_input(input_fn)
+        values += [rep.run(step, it, w, opt) for _ in range(4)]
+        if k % 2:
+            rep.join()
+            it.close()
+        else:
+            del it  # its steps hold it: they run, then it is freed
+    rep.join()
+    gc.collect()
+    kept = rep.prepare_input(input_fn)
+    values += [rep.run(step, kept, w, opt) for _ in range(4)]
+    rep.join()
+    readers = {v.worker for v in values[-4:]}  # kept's, on each worker that read it
+    assert counts() == [int(k in readers) for k in range(2)]
+    late = rep.prepare_input(input_fn)
+    jrt.set_worker_delay(s, 0, 0.3)
+    jrt.set_worker_delay(s, 1, 0.3)
+    queued = [rep.run(step, late, w, opt) for _ in range(6)]
+    late.close()
+    rep.join()
+    ran = [v for v in queued if _ran(v)]
+    assert len(ran) < 6
+    assert all(_ran(v) for v in values)
+    total = sum(np.asarray(v.fetch()[2]).reshape(3) for v in values + ran)
+    np.testing.assert_allclose(s.parameters(), -total, rtol=1e-6)
+    _invariant(s, scheduled=len(values) + len(ran))
+    s.shutdown()
+
+
+def test_per_worker_values_and_two_iterators_in_the_worker_actors(local_ray):
+    """A PerWorkerValue is built once in each worker actor (its process), and a step
+    reading two per-worker iterators sees the matching elements of both, read there."""
+    s = jr.ParameterServerStrategy(num_ps=1, num_workers=2, carrier="ray")
+    rep = jr.Replicator(s)
+    with rep.scope():
+        w = jnp.zeros(3)
+        tx = jr.ps.pushable(optax.sgd(1.0))
+        opt = tx.init(w)
+
+    def value_fn(wc):  # [worker, the building process's pid, a fresh random number]
+        return np.array([wc.worker_index, os.getpid(), np.random.rand()], np.float32)
+
+    def input_fn(tag):
+        return lambda ctx: [np.array([ctx.input_pipeline_id, i, tag], np.float32)
+                            for i in range(50)]
+
+    def step(ctx, batch, w, opt, v):
+        x, y = batch
+        u, opt = tx.update(jax.grad(lambda w: jnp.sum(w * (x + y)))(w), opt, w)
+        return optax.apply_updates(w, u), opt, (x, y, v)
+
+    v = s.create_per_worker_value(value_fn)
+    it1, it2 = rep.prepare_input(input_fn(1)), rep.prepare_input(input_fn(2))
+    out = [rep.run(step, (it1, it2), w, opt, v) for _ in range(8)]
+    rep.join()
+    total, built = np.zeros(3), {}
+    for r in out:
+        x, y, val = (np.asarray(a).reshape(3) for a in r.fetch()[2])
+        assert x[0] == y[0] == val[0] == r.worker and x[1] == y[1]
+        assert (x[2], y[2]) == (1, 2) and val[1] != os.getpid()  # built in the actor
+        assert built.setdefault(r.worker, tuple(val)) == tuple(val)  # built once there
+        total += x + y
+    np.testing.assert_allclose(s.parameters(), -total, rtol=1e-6)
+    s.shutdown()
+
+
+def _ran(v):
+    try:
+        v.fetch()
+        return True
+    except StopIteration:
+        return False
 
 
 def test_a_crashed_worker_is_restarted_by_ray_and_takes_steps_again(local_ray):

@@ -12,6 +12,8 @@
   ``_CoordinatedClosureQueue``) and :mod:`jreplicate.ps.admission` (the bounded-staleness
   gate, the token-starvation detector, the statistics) and
   :mod:`jreplicate.ps.step_record` (what became of the pushes of the steps that ended).
+* :mod:`jreplicate.ps.per_worker`: values built once on each worker (TF's
+  ``PerWorkerValues``).
 * :mod:`jreplicate.ps.remote`: :class:`jreplicate.ps.RemoteValue` and the errors.
 * :mod:`jreplicate.ps.executor`: the strategy's executor (registration, scheduling).
 * :mod:`jreplicate.ps.embedded`: shards and workers as objects and threads of this
@@ -20,6 +22,7 @@
 """
 
 from jreplicate.ps.capture import pushable
+from jreplicate.ps.per_worker import PerWorkerValue, WorkerContext
 from jreplicate.ps.remote import (
     ParameterServerError,
     RemoteValue,
@@ -30,9 +33,11 @@ from jreplicate.ps.remote import (
 
 __all__ = [
     "ParameterServerError",
+    "PerWorkerValue",
     "RemoteValue",
     "ShardUpdateError",
     "StepCancelledError",
+    "WorkerContext",
     "WorkerLostError",
     "pushable",
 ]

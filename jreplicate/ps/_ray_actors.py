@@ -20,10 +20,11 @@ from jreplicate.ps._malloc import keep_freed_blocks
 from jreplicate.ps._ray_proxy import _Forgotten, _ShardProxy
 from jreplicate.ps.client import ShardClient
 from jreplicate.ps.ledger import Ledger
+from jreplicate.ps.per_worker import PerWorkerArg
 from jreplicate.ps.remote import WorkerLostError, to_host
 from jreplicate.ps.shard import PSShard
 from jreplicate.ps.worker import PSWorker
-from jreplicate.ps.worker_input import WorkerInput
+from jreplicate.ps.worker_input import WorkerInput, WorkerInputs, markers
 
 try:
     import ray
@@ -164,6 +165,7 @@ if ray is not None:
                                    axis_name=axis_name)
             self.fns = {}
             self.input_fns = {}  # PER_WORKER input_fn by key, sent once
+            self.value_fns = {}  # PerWorkerValue fn by key, sent once
             self.held = {}  # step id -> its outputs, until fetched and let go
             self._in_store = collections.deque()  # the latest held steps (HELD_IN_STORE)
             self.lost = None  # why this worker is lost (it then runs no step)
@@ -171,29 +173,42 @@ if ray is not None:
             # told it again what it told the first one (set_shards, ...).
             self.restarted = ray.get_runtime_context().was_current_actor_reconstructed
 
-        def run(self, closure, live_workers, let_go=(), forget=()):
+        def run(self, closure, live_workers, let_go=(), forget=(), release=(),
+                release_values=()):
             for step_id in let_go:
                 self.held.pop(step_id, None)
             for key in forget:  # step functions freed on the driver
                 self.fns.pop(key, None)
+            self.release_inputs(release)
+            for key in release_values:  # PerWorkerValues collected on the driver
+                self.value_fns.pop(key, None)
+                self.worker.values.release(key)
             if self.lost is not None:  # a lost worker runs nothing (a step queued behind)
                 raise WorkerLostError(f"worker {self.worker.index} was lost ({self.lost}); "
                                       f"step {closure.step_id} did not run")
             m = closure.batch
             if self.restarted or closure.fn is None and closure.fn_key not in self.fns or \
-                    isinstance(m, WorkerInput) and m.input_fn is None and \
-                    m.key not in self.input_fns:
+                    any(r.input_fn is None and r.key not in self.input_fns and
+                        r.key not in self.worker.inputs.released for r in markers(m)) or \
+                    any(isinstance(a, PerWorkerArg) and a.fn is None and
+                        a.key not in self.value_fns for a in closure.args):
                 raise _Forgotten(f"worker {self.worker.index} was restarted")
             if closure.fn is None:  # sent before: one function object, compiled once
                 closure = dataclasses.replace(closure, fn=self.fns[closure.fn_key])
             else:
                 closure = dataclasses.replace(
                     closure, fn=self.fns.setdefault(closure.fn_key, closure.fn))
+            if any(isinstance(a, PerWorkerArg) for a in closure.args):
+                closure = dataclasses.replace(closure, args=tuple(
+                    dataclasses.replace(a, fn=self.value_fns.setdefault(a.key, a.fn))
+                    if isinstance(a, PerWorkerArg) else a for a in closure.args))
             m = closure.batch
-            if isinstance(m, WorkerInput):  # input read here, from this actor's pipeline
-                fn = self.input_fns.setdefault(m.key, m.input_fn)
-                closure = dataclasses.replace(closure, batch=dataclasses.replace(
-                    m, input_fn=fn))
+            if markers(m):  # input read here, from this actor's pipelines
+                read = [r if r.key in self.worker.inputs.released else  # (not run)
+                        dataclasses.replace(r, input_fn=self.input_fns.setdefault(
+                            r.key, r.input_fn)) for r in markers(m)]
+                closure = dataclasses.replace(closure, batch=read[0] if isinstance(
+                    m, WorkerInput) else WorkerInputs(tuple(read)))
             self.worker.live_workers = lambda: live_workers
             try:
                 out, _ = self.worker.run(closure)
@@ -207,7 +222,20 @@ if ray is not None:
                 if old in self.held:  # still held: copied out of the object store
                     self.held[old] = _host_copy(self.held[old])
             # Where this worker's pipeline is (the carrier restarts a replacement there).
-            return self.worker.inputs.position(m.key) if isinstance(m, WorkerInput) else None
+            return {r.key: self.worker.inputs.position(r.key) for r in markers(m)
+                    if self.worker.inputs.position(r.key) is not None}
+
+        def release_inputs(self, keys):
+            """Frees the PER_WORKER pipelines (and input_fns) of ``keys``: their
+            iterators were closed or collected on the driver."""
+            for key in keys:
+                self.input_fns.pop(key, None)
+                self.worker.inputs.release(key)
+
+        @ray.method(concurrency_group="control")
+        def pipeline_count(self):
+            """How many PER_WORKER pipelines this actor holds (for tests)."""
+            return self.worker.inputs.pipeline_count()
 
         @ray.method(concurrency_group="control")
         def fetch(self, step_id):

@@ -83,7 +83,7 @@ from jreplicate.ps.remote import (
 from jreplicate.ps.shard import ShardClosedError
 from jreplicate.ps.step_record import StepRecord
 from jreplicate.ps.worker import ApplicationError, Closure
-from jreplicate.ps.worker_input import InputEnded, WorkerInput
+from jreplicate.ps.worker_input import InputEnded, WorkerInput, WorkerInputs
 
 _LIVE: weakref.WeakSet = weakref.WeakSet()
 
@@ -361,8 +361,13 @@ class Coordinator:
     def input_exhausted(self, key: int, generation: int) -> bool:
         """Whether sweep ``generation`` of input ``key`` is exhausted on every live
         worker."""
+        return self.sweep_exhausted((key, generation))
+
+    def sweep_exhausted(self, sweep: tuple) -> bool:
+        """Whether ``sweep`` (of one input, or several read together) is exhausted on
+        every live worker."""
         with self._queue.lock:
-            return (key, generation) in self._input_exhausted
+            return sweep in self._input_exhausted
 
     def resume(self) -> None:
         """Training goes on after a lost shard was restarted: the loss no longer stops
@@ -714,8 +719,9 @@ def _not_run(c: Closure) -> StopIteration:
                          "is exhausted")
 
 
-def _input_sweep(c: Closure) -> tuple[int, int] | None:
-    """The sweep ``(key, generation)`` of the per-worker input ``c`` reads, or None."""
+def _input_sweep(c: Closure) -> tuple | None:
+    """The sweep ``(key, generation)`` of the per-worker input ``c`` reads (a tuple of
+    them for several read together), or None."""
     m = c.batch
-    return (m.key, m.generation) if isinstance(m, WorkerInput) else None
+    return m.sweep if isinstance(m, (WorkerInput, WorkerInputs)) else None
 

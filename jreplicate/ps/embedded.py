@@ -91,6 +91,17 @@ class EmbeddedCarrier:
     def forget_function(self, key: int) -> None:
         """Nothing: the workers hold the step functions weakly."""
 
+    def release_input(self, key: int, *, now: bool = False) -> None:
+        """Every worker frees its pipeline of input ``key`` (at once, or as soon as the
+        read holding it ends; never blocks: may run as a finalizer)."""
+        for w in self.workers:
+            w.inputs.release(key)
+
+    def release_value(self, key: int) -> None:
+        """Every worker lets its per-worker value of ``key`` go."""
+        for w in self.workers:
+            w.values.release(key)
+
     def workers_alive(self, n: int) -> None:
         self.shards[0].set_live_workers(n)
 

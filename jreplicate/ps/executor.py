@@ -19,6 +19,7 @@ from jreplicate._tree import host_copy, path_str, read_now, report
 from jreplicate.context import PerReplica
 from jreplicate.execution.base import Executor
 from jreplicate.execution.cache import FunctionMap
+from jreplicate.input.iterator import InputIterator
 from jreplicate.ps import capture
 from jreplicate.ps.client import ShardClient
 from jreplicate.ps.config import PSConfig
@@ -26,6 +27,7 @@ from jreplicate.ps.coordinator import Coordinator
 from jreplicate.ps.embedded import EmbeddedCarrier
 from jreplicate.ps.handle import Carrier
 from jreplicate.ps.nnx_state import NnxArg
+from jreplicate.ps.per_worker import PerWorkerValue
 from jreplicate.ps.placement import Placement, place_parameters
 from jreplicate.ps.remote import ParameterServerError, RemoteValue, is_key, to_host
 from jreplicate.ps.shard import _is_sync, check_transformation
@@ -39,7 +41,12 @@ from jreplicate.ps.shard_restart import (
 )
 from jreplicate.ps.step_record import StepRecord
 from jreplicate.ps.worker import Closure, HostBatch
-from jreplicate.ps.worker_input import WorkerInput, WorkerInputIterator
+from jreplicate.ps.worker_input import (
+    WorkerInput,
+    WorkerInputIterator,
+    WorkerInputs,
+    ZippedWorkerInputs,
+)
 
 
 class ParameterServerExecutor(Executor):
@@ -352,6 +359,44 @@ class ParameterServerExecutor(Executor):
                 "(replication_mode=InputReplicationMode.SINGLE).")
         return WorkerInputIterator(owner, self.config, self, input_fn)
 
+    def release_input(self, key: int, now: bool = False) -> None:
+        """The iterator of input ``key`` was closed (``now``) or collected: every worker
+        frees its pipeline (may run on any thread, as a finalizer: never blocks)."""
+        if self._carrier is not None:
+            self._carrier.release_input(key, now=now)
+
+    def per_worker_value(self, fn: Callable) -> PerWorkerValue:
+        """``strategy.create_per_worker_value(fn)`` (see :mod:`jreplicate.ps.per_worker`)."""
+        return PerWorkerValue(fn, self.config.num_workers, self.release_value)
+
+    def release_value(self, key: int) -> None:
+        """The PerWorkerValue of ``key`` was collected: every worker lets its value go
+        (a finalizer: never blocks)."""
+        if self._carrier is not None:
+            self._carrier.release_value(key)
+
+    def zip_inputs(self, owner: object, iterators: tuple) -> ZippedWorkerInputs:
+        """``rep.run(step, (it1, it2, ...))``: a step reading the next element of each
+        per-worker iterator (:class:`ZippedWorkerInputs`).
+
+        Raises:
+          TypeError: one of them is not a per-worker iterator of this strategy.
+        """
+        bad = [f"inputs[{i}] ({type(it).__name__}"
+               + (", InputReplicationMode.SINGLE)" if isinstance(it, InputIterator) else ")")
+               for i, it in enumerate(iterators) if not isinstance(it, WorkerInputIterator)]
+        if bad:
+            raise TypeError(
+                "Replicator.run(fn, (it1, it2, ...)) under ParameterServerStrategy reads "
+                "several per-worker iterators (rep.prepare_input(input_fn) with "
+                "InputReplicationMode.PER_WORKER, the default); not "
+                f"{', '.join(bad)}. Prepare each with PER_WORKER, or combine the inputs "
+                "in one input_fn.")
+        return ZippedWorkerInputs(owner, self, tuple(iterators))
+
+    def sweep_exhausted(self, sweep: tuple) -> bool:
+        return self.coordinator is not None and self.coordinator.sweep_exhausted(sweep)
+
     def input_exhausted(self, key: int, generation: int) -> bool:
         return self.coordinator is not None and \
             self.coordinator.input_exhausted(key, generation)
@@ -408,9 +453,11 @@ class ParameterServerExecutor(Executor):
                 "(the shards hold their current values; the worker substitutes them).")
         # The step runs later, on a worker: NumPy values are read now (copied), so that
         # refilling the caller's arrays after run returns never changes the step.
+        # (a PerWorkerValue: each worker substitutes its own value)
         args = tuple(self._nnx_arg(a) if i in nnx_pos else None if i in (p_idx, o_idx)
+                     else a._arg() if isinstance(a, PerWorkerValue)
                      else jax.tree.map(read_now, a) for i, a in enumerate(args))
-        if isinstance(batch, (HostBatch, WorkerInput)) or batch is None:
+        if isinstance(batch, (HostBatch, WorkerInput, WorkerInputs)) or batch is None:
             pass
         else:
             # (a PerReplica's array too: it may be the caller's NumPy array)

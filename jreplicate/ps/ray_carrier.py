@@ -44,6 +44,7 @@ import collections
 import contextlib
 import dataclasses
 import functools
+import logging
 import os
 import time
 import warnings
@@ -52,12 +53,15 @@ from typing import Any
 from jreplicate.ps._ray_proxy import _Forgotten, _ray, _ShardLost, _ShardProxy
 from jreplicate.ps.client import ShardClient
 from jreplicate.ps.config import PSConfig
+from jreplicate.ps.per_worker import PerWorkerArg
 from jreplicate.ps.placement import Placement
 from jreplicate.ps.ray_options import is_gpu_worker, shard_actor_options, worker_actor_options
 from jreplicate.ps.remote import ParameterServerError, StepCancelledError, WorkerLostError
 from jreplicate.ps.shard import ShardClosedError
 from jreplicate.ps.worker import ApplicationError
-from jreplicate.ps.worker_input import InputEnded, WorkerInput
+from jreplicate.ps.worker_input import InputEnded, WorkerInput, WorkerInputs, markers
+
+_log = logging.getLogger("jreplicate")
 
 
 def ensure_ray(**options: Any) -> Any:
@@ -198,6 +202,11 @@ class RayCarrier:
         self._delays = [0.0] * len(self.workers)  # set_worker_delay, kept for restarts
         # Per worker, input key -> (generation, elements its completed steps read).
         self._positions: list[dict] = [{} for _ in self.workers]
+        #: PER_WORKER inputs whose iterator was closed or collected on the driver, and
+        #: per worker those its actor has not been told of yet (sent with its next call).
+        self._released: set[int] = set()
+        self._release = [collections.deque() for _ in self.workers]
+        self._release_values = [collections.deque() for _ in self.workers]  # (the same)
         self.runners = [self._runner(w) for w in range(len(self.workers))]
 
     def _runner(self, w: int):
@@ -205,44 +214,66 @@ class RayCarrier:
 
         sent: set = set()
         sent_inputs: set = set()  # PER_WORKER input_fns this actor holds (by key)
+        sent_values: set = set()  # PerWorkerValue fns this actor holds (by key)
         running = [0]  # steps started on this actor and not yet waited for
-        drops, freed = self._drops[w], self._freed[w]
-        self._forget[w] = lambda: (sent.clear(), sent_inputs.clear(), drops.clear())
+        drops, freed, release = self._drops[w], self._freed[w], self._release[w]
+        release_values = self._release_values[w]
+        self._forget[w] = lambda: (sent.clear(), sent_inputs.clear(), sent_values.clear(),
+                                   drops.clear())
 
         def start(closure, on_token_wait):
             send = closure
             if closure.fn_key in sent:
                 send = dataclasses.replace(closure, fn=None)
-            read = closure.batch if isinstance(closure.batch, WorkerInput) else None
-            if read is not None and read.key in sent_inputs:
-                send = dataclasses.replace(send, batch=dataclasses.replace(read, input_fn=None))
+            read = markers(closure.batch)  # the per-worker inputs it reads (if any)
+            for m in read:
+                if m.key in self._released:  # closed: not run
+                    raise InputEnded(m.key, w, m.generation)
+            if any(m.key in sent_inputs for m in read):  # (input_fns sent once)
+                sent_read = [dataclasses.replace(m, input_fn=None) if m.key in sent_inputs
+                             else m for m in read]
+                send = dataclasses.replace(send, batch=sent_read[0] if isinstance(
+                    closure.batch, WorkerInput) else WorkerInputs(tuple(sent_read)))
             if running[0]:  # queued behind a step of this actor: it reuses that push's
                 send = dataclasses.replace(send, reuse=True)  # returned parameters
             let_go = [drops.popleft() for _ in range(len(drops))]
             forget = [freed.popleft() for _ in range(len(freed))]
             sent.difference_update(forget)
+            freeing = [release.popleft() for _ in range(len(release))]
+            sent_inputs.difference_update(freeing)
+            values = [release_values.popleft() for _ in range(len(release_values))]
+            sent_values.difference_update(values)
+            if any(isinstance(a, PerWorkerArg) and a.key in sent_values
+                   for a in closure.args):  # (each fn sent once, as step functions)
+                send = dataclasses.replace(send, args=tuple(
+                    dataclasses.replace(a, fn=None) if isinstance(a, PerWorkerArg) and
+                    a.key in sent_values else a for a in closure.args))
             # live_workers=0: no "one gradient per worker and step" wait on Ray, where
             # the coordinator does not see token waits to relax it.
             try:
-                done = self.workers[w].run.remote(send, 0, let_go, forget)
+                done = self.workers[w].run.remote(send, 0, let_go, forget, freeing, values)
             except Exception as e:  # nothing was sent: Ray could not serialize the step
                 drops.extend(let_go)
                 freed.extend(forget)
+                release.extend(freeing)
+                release_values.extend(values)
                 raise ApplicationError(TypeError(
                     f"step {closure.step_id} cannot be sent to worker {w}: Ray failed to "
                     f"serialize it ({type(e).__name__}: {e}); its function, arguments and "
                     "input must be picklable (a lock or an open file is not).")) from e
             running[0] += 1
-            return functools.partial(wait, closure, read, done)
+            keys = [a.key for a in closure.args if isinstance(a, PerWorkerArg)]
+            return functools.partial(wait, closure, read, done, keys)
 
-        def wait(closure, read, done):
+        def wait(closure, read, done, keys=()):
             try:
                 position = ray.get(done)
+                sent_values.update(keys)
                 sent.add(closure.fn_key)
-                if read is not None:
-                    sent_inputs.add(read.key)
-                    if position is not None:
-                        self._positions[w][read.key] = tuple(position)
+                for m in read:
+                    sent_inputs.add(m.key)
+                for key, at in (position or {}).items():
+                    self._positions[w][key] = tuple(at)
                 return HeldOutputs(self.workers[w], w, closure.step_id, drops, self._closed)
             except ray.exceptions.RayTaskError as e:
                 cause = getattr(e, "cause", None)
@@ -251,8 +282,9 @@ class RayCarrier:
                     self._forget[w]()
                     running[0] += 1  # the resent closure carries its functions
                     return wait(closure, read, self.workers[w].run.remote(closure, 0, []))
-                if read is not None:  # the actor built the pipeline (or failed to)
-                    sent_inputs.add(read.key)
+                for m in read:  # the actor built the pipeline (or failed to)
+                    sent_inputs.add(m.key)
+                sent_values.update(keys)  # (it holds their fns)
                 if isinstance(cause, (ApplicationError, StepCancelledError, InputEnded,
                                       ShardClosedError, _ShardLost, ParameterServerError)):
                     raise cause from None
@@ -276,6 +308,30 @@ class RayCarrier:
         (freed here: no step of it is scheduled, and its key is never used again)."""
         for freed in self._freed:
             freed.append(key)
+
+    def release_input(self, key: int, *, now: bool = False) -> None:
+        """Every worker actor frees its pipeline of input ``key``: with its next step,
+        or (``now``, from ``close()`` on the driver's thread) by a call of its own, run
+        after the steps already sent to it. Never a Ray call unless ``now``: this also
+        runs as a finalizer, on whatever thread the garbage collector runs."""
+        self._released.add(key)
+        for w, queue in enumerate(self._release):
+            self._positions[w].pop(key, None)  # (a restarted actor never rebuilds it)
+            queue.append(key)
+        if now and not self._closed:
+            for w, queue in enumerate(self._release):
+                keys = [queue.popleft() for _ in range(len(queue))]
+                try:  # not waited for: ordered after the steps sent before
+                    self.workers[w].release_inputs.remote(keys)
+                except Exception as e:  # noqa: BLE001 - sent with its next step instead
+                    queue.extend(keys)
+                    _log.debug("worker %d: release of inputs %s deferred: %r", w, keys, e)
+
+    def release_value(self, key: int) -> None:
+        """Every worker actor lets its per-worker value of ``key`` (and its fn) go, with
+        its next step (a finalizer: no Ray call here)."""
+        for queue in self._release_values:
+            queue.append(key)
 
     def set_live_workers(self, fn) -> None:
         self._live = fn

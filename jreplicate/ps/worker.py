@@ -36,9 +36,15 @@ from jreplicate.layout import REPLICA_AXIS, mesh_layout, replica_mesh
 from jreplicate.ps.capture import capturing
 from jreplicate.ps.client import ShardClient
 from jreplicate.ps.nnx_state import NnxArg, check_nothing_lost
+from jreplicate.ps.per_worker import PerWorkerArg, WorkerValues
 from jreplicate.ps.remote import ShardUpdateError, StepCancelledError, WorkerLostError
 from jreplicate.ps.shard import Decision, TokenTimeoutError, TokenWaitInterrupted
-from jreplicate.ps.worker_input import InputEnded, WorkerInput, WorkerPipelines
+from jreplicate.ps.worker_input import (
+    InputEnded,
+    WorkerInput,
+    WorkerInputs,
+    WorkerPipelines,
+)
 
 
 @dataclasses.dataclass
@@ -121,6 +127,7 @@ class PSWorker:
         self.return_params = False
         self._returned: tuple[list[int], Any] | None = None
         self.inputs = WorkerPipelines(index, len(devices))  # PER_WORKER input, read here
+        self.values = WorkerValues(index, len(devices))  # PerWorkerValues, built here
         # The pulled parameters (replicated) and a host batch (per replica) placed over
         # the mesh. On one device the parameters alias the read-only NumPy arrays a
         # pull returns (Ray's object store, the embedded shards' own buffers: 64-byte
@@ -150,6 +157,8 @@ class PSWorker:
         its input included, and a shard's update raising for its push),
         :class:`InputEnded` when its input (read here, before any token) is exhausted,
         and :class:`WorkerLostError` (or any other exception) for worker failures."""
+        if isinstance(c.batch, WorkerInputs):
+            return self._run_zipped(c, on_token_wait)
         if not isinstance(c.batch, WorkerInput):
             return self._run_read(c, on_token_wait)
         m = c.batch
@@ -159,6 +168,29 @@ class PSWorker:
         except (ApplicationError, StepCancelledError):
             # Not applied by any shard: the next step of the sweep here takes the batch.
             self.inputs.put_back(m, c.batch.elements, c.batch.treedef)
+            raise
+
+    def _run_zipped(self, c: Closure, on_token_wait: Callable[[bool], None] | None
+                    ) -> tuple[Any, Decision]:
+        """:meth:`run` of a step reading several per-worker iterators: its batch is the
+        tuple of their elements. Where one of them ends (or fails), the elements read
+        from the others are put back for their next step here."""
+        parts: list[tuple[WorkerInput, HostBatch]] = []
+        try:
+            for m in c.batch.markers:
+                parts.append((m, self._read_input(m)))
+        except BaseException:
+            for m, b in parts:
+                self.inputs.put_back(m, b.elements, b.treedef)
+            raise
+        g = len(parts[0][1].elements)
+        batch = HostBatch([[x for _, b in parts for x in b.elements[r]] for r in range(g)],
+                          jax.tree_util.treedef_tuple([b.treedef for _, b in parts]))
+        try:
+            return self._run_read(dataclasses.replace(c, batch=batch), on_token_wait)
+        except (ApplicationError, StepCancelledError):
+            for m, b in parts:
+                self.inputs.put_back(m, b.elements, b.treedef)
             raise
 
     def _run_read(self, c: Closure, on_token_wait: Callable[[bool], None] | None
@@ -198,6 +230,13 @@ class PSWorker:
             raise ApplicationError(e) from e
         return HostBatch(elements, treedef)
 
+    def _worker_value(self, a: PerWorkerArg) -> Any:
+        """This worker's value of a PerWorkerValue argument (built on first use)."""
+        try:
+            return self.values.get(a)
+        except Exception as e:  # fn raised: the step's error
+            raise ApplicationError(e) from e
+
     def _run(self, c: Closure, token: int | None) -> tuple[Any, Decision]:
         returned, self._returned = self._returned, None
         # A step queued behind this worker's previous one starts from the parameters that
@@ -212,7 +251,8 @@ class PSWorker:
             fetched = [min(token, *steps)]
         else:
             fetched = steps
-        args = [a.build(c.step_id) if isinstance(a, NnxArg) else a for a in c.args]
+        args = [a.build(c.step_id) if isinstance(a, NnxArg) else
+                self._worker_value(a) if isinstance(a, PerWorkerArg) else a for a in c.args]
         nnx_model = isinstance(c.args[c.param_index], NnxArg)
         if nnx_model:  # an NNX model: its params pulled
             from flax import nnx

@@ -42,14 +42,27 @@ Semantics:
   worker's first step scheduled after it. A step scheduled before it reads the sweep
   it was scheduled in, on a worker still in that sweep, or is not run
   (``StopIteration``); it never reads an element of the new sweep, and the end of the
-  old sweep never ends the new one.
+  old sweep never ends the new one;
+* freed: the pipeline on every worker (the source and what it buffered) is freed when
+  the iterator is closed or collected. Collected: each scheduled step holds its
+  iterator, so the driver letting it go (``del``, rebinding the name) frees the
+  pipelines once the last step scheduled from it has ended (a weakref finalizer): no
+  step is lost. ``close()`` frees them at once: a step already reading finishes (its
+  push is applied as any other), and a step scheduled from it that has not begun
+  reading is not run, as at the end of input (its ``RemoteValue.fetch()`` raises
+  ``StopIteration``; ``join`` does not raise); a closed iterator schedules nothing
+  more. On Ray the worker actor drops it with its next call (``close()``: a call of
+  its own, after the steps sent before).
 """
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import itertools
+import threading
 import warnings
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -88,6 +101,40 @@ class WorkerInput:
     input_fn: Callable | None
     num_workers: int
     num_replicas: int
+    #: The driver's iterator, held by the scheduled step so that the iterator (and
+    #: with it the workers' pipelines) outlives every step scheduled from it: letting
+    #: the iterator go never drops a queued step. Not sent (see ``__getstate__``).
+    keep: Any = dataclasses.field(default=None, compare=False, repr=False)
+
+    def __getstate__(self) -> dict:
+        return {**self.__dict__, "keep": None}  # (the driver's, not the worker's)
+
+    @property
+    def sweep(self) -> tuple[int, int]:
+        """``(key, generation)``: the sweep of the input this step reads."""
+        return self.key, self.generation
+
+
+@dataclasses.dataclass
+class WorkerInputs:
+    """A scheduled step's batch read from several per-worker iterators
+    (``rep.run(step, (it1, it2), ...)``): the tuple of their elements, each read from
+    the worker's pipeline of its iterator."""
+
+    markers: tuple[WorkerInput, ...]
+
+    @property
+    def sweep(self) -> tuple:
+        """The sweeps read together: this tuple's end of input is its own (the step
+        ends where any of its iterators ends)."""
+        return tuple(m.sweep for m in self.markers)
+
+
+def markers(batch: Any) -> tuple[WorkerInput, ...]:
+    """The per-worker inputs a step's batch reads (none for a driver-fed batch)."""
+    if isinstance(batch, WorkerInput):
+        return (batch,)
+    return batch.markers if isinstance(batch, WorkerInputs) else ()
 
 
 class _WorkerPipeline:
@@ -118,9 +165,45 @@ class WorkerPipelines:
         # key -> (generation, elements): where a pipeline built here starts (a worker
         # restarted after its process died goes on where the lost one's steps ended).
         self.start_at: dict[int, tuple[int, int]] = {}
+        #: Keys whose iterator was closed or collected on the driver: their pipelines
+        #: are freed and never built again (a step reading one is not run).
+        self.released: set[int] = set()
+        # Releases not applied yet: release() may run on any thread (a finalizer run by
+        # the garbage collector, on this worker's thread in the middle of a read too),
+        # so it never waits for the lock; whoever holds it applies them on the way out.
+        self._pending: collections.deque[int] = collections.deque()
+        self._lock = threading.Lock()
+
+    def release(self, key: int) -> None:
+        """Frees the pipeline of ``key`` (its iterator was closed or collected on the
+        driver), now, or once the read that holds it ends; never blocks."""
+        self._pending.append(key)
+        self._apply_releases()
+
+    def _apply_releases(self) -> None:
+        while self._pending and self._lock.acquire(blocking=False):
+            try:
+                while self._pending:
+                    key = self._pending.popleft()
+                    self.released.add(key)
+                    self._pipes.pop(key, None)
+                    self.read_count.pop(key, None)
+                    self.start_at.pop(key, None)
+            finally:
+                self._lock.release()
+            # (re-checked: a release appended while the lock was held is applied here)
+
+    def pipeline_count(self) -> int:
+        """How many pipelines this worker holds (for tests and diagnostics)."""
+        self._apply_releases()
+        return len(self._pipes)
 
     def position(self, key: int) -> tuple[int, int] | None:
         """``(generation, elements read)`` of the pipeline of ``key`` (None: none)."""
+        with self._lock:
+            return self._position(key)
+
+    def _position(self, key: int) -> tuple[int, int] | None:
         p = self._pipes.get(key)
         if p is None:
             return None  # (held elements are not read yet: a replacement reads them again)
@@ -131,11 +214,13 @@ class WorkerPipelines:
         before any shard applied it (its function raised, its token wait was cancelled
         or timed out, a shard's update raised): the next step of that sweep here takes
         them, as SPMD strategies retry a failed step's batch, instead of the element
-        after them (which left those out of the sweep)."""
-        p = self._pipes.get(m.key)
-        if p is not None and p.generation == m.generation and p.held is None and \
-                not p.retrying:
-            p.held = (elements, treedef)
+        after them (which left those out of the sweep). A freed pipeline takes nothing."""
+        with self._lock:
+            p = self._pipes.get(m.key)
+            if p is not None and p.generation == m.generation and p.held is None and \
+                    not p.retrying:
+                p.held = (elements, treedef)
+        self._apply_releases()
 
     def read(self, m: WorkerInput) -> tuple[list, Any]:
         """The next step's elements (flat leaves per replica) and their structure.
@@ -144,6 +229,16 @@ class WorkerPipelines:
           InputEnded: the pipeline is exhausted (or its final step is partial).
           Exception: what ``input_fn`` or the source raised.
         """
+        self._apply_releases()
+        try:
+            with self._lock:
+                if m.key in self.released:  # its iterator was closed on the driver
+                    raise InputEnded(m.key, self.index, m.generation)
+                return self._read(m)
+        finally:
+            self._apply_releases()  # (those that came while reading)
+
+    def _read(self, m: WorkerInput) -> tuple[list, Any]:
         p = self._pipes.get(m.key)
         if p is None:
             ctx = InputContext(num_replicas=m.num_replicas, num_replicas_in_sync=self.g,
@@ -244,6 +339,31 @@ class WorkerPipelines:
                       "pipeline is exhausted.", stacklevel=3)
 
 
+class ZippedWorkerInputs(InputIterator):
+    """``rep.run(step, (it1, it2, ...), ...)``: each step reads the next element of
+    every iterator on the worker that runs it, and takes their tuple as its batch. The
+    step ends (not run, ``StopIteration``) where any of them ends."""
+
+    def __init__(self, owner: object, executor: Any,
+                 iterators: tuple[WorkerInputIterator, ...]):
+        self._owner, self._executor, self._iterators = owner, executor, iterators
+
+    def get_next(self) -> WorkerInputs:
+        batch = WorkerInputs(tuple(it.get_next() for it in self._iterators))
+        if self._executor.sweep_exhausted(batch.sweep):
+            raise StopIteration
+        return batch
+
+    def next_steps(self, k: int) -> Any:
+        return self._iterators[0].next_steps(k)
+
+    def put_back(self, item: Any, steps: int | None) -> None:
+        """Markers hold no data: nothing to put back."""
+
+    def close(self) -> None:
+        """Nothing: the iterators it reads stay open (close them)."""
+
+
 class WorkerInputIterator(InputIterator):
     """The driver's side of ``PER_WORKER`` input under ParameterServerStrategy: it
     holds no pipeline and reads nothing (see the module docstring).
@@ -260,6 +380,10 @@ class WorkerInputIterator(InputIterator):
         self._generation = 0
         self._mode = InputReplicationMode.PER_WORKER
         self._closed = False
+        # Collected without close(): its pipelines are freed on the workers all the same
+        # (the carrier sends the release with each worker's next call; never at exit).
+        self._release = weakref.finalize(self, executor.release_input, self._key)
+        self._release.atexit = False
 
     @property
     def num_input_pipelines(self) -> int:
@@ -283,18 +407,24 @@ class WorkerInputIterator(InputIterator):
         if self._executor.input_exhausted(self._key, self._generation):
             raise StopIteration
         return WorkerInput(self._key, self._generation, self._fn,
-                           self._config.num_workers, self._config.num_replicas)
+                           self._config.num_workers, self._config.num_replicas, keep=self)
 
     def reinitialize(self) -> list:
         """Starts a new sweep: every worker's pipeline restarts before that worker's
         first step scheduled after this call (steps scheduled before it read the old
         sweep, or are not run); returns ``[]``."""
+        if self._closed:
+            raise RuntimeError("the input iterator was closed; prepare a new one.")
         self._generation += 1
         self._executor.reset_input(self._key, self._generation)
         return []
 
     def close(self) -> None:
+        """Frees this iterator's pipeline on every worker (see the module docstring:
+        steps scheduled from it that have not begun reading are not run)."""
         self._closed = True
+        if self._release.detach() is not None:
+            self._executor.release_input(self._key, now=True)
 
     def next_steps(self, k: int) -> Any:
         raise ValueError(

@@ -53,6 +53,7 @@ from jreplicate.layout import MODEL_AXIS, REPLICA_AXIS, Layout, check_axis_name,
 from jreplicate.ps.config import PSConfig
 from jreplicate.ps.device_layout import assign_devices
 from jreplicate.ps.executor import ParameterServerExecutor
+from jreplicate.ps.per_worker import PerWorkerValue, WorkerContext
 from jreplicate.ps.placement import POLICIES, Placement
 from jreplicate.ps.ray_options import resolve as resolve_ray_options
 from jreplicate.ps.ray_options import warn_if_gpus_unused
@@ -272,6 +273,34 @@ class ParameterServerStrategy(Strategy):
             placement_policy=self.placement_policy, min_slice_bytes=self.min_slice_bytes,
             ray_worker_options=self._ray_options[0], ray_shard_options=self._ray_options[1]))
         return self._executor
+
+    def create_per_worker_value(self, fn: Callable[[WorkerContext], Any]) -> PerWorkerValue:
+        """A value built once on each worker by ``fn``, as TensorFlow's per-worker
+        resources (``PerWorkerValues``): pass it to ``rep.run(step, ...)`` as an
+        argument and the step receives the value of the worker that runs it.
+
+        Args:
+          fn: called on each worker (its thread, or its Ray actor), at the first step
+            there that takes the value, with a :class:`jreplicate.ps.WorkerContext`
+            (``worker_index``, ``num_workers``, ``num_replicas_in_sync``); returns a
+            pytree of arrays (read only: the step takes it as any argument). Never
+            called on the driver.
+
+        Returns:
+          A :class:`jreplicate.ps.PerWorkerValue`; the workers let their values go when
+          it is collected (after the last step scheduled with it).
+
+        Raises:
+          TypeError: ``fn`` is not callable.
+          ValueError: the strategy has no Replicator yet (``jr.Replicator(strategy)``).
+        """
+        if not callable(fn):
+            raise TypeError("create_per_worker_value(fn): fn must be callable (called on "
+                            f"each worker with a WorkerContext), got {type(fn).__name__}.")
+        if self._executor is None:
+            raise ValueError("create_per_worker_value: create the Replicator first "
+                             "(rep = jr.Replicator(strategy)).")
+        return self._executor.per_worker_value(fn)
 
     # -- inspection and control ------------------------------------------------------------
     def _ex(self) -> ParameterServerExecutor:
