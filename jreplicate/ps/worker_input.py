@@ -137,6 +137,15 @@ class WorkerPipelines:
                 not p.retrying:
             p.held = (elements, treedef)
 
+    def hand_back(self, m: WorkerInput, elements: list, treedef: Any) -> None:
+        """A worker died in a step that read ``elements`` and no shard decided its push:
+        the worker replacing it (these pipelines, handed over) reads them first, as a
+        Ray worker restarted after its process died reads them again. Unlike
+        :meth:`put_back` it does not count as a retry (the step did not fail on them)."""
+        p = self._pipes.get(m.key)
+        if p is not None and p.generation == m.generation and p.held is None:
+            p.held, p.retrying = (elements, treedef), False
+
     def read(self, m: WorkerInput) -> tuple[list, Any]:
         """The next step's elements (flat leaves per replica) and their structure.
 

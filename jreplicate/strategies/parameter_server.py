@@ -60,6 +60,19 @@ from jreplicate.ps.shard_restart import ShardRestart
 from jreplicate.strategies.base import Strategy
 
 
+def _worker_restarts(value: Any, carrier: str) -> int:
+    """``max_worker_restarts`` checked: an int >= -1 (None: -1, every time)."""
+    if value is None:
+        return -1
+    if carrier == "ray":
+        raise ValueError(
+            f"ParameterServerStrategy(max_worker_restarts={value!r}, carrier='ray'): Ray "
+            "restarts worker actors itself; pass ray_worker_options={'max_restarts': "
+            f"{value!r}}} instead.")
+    return _count("max_worker_restarts", value, -1,
+                  "times each lost worker is replaced (-1: every time, 0: never)")
+
+
 def _count(name: str, value: Any, minimum: int, what: str) -> int:
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < minimum:
         raise ValueError(f"ParameterServerStrategy({name}={value!r}) must be an int >= "
@@ -114,6 +127,12 @@ class ParameterServerStrategy(Strategy):
         sync group's collectives run (e.g. ``"batch"`` for a ``jax.pmap`` program's
         ``jax.lax.pmean(x, "batch")`` and ``nnx.BatchNorm(axis_name="batch")``). See
         :class:`jreplicate.MirroredStrategy`.
+      max_worker_restarts: ``carrier="embedded"``: how many times each lost worker
+        (its step raised a worker failure, e.g. ``jreplicate.testing.kill_worker``) is
+        replaced by a new worker with its index, its devices and its ``PER_WORKER``
+        input where the lost one left off (default None: every time, as Ray's
+        ``max_restarts=-1``; 0: lost for good). On Ray use ``ray_worker_options=
+        {"max_restarts": n}``.
 
     Example:
       >>> import jax, jax.numpy as jnp, optax, jreplicate as jr
@@ -159,7 +178,7 @@ class ParameterServerStrategy(Strategy):
                  min_slice_bytes: int = 256 << 10,
                  ray_worker_options: dict | Callable[[int], dict] | None = None,
                  ray_shard_options: dict | Callable[[int], dict] | None = None,
-                 axis_name: str = REPLICA_AXIS):
+                 axis_name: str = REPLICA_AXIS, max_worker_restarts: int | None = None):
         num_ps = _count("num_ps", num_ps, 1, "the parameter-server shards")
         axis = check_axis_name(axis_name, "ParameterServerStrategy")
         g = _count("num_replicas_in_sync", num_replicas_in_sync, 1,
@@ -196,6 +215,7 @@ class ParameterServerStrategy(Strategy):
         self.token_timeout = float(token_timeout)
         self.skip_stale_tokens = bool(skip_stale_tokens)
         self.max_attempts = _count("max_attempts", max_attempts, 1, "tries of a step")
+        self.max_worker_restarts = _worker_restarts(max_worker_restarts, carrier)
         self.carrier = carrier
         self.placement_policy = placement
         self.min_slice_bytes = int(min_slice_bytes)
@@ -251,7 +271,8 @@ class ParameterServerStrategy(Strategy):
             max_attempts=self.max_attempts, token_timeout=self.token_timeout,
             skip_stale_tokens=self.skip_stale_tokens,
             placement_policy=self.placement_policy, min_slice_bytes=self.min_slice_bytes,
-            ray_worker_options=self._ray_options[0], ray_shard_options=self._ray_options[1]))
+            ray_worker_options=self._ray_options[0], ray_shard_options=self._ray_options[1],
+            max_worker_restarts=self.max_worker_restarts))
         return self._executor
 
     # -- inspection and control ------------------------------------------------------------
