@@ -14,8 +14,11 @@ Semantics:
 * each worker reads its pipeline in order, one element per replica of its sync group
   per step; with no faults every element is used exactly once;
 * at-least-once execution: a step rerun after its worker died reads the next element of
-  the new worker's pipeline; what the dead worker's pipeline still held is never read
-  (as in TensorFlow). The push ledger stays exact (one application per step id): on
+  the new worker's pipeline; what the dead worker's pipeline still held is read by the
+  worker that replaces it (``max_worker_restarts``, Ray's ``max_restarts``), first the
+  elements of the step it died in where no shard decided that step's push (see
+  :meth:`WorkerPipelines.hand_back`), or never, once the worker is lost for good (as in
+  TensorFlow). The push ledger stays exact (one application per step id): on
   the shards the dead worker's push reached before it died (killed mid-push), the
   rerun's push is a duplicate, so there the element the rerun read is consumed but not
   applied; in asynchronous mode with several shards, the shards the push had not

@@ -313,9 +313,10 @@ class ParameterServerStrategy(Strategy):
     def stats(self) -> dict[str, Any]:
         """Scheduling counters: scheduled, completed, completed_by (per worker),
         rescheduled, alive, replaced (lost workers that came back: Ray restarted their
-        actors), max_alongside (the most steps one step ran alongside: a
-        bound on the staleness of its update, at most ``max_staleness``), finish_times
-        (per worker, ``time.monotonic()`` of each of its latest 1000 completed steps)."""
+        actors, or the embedded carrier made new ones, ``max_worker_restarts``),
+        max_alongside (the most steps one step ran alongside: a bound on the staleness
+        of its update, at most ``max_staleness``), finish_times (per worker,
+        ``time.monotonic()`` of each of its latest 1000 completed steps)."""
         c = self._ex().coordinator
         st = c.stats()
         return {"scheduled": st.scheduled, "completed": st.completed,
