@@ -46,18 +46,32 @@ def _job(num_ps=2, num_workers=3, per_pipeline=40, **kw):
 
 
 def _run_killing(s, rep, w, opt, step, it, kills, steps=N):
-    """``steps`` steps; ``kills``: (after this many completed steps, worker, when)."""
+    """At least ``steps`` steps; ``kills``: (after this many completed steps, worker,
+    when), each armed once the worker is back from the previous kill (skipped if it is
+    lost for good), with steps scheduled until it fired."""
     values = []
-    for after, victim, when in kills:
-        while len(values) < steps and (len(values) < after + 2 or
-                                       s.stats()["completed"] < after):
-            values.append(rep.run(step, it, w, opt))
-            if len(values) >= after + 2:
-                time.sleep(0.002)
-        end = time.monotonic() + 30
-        while s.stats()["completed"] < after and time.monotonic() < end:
+    coord = s._executor.coordinator
+
+    def until(cond, seconds=30.0):
+        end = time.monotonic() + seconds
+        while not cond():
+            assert time.monotonic() < end, "the job did not get there in time"
             time.sleep(0.002)
+
+    for after, victim, when in kills:
+        while len(values) < min(after + 2, steps):
+            values.append(rep.run(step, it, w, opt))
+        until(lambda a=after: s.stats()["completed"] >= min(a, len(values)))
+        until(lambda v=victim: v not in coord._replacing)  # back, or lost for good
+        if not s.stats()["alive"][victim]:
+            continue
+        fired = s.stats()["rescheduled"] + 1
         jrt.kill_worker(s, victim, when=when)
+        while s.stats()["rescheduled"] < fired:
+            if coord.pending < 2:
+                values.append(rep.run(step, it, w, opt))
+            time.sleep(0.002)
+            assert len(values) < 10 * steps, "the kill never fired"
     values += [rep.run(step, it, w, opt) for _ in range(steps - len(values))]
     rep.join()
     return values
@@ -90,11 +104,11 @@ def test_a_worker_killed_computing_is_replaced_and_every_element_applied_once(vi
     values = _run_killing(s, rep, w, opt, step, it, [(4, victim, "compute")])
     st = s.stats()
     assert st["alive"] == [True] * 3 and st["replaced"] == 1, st
-    assert st["rescheduled"] == 1 and st["completed"] == N, st
+    assert st["rescheduled"] == 1 and st["completed"] == len(values), st
     carrier = s._executor._carrier
     assert carrier.workers[victim] is not original and carrier.restarts[victim] == 1
     for led in s.ledger():
-        assert led["applied"] == N and led["duplicate"] == 0, led
+        assert led["applied"] == len(values) and led["duplicate"] == 0, led
     used, reruns = _outputs(values)
     pulled = _pulled(s, it)
     # Each pipeline's elements are used once, none skipped: the victim's replacement
@@ -113,9 +127,9 @@ def test_a_worker_killed_after_its_push_is_replaced_and_no_element_applied_twice
     s, rep, w, opt, step, it = _job(num_ps=1)
     values = _run_killing(s, rep, w, opt, step, it, [(4, 1, "push")])
     st = s.stats()
-    assert st["alive"] == [True] * 3 and st["replaced"] == 1 and st["completed"] == N
+    assert st["alive"] == [True] * 3 and st["replaced"] == 1 and st["completed"] == len(values)
     led = s.ledger()[0]
-    assert led["applied"] == N and led["duplicate"] == 1, led
+    assert led["applied"] == len(values) and led["duplicate"] == 1, led
     used, reruns = _outputs(values)
     pulled = _pulled(s, it)
     for p in range(3):
@@ -135,10 +149,10 @@ def test_the_limit_is_honoured_then_the_worker_stays_lost():
                           [(3, 1, "compute"), (9, 1, "compute")])
     st = s.stats()
     assert st["replaced"] == 1 and st["alive"] == [True, False, True], st
-    assert st["rescheduled"] == 2 and st["completed"] == N
+    assert st["rescheduled"] == 2 and st["completed"] == len(values)
     assert s._executor._carrier.restarts == [0, 1, 0]
     for led in s.ledger():
-        assert led["applied"] == N and led["duplicate"] == 0
+        assert led["applied"] == len(values) and led["duplicate"] == 0
     used, _ = _outputs(values)
     pulled = _pulled(s, it)
     # The second death's element is left in the lost worker's pipeline (as before).
@@ -151,12 +165,45 @@ def test_the_limit_is_honoured_then_the_worker_stays_lost():
     s.shutdown()
 
 
+@pytest.mark.parametrize("seed", range(3))
+def test_random_kills_at_compute_use_every_element_once(seed):
+    """Random victims, kill points, shard counts and limits: every pipeline's elements
+    are used once and applied once, every step once, and the replacements are those the
+    limit allows."""
+    rng = np.random.default_rng(seed)
+    limit = int(rng.choice([-1, 1, 2]))
+    s, rep, w, opt, step, it = _job(num_ps=int(rng.integers(1, 3)),
+                                    max_worker_restarts=limit)
+    kills = [(int(a), int(rng.integers(0, 3)), "compute")
+             for a in sorted(rng.choice(np.arange(2, 14), 3, replace=False))]
+    values = _run_killing(s, rep, w, opt, step, it, kills)
+    st = s.stats()
+    deaths = [0] * 3
+    for _, v, _ in kills:  # a worker lost for good is not killed again
+        deaths[v] += limit < 0 or deaths[v] <= limit
+    allowed = [d if limit < 0 else min(d, limit) for d in deaths]
+    assert s._executor._carrier.restarts == allowed, (kills, limit)
+    assert st["replaced"] == sum(allowed) and st["completed"] == len(values)
+    assert st["alive"] == [d == a for d, a in zip(deaths, allowed)], (st, kills)
+    for led in s.ledger():
+        assert led["applied"] == len(values) and led["duplicate"] == 0
+    used, _ = _outputs(values)
+    pulled = _pulled(s, it)
+    lost = [(p, pulled[p] - 1) for p in range(3) if deaths[p] > allowed[p]]
+    for p in range(3):
+        mine = sorted(i for q, i in used if q == p)
+        assert mine == list(range(pulled[p] - (1 if (p, pulled[p] - 1) in lost else 0)))
+    np.testing.assert_allclose(s.parameters(), -LR * _elements_sum(pulled, lost),
+                               rtol=1e-6)
+    s.shutdown()
+
+
 def test_no_restarts_keeps_todays_loss_for_good():
     s, rep, w, opt, step, it = _job(max_worker_restarts=0)
-    _run_killing(s, rep, w, opt, step, it, [(3, 2, "compute")])
+    values = _run_killing(s, rep, w, opt, step, it, [(3, 2, "compute")])
     st = s.stats()
     assert st["replaced"] == 0 and st["alive"] == [True, True, False]
-    assert s.ledger()[0]["applied"] == N
+    assert s.ledger()[0]["applied"] == len(values)
     s.shutdown()
 
 

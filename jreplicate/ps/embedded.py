@@ -32,7 +32,6 @@ class EmbeddedCarrier:
         self.runners = [lambda c, on_wait, w=w: functools.partial(
             _outputs, self.workers[w], c, on_wait) for w in range(s.num_workers)]
         self.depth = 1
-        self._live: Callable[[], int] = lambda: 1
         #: Per worker: replacements left (-1: no limit), and those made.
         self._restarts_left = [s.max_worker_restarts] * s.num_workers
         self.restarts = [0] * s.num_workers
@@ -118,7 +117,6 @@ class EmbeddedCarrier:
         self.workers[w].delay = seconds
 
     def set_live_workers(self, fn: Callable[[], int]) -> None:
-        self._live = fn
         for w in self.workers:
             w.live_workers = fn
 

@@ -153,6 +153,7 @@ class PSWorker:
         its input included, and a shard's update raising for its push),
         :class:`InputEnded` when its input (read here, before any token) is exhausted,
         and :class:`WorkerLostError` (or any other exception) for worker failures."""
+        self.lost_read = None
         if not isinstance(c.batch, WorkerInput):
             return self._run_read(c, on_token_wait)
         m = c.batch
