@@ -78,8 +78,14 @@ def _run_killing(s, rep, w, opt, step, it, kills, steps=N):
 
 
 def _pulled(s, it):
-    """Per pipeline, the elements read from it (handed-back ones once)."""
-    return [ws.inputs.read_count.get(it._key, 0) for ws in s._executor._carrier.workers]
+    """Per pipeline, the elements read from it: not those held for its next step (a
+    dead step's, handed back to a replacement that has not run since)."""
+    out = []
+    for ws in s._executor._carrier.workers:
+        pipe = ws.inputs._pipes.get(it._key)
+        held = pipe is not None and pipe.held is not None
+        out.append(ws.inputs.read_count.get(it._key, 0) - held)
+    return out
 
 
 def _outputs(values):
