@@ -55,8 +55,7 @@ def kill_worker(strategy: ParameterServerStrategy, worker: int, *,
     Raises:
       ValueError: ``worker`` is out of range or ``when`` is not one of the above.
 
-    Example (worker 1 dies; its step runs again on worker 0, applied once; worker 1
-    stays lost with ``max_worker_restarts=0``):
+    Example (worker 1 dies for good; its step runs again on worker 0, applied once):
       >>> import jax.numpy as jnp, optax, jreplicate as jr
       >>> ps = jr.ParameterServerStrategy(num_ps=1, num_workers=2, max_worker_restarts=0)
       >>> rep = jr.Replicator(ps)
