@@ -43,7 +43,10 @@ def kill_worker(strategy: ParameterServerStrategy, worker: int, *,
       strategy: the :class:`jreplicate.ParameterServerStrategy` (its parameters created).
       worker: the worker index, in ``[0, strategy.num_workers)``.
       when: ``"compute"`` (after computing its gradients), ``"push"`` (between its pushes
-        to shard 0 and shard 1; with one shard, right after its push), or with
+        to shard 0 and shard 1; with one shard, right after its push); with the
+        embedded carrier a new worker then takes its place, up to
+        ``max_worker_restarts`` times (default: every time; on Ray these two lose the
+        worker for good); or with
         ``carrier="ray"``: ``"process"`` (its actor is killed now with ``ray.kill``,
         for good) or ``"crash"`` (its process is killed
         now, as by a crash or the OOM killer; Ray restarts the actor, up to
@@ -52,9 +55,9 @@ def kill_worker(strategy: ParameterServerStrategy, worker: int, *,
     Raises:
       ValueError: ``worker`` is out of range or ``when`` is not one of the above.
 
-    Example (worker 1 dies; its step runs again on worker 0, applied once):
+    Example (worker 1 dies for good; its step runs again on worker 0, applied once):
       >>> import jax.numpy as jnp, optax, jreplicate as jr
-      >>> ps = jr.ParameterServerStrategy(num_ps=1, num_workers=2)
+      >>> ps = jr.ParameterServerStrategy(num_ps=1, num_workers=2, max_worker_restarts=0)
       >>> rep = jr.Replicator(ps)
       >>> with rep.scope():
       ...     params, sgd = jnp.zeros(2), jr.ps.pushable(optax.sgd(1.0))
@@ -64,8 +67,8 @@ def kill_worker(strategy: ParameterServerStrategy, worker: int, *,
       >>> for _ in range(4):
       ...     _ = rep.run(step, None, params, state)
       >>> rep.join()
-      >>> ps.parameters().tolist(), ps.stats()["completed"]
-      ([-4.0, -4.0], 4)
+      >>> ps.parameters().tolist(), ps.stats()["completed"], ps.stats()["alive"]
+      ([-4.0, -4.0], 4, [True, False])
       >>> ps.shutdown()
     """
     _executor(strategy).kill_worker(worker, when)

@@ -76,7 +76,7 @@ def test_token_gated_shards_equal_single_shard_training_under_push_kills(seed):
     a worker killed between its push to shard 0 and the others at a random point: the
     parameters are those of single-shard training after the same number of steps."""
     rng = np.random.default_rng(seed)
-    s, rep, w, opt, step = _coupled()
+    s, rep, w, opt, step = _coupled(max_worker_restarts=0)
     assert s.placement.assignment == [0, 1, 2]
     for k in range(3):
         jrt.set_worker_delay(s, k, float(rng.uniform(0.0, 0.02)))

@@ -309,7 +309,7 @@ def test_nnx_optimizer_update_becomes_a_push():
 def test_a_dead_worker_leaves_the_bounded_delay_minimum():
     """max_staleness=0 (sequential) with a worker killed mid-training: the others do
     not wait for it, and every step completes."""
-    s, rep, w, opt, step = _linear(num_workers=3, max_staleness=0)
+    s, rep, w, opt, step = _linear(num_workers=3, max_staleness=0, max_worker_restarts=0)
     for k in range(3):
         jrt.set_worker_delay(s, k, 0.005)
     jrt.kill_worker(s, 2, when="compute")

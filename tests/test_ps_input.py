@@ -119,7 +119,7 @@ def test_end_of_input_every_pipeline_then_stop_iteration():
 
 
 def test_a_killed_worker_rerun_reads_another_pipeline_ledger_exact():
-    s, rep, w, opt, step, input_fn, _ = _job(3, 50)
+    s, rep, w, opt, step, input_fn, _ = _job(3, 50, max_worker_restarts=0)
     for k in range(3):
         jrt.set_worker_delay(s, k, 0.003)
     it = rep.prepare_input(input_fn)

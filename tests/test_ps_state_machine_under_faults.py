@@ -111,8 +111,8 @@ class PSMachine(RuleBasedStateMachine):
 
     @initialize(num_ps=st.integers(1, 3), workers=st.integers(2, 4),
                 adam=st.booleans(), tau=st.integers(0, 2), k=st.integers(1, 3),
-                backups=st.integers(0, 1))
-    def build(self, num_ps, workers, adam, tau, k, backups):
+                backups=st.integers(0, 1), restarts=st.sampled_from([0, 1, -1]))
+    def build(self, num_ps, workers, adam, tau, k, backups, restarts):
         self.num_ps, self.workers = num_ps, workers
         kw = {}
         if self.mode == "tau":
@@ -123,7 +123,7 @@ class PSMachine(RuleBasedStateMachine):
         self.adam = adam and self.mode == "async"
         s = jr.ParameterServerStrategy(num_ps=num_ps, num_workers=workers,
                                        placement="round_robin", token_timeout=BOUND_S,
-                                       **kw)
+                                       max_worker_restarts=restarts, **kw)
         rep = jr.Replicator(s)
         with rep.scope():
             params = {k_: jnp.zeros(n) for k_, n in SIZES.items()}
@@ -536,7 +536,7 @@ def test_kill_worker_at_push_with_one_shard_kills_the_worker_after_its_push():
     shard to die before): the worker never died and the fault was silently not
     injected. With one shard the worker now dies right after its push; the push is
     applied once and the rerun's is a duplicate."""
-    s, rep, params, opt, step = _sgd_job(num_ps=1, workers=2)
+    s, rep, params, opt, step = _sgd_job(num_ps=1, workers=2, max_worker_restarts=0)
     jrt.set_worker_delay(s, 1, 0.1)
     jrt.kill_worker(s, 0, when="push")
     for i in range(6):
@@ -586,7 +586,8 @@ def test_a_rerun_after_a_kill_mid_push_completes_the_other_shards_with_its_own_g
     applies exactly one gradient per step, shard 0 the first run's and shard 1 the
     rerun's (a push is not atomic across shards in asynchronous mode, as in TensorFlow;
     token-gated mode stages the pieces and is exact)."""
-    s = jr.ParameterServerStrategy(num_ps=2, num_workers=2, placement="round_robin")
+    s = jr.ParameterServerStrategy(num_ps=2, num_workers=2, placement="round_robin",
+                                   max_worker_restarts=0)
     rep = jr.Replicator(s)
     with rep.scope():
         params = {k: jnp.zeros(n) for k, n in SIZES.items()}
@@ -626,7 +627,7 @@ def test_nnx_dropout_reruns_after_kills_draw_the_first_runs_masks():
         def __call__(self, x):
             return self.drop(self.lin(x))
 
-    s = jr.ParameterServerStrategy(num_ps=2, num_workers=3)
+    s = jr.ParameterServerStrategy(num_ps=2, num_workers=3, max_worker_restarts=0)
     rep = jr.Replicator(s)
     with rep.scope():
         model = Dropped(nnx.Rngs(0, dropout=1))
@@ -732,7 +733,7 @@ def test_token_gated_replicas_to_aggregate_above_the_workers_left_after_kills():
     gradients to a step (as total_num_replicas < replicas_to_aggregate); every step ends,
     none hangs, and the parameters are the reference's."""
     s = jr.ParameterServerStrategy(num_ps=3, num_workers=3, placement="round_robin",
-                                   token_timeout=BOUND_S)
+                                   token_timeout=BOUND_S, max_worker_restarts=0)
     rep = jr.Replicator(s)
     with rep.scope():
         params = {k: jnp.zeros(n) for k, n in SIZES.items()}

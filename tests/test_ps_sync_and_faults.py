@@ -129,7 +129,7 @@ def test_token_gated_goes_on_when_a_worker_is_lost():
     token deadline."""
     s, rep, w, opt, step = _job(lambda: jr.sync_replicas(
         optax.sgd(0.1), replicas_to_aggregate=2, total_num_replicas=2), num_workers=2,
-        delay=0.01, token_timeout=30)
+        delay=0.01, token_timeout=30, max_worker_restarts=0)
     for _ in range(6):
         rep.run(step, None, w, opt)
     rep.join()
@@ -163,7 +163,8 @@ def test_token_wait_deadline():
 
 # -- exactly-once under faults --------------------------------------------------------
 def _kill_at_40_percent(when, steps=30):
-    s, rep, w, opt, step = _job(lambda: optax.sgd(0.01), num_workers=4, delay=0.01)
+    s, rep, w, opt, step = _job(lambda: optax.sgd(0.01), num_workers=4, delay=0.01,
+                                max_worker_restarts=0)
     values = [rep.run(step, None, w, opt) for _ in range(steps)]
     end = time.monotonic() + 20
     while s.stats()["completed"] < 0.4 * steps and time.monotonic() < end:
@@ -187,7 +188,8 @@ def test_killing_1_of_4_workers_at_40_percent_applies_every_step_once(when):
 
 
 def test_a_step_raising_worker_lost_runs_again_elsewhere():
-    s, rep, w, opt, step = _job(lambda: optax.sgd(0.5), num_workers=3)
+    s, rep, w, opt, step = _job(lambda: optax.sgd(0.5), num_workers=3,
+                                max_worker_restarts=0)
     traces = []
 
     def flaky(ctx, w, opt):

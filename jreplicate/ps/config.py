@@ -34,6 +34,9 @@ class PSConfig:
       ray_worker_options: ``carrier="ray"``: each worker actor's checked Ray options
         (:mod:`jreplicate.ps.ray_options`); empty dicts: the defaults.
       ray_shard_options: ``carrier="ray"``: each shard actor's.
+      max_worker_restarts: ``carrier="embedded"``: times each lost worker is replaced
+        by a new one with its index (-1: every time, as Ray's ``max_restarts``; 0:
+        never).
 
     With ``carrier="ray"`` the devices are the actors' own: ``shard_devices`` is empty
     and each of ``worker_devices`` is an empty group (a worker actor finds its
@@ -55,6 +58,7 @@ class PSConfig:
     ray_worker_options: tuple = ()
     ray_shard_options: tuple = ()
     max_clock_lead: int | None = None
+    max_worker_restarts: int = -1
 
     @property
     def num_workers(self) -> int:

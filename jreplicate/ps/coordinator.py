@@ -15,8 +15,9 @@ worker becomes free and runs them through a *runner* (the embedded carrier calls
   front of the queue with its id, so its push is applied at most once (the shards'
   ledgers drop a second push of the id as a duplicate); after ``max_attempts`` the
   step fails. A carrier that can replace the worker (Ray restarts a dead worker
-  actor, ``max_restarts``) is asked to (``replace``); the replaced worker takes steps
-  again;
+  actor, ``max_restarts``; the embedded carrier makes a new worker with its index,
+  ``max_worker_restarts``) is asked to (``replace``); the replaced worker takes steps
+  again, on a new thread;
 * a lost shard (:class:`ShardClosedError` while not shutting down, or the Ray actor of a
   shard dead): :class:`ParameterServerError` for this and every pending step.
 
@@ -124,7 +125,8 @@ class Coordinator:
       settle: ``settle(step_id)`` commits a lost worker's decided push on every shard.
       starved: whether shard 0 has no token a waiting worker could take.
       replace: ``replace(w)`` after worker ``w`` was lost: True when the carrier replaced
-        it (Ray restarted its actor), so ``w`` takes steps again; called on ``w``'s
+        it (Ray restarted its actor; the embedded carrier made a new worker), so ``w``
+        takes steps again, on a new thread; called on ``w``'s
         thread once its steps are ended (the lost step already rescheduled), and ``w``
         counts as coming back meanwhile (the steps wait for it rather than fail when no
         other worker is alive).
@@ -438,8 +440,9 @@ class Coordinator:
                     continue
             if not started:
                 if lost and self._revive(w):
-                    lost = False
-                    continue
+                    with self._queue.lock:  # a new thread runs the replaced worker
+                        self._threads[w] = None
+                        self._start_threads()
                 return
             c, wait = started.popleft()
             lost = self._end(w, c, wait, lost) or lost

@@ -21,22 +21,32 @@ class EmbeddedCarrier:
 
     def __init__(self, s: PSConfig, tx: Any, placement: Placement,
                  pieces: list, opt_host: Any, restored: list | None):
-        self._config, self._tx = s, tx
+        self._config, self._tx, self._placement, self._opt_host = s, tx, placement, opt_host
         self.shards = [self._new_shard(i, pieces[i], restored[i] if restored else {})
                        for i in range(s.num_ps)]
-        gated = self.shards[0].token_gated
-        guarded = any(sh.may_raise for sh in self.shards)
-        self.workers = [PSWorker(w, list(grp), ShardClient(self.shards, placement, gated,
-                                                           guarded=guarded),
-                                 opt_host, token_timeout=s.token_timeout,
-                                 skip_stale_tokens=s.skip_stale_tokens,
-                                 axis_name=s.layout.replica_axis)
-                        for w, grp in enumerate(s.worker_devices)]
-        self.client = ShardClient(self.shards, placement, gated, guarded=guarded)
-        # A step runs on its worker's coordinator thread when the thread waits for it.
-        self.runners = [lambda c, on_wait, w=w: functools.partial(_outputs, w, c, on_wait)
-                        for w in self.workers]
+        self.workers = [self._new_worker(w) for w in range(s.num_workers)]
+        self.client = ShardClient(self.shards, placement, self.shards[0].token_gated,
+                                  guarded=self._guarded())
+        # A step runs on its worker's coordinator thread when the thread waits for it;
+        # self.workers[w] is read at each start (a replaced worker takes its place).
+        self.runners = [lambda c, on_wait, w=w: functools.partial(
+            _outputs, self.workers[w], c, on_wait) for w in range(s.num_workers)]
         self.depth = 1
+        #: Per worker: replacements left (-1: no limit), and those made.
+        self._restarts_left = [s.max_worker_restarts] * s.num_workers
+        self.restarts = [0] * s.num_workers
+
+    def _guarded(self) -> bool:
+        return any(sh.may_raise for sh in self.shards)
+
+    def _new_worker(self, w: int) -> PSWorker:
+        """Worker ``w`` afresh, on its devices, over the current shards."""
+        s = self._config
+        client = ShardClient(self.shards, self._placement, self.shards[0].token_gated,
+                             guarded=self._guarded())
+        return PSWorker(w, list(s.worker_devices[w]), client, self._opt_host,
+                        token_timeout=s.token_timeout, skip_stale_tokens=s.skip_stale_tokens,
+                        axis_name=s.layout.replica_axis)
 
     def is_shard_failure(self, e: BaseException) -> bool:
         return False
@@ -75,8 +85,30 @@ class EmbeddedCarrier:
             client.shards[i] = sh
 
     def replace_worker(self, w: int) -> bool:
-        """False: a lost worker thread is not replaced (its device stays idle)."""
-        return False
+        """Worker ``w`` was lost in a step: True once a new worker with its index, its
+        devices and its per-worker input took its place, as Ray restarts a worker actor
+        (``max_worker_restarts`` times at most; False after that, and ``w`` stays lost).
+
+        The new worker starts afresh (no token taken yet, no kill armed, its step
+        functions compiled again) with the lost one's delay and input pipelines: these
+        go on after the elements of the lost one's completed steps and, when no shard
+        decided the push of the step it died in, that step's elements, which it reads
+        first (Ray's restarted worker reads them again); a decided push applied them.
+        """
+        left = self._restarts_left[w]
+        if left == 0:
+            return False
+        self._restarts_left[w] = left - 1 if left > 0 else left
+        old, new = self.workers[w], self._new_worker(w)
+        new.inputs, new.delay, new.live_workers = old.inputs, old.delay, old.live_workers
+        new.return_params = old.return_params
+        if old.lost_read is not None:
+            m, batch, decided = old.lost_read
+            if not decided:
+                new.inputs.hand_back(m, batch.elements, batch.treedef)
+        self.workers[w] = new
+        self.restarts[w] += 1
+        return True
 
     def kill_worker(self, w: int, when: str) -> None:
         self.workers[w].kill_at = when

@@ -134,7 +134,8 @@ class ParameterServerExecutor(Executor):
             on_relax=lambda relax: self._carrier.workers_alive(
                 0 if relax else sum(self.coordinator.alive)),
             settle=self.client.settle, starved=self._carrier.starved,
-            replace=self._carrier.replace_worker if s.carrier == "ray" else None,
+            replace=self._carrier.replace_worker if s.carrier == "ray"
+            or s.max_worker_restarts != 0 else None,
             decided=self.client.decided, skip=self.client.skip, forget=self.client.forget,
             record=record)
         self._carrier.set_live_workers(lambda: sum(self.coordinator.alive))

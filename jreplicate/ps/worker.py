@@ -120,6 +120,9 @@ class PSWorker:
         self.delay = 0.0  # simulated extra seconds per step (stragglers in tests/benchmarks)
         self.kill_at: str | None = None  # "compute" or "push": die there on the next step
         self.steps_done = 0
+        #: ``(WorkerInput, HostBatch, whether a shard decided its push)`` of the step
+        #: this worker was lost in, if that step read per-worker input (see :meth:`run`).
+        self.lost_read: tuple[WorkerInput, HostBatch, bool] | None = None
         self._min_step = 0  # after an accepted push for step s: s + 1 (token-gated)
         self.live_workers: Callable[[], int] = lambda: 1
         #: Asynchronous mode: pushes return the shards' steps and parameters after them
@@ -157,6 +160,7 @@ class PSWorker:
         its input included, and a shard's update raising for its push),
         :class:`InputEnded` when its input (read here, before any token) is exhausted,
         and :class:`WorkerLostError` (or any other exception) for worker failures."""
+        self.lost_read = None
         if isinstance(c.batch, WorkerInputs):
             return self._run_zipped(c, on_token_wait)
         if not isinstance(c.batch, WorkerInput):
@@ -168,6 +172,12 @@ class PSWorker:
         except (ApplicationError, StepCancelledError):
             # Not applied by any shard: the next step of the sweep here takes the batch.
             self.inputs.put_back(m, c.batch.elements, c.batch.treedef)
+            raise
+        except BaseException:
+            # A worker failure (or a lost shard): what the step read, and whether a shard
+            # decided its push (asked now, before the step can run again elsewhere), for
+            # a worker that replaces this one (EmbeddedCarrier.replace_worker).
+            self.lost_read = (m, c.batch, any(self.client.decided(c.step_id)))
             raise
 
     def _run_zipped(self, c: Closure, on_token_wait: Callable[[bool], None] | None

@@ -14,8 +14,11 @@ Semantics:
 * each worker reads its pipeline in order, one element per replica of its sync group
   per step; with no faults every element is used exactly once;
 * at-least-once execution: a step rerun after its worker died reads the next element of
-  the new worker's pipeline; what the dead worker's pipeline still held is never read
-  (as in TensorFlow). The push ledger stays exact (one application per step id): on
+  the new worker's pipeline; what the dead worker's pipeline still held is read by the
+  worker that replaces it (``max_worker_restarts``, Ray's ``max_restarts``), first the
+  elements of the step it died in where no shard decided that step's push (see
+  :meth:`WorkerPipelines.hand_back`), or never, once the worker is lost for good (as in
+  TensorFlow). The push ledger stays exact (one application per step id): on
   the shards the dead worker's push reached before it died (killed mid-push), the
   rerun's push is a duplicate, so there the element the rerun read is consumed but not
   applied; in asynchronous mode with several shards, the shards the push had not
@@ -221,6 +224,15 @@ class WorkerPipelines:
                     not p.retrying:
                 p.held = (elements, treedef)
         self._apply_releases()
+
+    def hand_back(self, m: WorkerInput, elements: list, treedef: Any) -> None:
+        """A worker died in a step that read ``elements`` and no shard decided its push:
+        the worker replacing it (these pipelines, handed over) reads them first, as a
+        Ray worker restarted after its process died reads them again. Unlike
+        :meth:`put_back` it does not count as a retry (the step did not fail on them)."""
+        p = self._pipes.get(m.key)
+        if p is not None and p.generation == m.generation and p.held is None:
+            p.held, p.retrying = (elements, treedef), False
 
     def read(self, m: WorkerInput) -> tuple[list, Any]:
         """The next step's elements (flat leaves per replica) and their structure.

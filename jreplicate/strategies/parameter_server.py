@@ -61,6 +61,19 @@ from jreplicate.ps.shard_restart import ShardRestart
 from jreplicate.strategies.base import Strategy
 
 
+def _worker_restarts(value: Any, carrier: str) -> int:
+    """``max_worker_restarts`` checked: an int >= -1 (None: -1, every time)."""
+    if value is None:
+        return -1
+    if carrier == "ray":
+        raise ValueError(
+            f"ParameterServerStrategy(max_worker_restarts={value!r}, carrier='ray'): Ray "
+            "restarts worker actors itself; pass ray_worker_options={'max_restarts': "
+            f"{value!r}}} instead.")
+    return _count("max_worker_restarts", value, -1,
+                  "times each lost worker is replaced (-1: every time, 0: never)")
+
+
 def _count(name: str, value: Any, minimum: int, what: str) -> int:
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < minimum:
         raise ValueError(f"ParameterServerStrategy({name}={value!r}) must be an int >= "
@@ -122,6 +135,12 @@ class ParameterServerStrategy(Strategy):
         sync group's collectives run (e.g. ``"batch"`` for a ``jax.pmap`` program's
         ``jax.lax.pmean(x, "batch")`` and ``nnx.BatchNorm(axis_name="batch")``). See
         :class:`jreplicate.MirroredStrategy`.
+      max_worker_restarts: ``carrier="embedded"``: how many times each lost worker
+        (its step raised a worker failure, e.g. ``jreplicate.testing.kill_worker``) is
+        replaced by a new worker with its index, its devices and its ``PER_WORKER``
+        input where the lost one left off (default None: every time, as Ray's
+        ``max_restarts=-1``; 0: lost for good). On Ray use ``ray_worker_options=
+        {"max_restarts": n}``.
 
     Example:
       >>> import jax, jax.numpy as jnp, optax, jreplicate as jr
@@ -168,7 +187,7 @@ class ParameterServerStrategy(Strategy):
                  min_slice_bytes: int = 256 << 10,
                  ray_worker_options: dict | Callable[[int], dict] | None = None,
                  ray_shard_options: dict | Callable[[int], dict] | None = None,
-                 axis_name: str = REPLICA_AXIS):
+                 axis_name: str = REPLICA_AXIS, max_worker_restarts: int | None = None):
         num_ps = _count("num_ps", num_ps, 1, "the parameter-server shards")
         axis = check_axis_name(axis_name, "ParameterServerStrategy")
         g = _count("num_replicas_in_sync", num_replicas_in_sync, 1,
@@ -215,6 +234,7 @@ class ParameterServerStrategy(Strategy):
         self.token_timeout = float(token_timeout)
         self.skip_stale_tokens = bool(skip_stale_tokens)
         self.max_attempts = _count("max_attempts", max_attempts, 1, "tries of a step")
+        self.max_worker_restarts = _worker_restarts(max_worker_restarts, carrier)
         self.carrier = carrier
         self.placement_policy = placement
         self.min_slice_bytes = int(min_slice_bytes)
@@ -271,7 +291,8 @@ class ParameterServerStrategy(Strategy):
             max_attempts=self.max_attempts, token_timeout=self.token_timeout,
             skip_stale_tokens=self.skip_stale_tokens,
             placement_policy=self.placement_policy, min_slice_bytes=self.min_slice_bytes,
-            ray_worker_options=self._ray_options[0], ray_shard_options=self._ray_options[1]))
+            ray_worker_options=self._ray_options[0], ray_shard_options=self._ray_options[1],
+            max_worker_restarts=self.max_worker_restarts))
         return self._executor
 
     def create_per_worker_value(self, fn: Callable[[WorkerContext], Any]) -> PerWorkerValue:
@@ -340,11 +361,12 @@ class ParameterServerStrategy(Strategy):
     def stats(self) -> dict[str, Any]:
         """Scheduling counters: scheduled, completed, completed_by (per worker),
         rescheduled, alive, replaced (lost workers that came back: Ray restarted their
-        actors), max_alongside (the most steps one step ran alongside: a
-        bound on the staleness of its update, at most ``max_staleness``),
-        max_clock_lead (``max_clock_lead``: the largest clock lead over the slowest live
-        worker with which a worker started a step, at most ``max_clock_lead``), finish_times
-        (per worker, ``time.monotonic()`` of each of its latest 1000 completed steps)."""
+        actors, or the embedded carrier made new ones, ``max_worker_restarts``),
+        max_alongside (the most steps one step ran alongside: a bound on the staleness
+        of its update, at most ``max_staleness``), max_clock_lead (``max_clock_lead``: the
+        largest clock lead over the slowest live worker with which a worker started a
+        step, at most ``max_clock_lead``), finish_times (per worker,
+        ``time.monotonic()`` of each of its latest 1000 completed steps)."""
         c = self._ex().coordinator
         st = c.stats()
         return {"scheduled": st.scheduled, "completed": st.completed,
