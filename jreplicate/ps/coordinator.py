@@ -8,8 +8,12 @@ worker becomes free and runs them through a *runner* (the embedded carrier calls
 * success: the RemoteValue gets the outputs;
 * :class:`ApplicationError` (the step raised, or a shard's optimizer update raised for
   its push: :class:`~jreplicate.ps.ShardUpdateError`, which no shard applied): the
-  RemoteValue gets the error, and the first one is re-raised by
-  :meth:`Coordinator.join` (not retried, as in TF; the worker stays alive);
+  RemoteValue gets the error (not retried, as in TF; the worker stays alive) and, as
+  TF's ``mark_failed``, training stops: the queued steps end with
+  :class:`StepCancelledError` (not run), the running ones are flagged
+  (``Closure.cancel``: the worker refuses the push of one that has not pushed yet), and
+  the next :meth:`Coordinator.schedule` or :meth:`Coordinator.join` raises the first
+  error, once, after the running steps ended (TF's ``_raise_if_error``);
 * a worker failure (:class:`WorkerLostError`, Ray's ``ActorDiedError``, any other
   exception of the carrier): the worker is marked dead and the closure goes back to the
   front of the queue with its id, so its push is applied at most once (the shards'
@@ -231,7 +235,9 @@ class Coordinator:
         return rv
 
     def join(self, timeout: float | None = None) -> None:
-        """Waits until every scheduled step finished; re-raises the first error.
+        """Waits until every scheduled step finished (cancelled ones are not waited for:
+        they ended); re-raises the first error, once (a step's error raised by the
+        next ``schedule`` first is not raised again).
 
         Raises:
           TimeoutError: ``timeout`` seconds passed with steps still pending.
