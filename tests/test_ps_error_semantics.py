@@ -18,6 +18,7 @@ import pytest
 import jreplicate as jr
 import jreplicate.testing as jrt
 from tests._ps_helpers import bounded_test  # noqa: F401 (autouse: every test bounded)
+from tests.test_ps_ray import local_ray  # noqa: F401 (one Ray for the module)
 
 LR = 0.5
 
@@ -169,4 +170,25 @@ def test_a_nan_check_stops_token_gated_training():
     after = rep.run(step, None, w, opt, np.zeros(3, np.float32))
     rep.join()
     after.fetch()
+    s.shutdown()
+
+
+@pytest.mark.usefixtures("local_ray")
+def test_on_ray_queued_steps_are_cancelled_and_the_error_raised_once():
+    """Ray: the steps queued behind the failing one are cancelled (those already sent
+    to a worker actor run and push: the carrier's bound); the parameters are exactly
+    the completed steps'; the error is raised once; training goes on."""
+    s, rep, w, opt, step = _job(num_workers=1, delay=0.05, carrier="ray")
+    gs = _grads(10, bad=(2,))
+    values = [rep.run(step, None, w, opt, g) for g in gs]
+    with pytest.raises(Exception, match="the gradient is NaN"):
+        rep.join()
+    outcomes = _outcomes(values)
+    assert outcomes[:3] == ["ok", "ok", "failed"] and outcomes[-1] == "cancelled", outcomes
+    _check_exact(s, gs, outcomes)
+    more = _grads(2)
+    after = [rep.run(step, None, w, opt, g) for g in more]
+    rep.join()
+    _check_exact(s, gs + more, outcomes + _outcomes(after))
+    assert _outcomes(after) == ["ok", "ok"]
     s.shutdown()
