@@ -173,7 +173,10 @@ class _Job:
         kinds = rng.choice(self.KINDS, n, p=[0.8, 0.1, 0.04, 0.03, 0.03])
         for i, kind in enumerate(kinds, first):
             self.plan[i] = str(kind)
-            self.co.schedule(Closure(i, None, False, None, (), 0, None))
+            try:
+                self.co.schedule(Closure(i, None, False, None, (), 0, None))
+            except ValueError:  # a step raised: the queued ones were cancelled (TF's)
+                self.co.schedule(Closure(i, None, False, None, (), 0, None))
         try:
             self.co.join(timeout=BOUND_S)
         except ValueError:  # the first raising step's error
@@ -288,12 +291,29 @@ def test_a_public_run_keeps_every_record_and_the_state_bounded(monkeypatch):
     s, rep, params, opt, step = _job()
     ex = s._ex()
     try:
-        first = None
+        first, done = None, 0
         for k in range(4):
+            raised, values = 0, []
             for i in range(80):
-                rep.run(_bad if i % 10 == 3 else step, None, params, opt)
-            with pytest.raises(ValueError):
+                # A step raised: the queued ones were cancelled, and run raises it once
+                # (TF's schedule) before this step is scheduled.
+                fn = _bad if i % 10 == 3 else step
+                try:
+                    values.append(rep.run(fn, None, params, opt))
+                except ValueError:
+                    raised += 1
+                    values.append(rep.run(fn, None, params, opt))
+            try:
                 rep.join()
+            except ValueError:
+                raised += 1
+            assert raised >= 1
+            for v in values:
+                try:
+                    v.fetch()
+                    done += 1
+                except (ValueError, jr.ps.StepCancelledError):
+                    pass
             if k == 2:
                 s.restore(s.state())
             state = s.state()
@@ -303,7 +323,8 @@ def test_a_public_run_keeps_every_record_and_the_state_bounded(monkeypatch):
             _check_record(ex.coordinator.record, ex.next_id)
             for sh in ex._carrier.shards:
                 _check_ledger(sh.ledger, ex.next_id)
-        assert [led["applied"] for led in s.ledger()] == [4 * 72] * 2
+        assert 0 < done <= 4 * 72
+        assert [led["applied"] for led in s.ledger()] == [done] * 2
     finally:
         s.shutdown()
 

@@ -71,12 +71,15 @@ def test_join_reraises_the_first_error_and_nothing_runs_after():
     with pytest.raises(ValueError, match="broken step"):
         rep.join()
     assert all(v.done() for v in values)
-    with pytest.raises(ValueError, match="broken step"):
+    # (the other bad steps raised too, or were cancelled behind the first error)
+    with pytest.raises((ValueError, jr.ps.StepCancelledError)):
         values[-1].fetch()
-    assert s.stats()["completed"] == 3 and s.stats()["rescheduled"] == 0
+    done = s.stats()["completed"]
+    assert done <= 3 and s.stats()["rescheduled"] == 0
+    assert s.ledger()[0]["applied"] == done
     rep.run(step, None, w, opt)  # training goes on after the error
     rep.join()
-    assert s.ledger()[0]["applied"] == 4
+    assert s.ledger()[0]["applied"] == done + 1
 
 
 def test_errors_name_the_fix():

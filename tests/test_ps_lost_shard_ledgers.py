@@ -142,22 +142,29 @@ def test_ps_per_worker_an_element_every_step_fails_on_does_not_stop_the_sweep():
 
     try:
         it = rep.prepare_input(input_fn)
-        values = []
+        values, raised = [], 0
         for _ in range(40):
             try:
                 values.append(rep.run(step, it, w, opt))
             except StopIteration:
                 break
+            except Exception as e:  # noqa: BLE001 - a step raised: run raises it once
+                assert "bad record" in str(e), e
+                raised += 1
             time.sleep(0.01)
         else:
             pytest.fail("the sweep never ended: every step failed on the bad element")
-        with pytest.raises(Exception, match="bad record"):
+        try:
             rep.join()
+        except Exception as e:  # noqa: BLE001 - unless run raised it already
+            assert "bad record" in str(e), e
+            raised += 1
+        assert raised >= 1
         seen = []
         for v in values:
             try:
                 seen.append(int(np.asarray(v.fetch(timeout=BOUND_S)[2]).reshape(-1)[1]))
-            except StopIteration:  # scheduled after the end: not run
+            except (StopIteration, jr.ps.StepCancelledError):  # not run
                 pass
             except Exception as e:  # noqa: BLE001 - the steps that failed on it
                 assert "bad record" in str(e), e

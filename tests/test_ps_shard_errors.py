@@ -75,7 +75,24 @@ def _momentum_sgd(n):
     return p
 
 
-def _assert_failed_once(s, rep, values, bad, *, applied):
+def _fetch_ok(values, bad):
+    """How many of the steps other than ``bad`` returned their outputs: the others
+    were cancelled (queued behind the error, or refused at push while running)."""
+    ok = 0
+    for i, v in enumerate(values):
+        if i != bad:
+            try:
+                v.fetch()
+                ok += 1
+            except jr.ps.StepCancelledError:
+                pass
+    return ok
+
+
+def _assert_failed_once(s, rep, values, bad, *, exact=True):
+    """join raises step ``bad``'s error (the steps behind it cancelled); returns it and
+    the number of other steps that completed (each shard applied exactly those when
+    ``exact``: asynchronous training)."""
     with pytest.raises(Exception) as info:
         rep.join()
     err = info.value
@@ -86,18 +103,17 @@ def _assert_failed_once(s, rep, values, bad, *, applied):
     assert values[bad].attempts == 1  # not retried on another worker
     with pytest.raises(type(err), match="too large"):
         values[bad].fetch()
-    for i, v in enumerate(values):
-        if i != bad:
-            v.fetch()
+    ok = _fetch_ok(values, bad)
+    assert ok >= 1  # (at least the first step ran before the error)
     st = s.stats()
     assert all(st["alive"]), st
     assert st["rescheduled"] == 0, st
     for led in s.ledger():
         assert led["failed"] == 1, led
-        assert led["applied"] == applied or applied is None, led
+        assert led["applied"] == ok or not exact, led
         assert led["pushes"] == led["applied"] + led["stale"] + led["backup"] + \
             led["duplicate"] + led["failed"], led
-    return err
+    return err, ok
 
 
 @pytest.mark.parametrize("num_ps,max_staleness", [(1, None), (2, None), (2, 2)])
@@ -112,15 +128,16 @@ def test_a_shard_update_error_is_the_steps_error_and_nothing_is_applied(num_ps,
     bad_key = _key_on(s, 0)
     bad = 3
     values = _schedule(rep, step, params, opt, 8, bad, bad_key)
-    _assert_failed_once(s, rep, values, bad, applied=7)
+    _, ok = _assert_failed_once(s, rep, values, bad)
     got = s.parameters()
-    np.testing.assert_allclose(got["a"], np.full(3, _momentum_sgd(7)), rtol=1e-6)
-    np.testing.assert_allclose(got["b"], np.full(2, _momentum_sgd(7)), rtol=1e-6)
+    np.testing.assert_allclose(got["a"], np.full(3, _momentum_sgd(ok)), rtol=1e-6)
+    np.testing.assert_allclose(got["b"], np.full(2, _momentum_sgd(ok)), rtol=1e-6)
     for _ in range(2):  # the shards and workers still train
         rep.run(step, np.ones(2, np.float32), params, opt)
     rep.join()
-    np.testing.assert_allclose(s.parameters()["a"], np.full(3, _momentum_sgd(9)), rtol=1e-6)
-    assert all(led["applied"] == 9 and led["failed"] == 1 for led in s.ledger())
+    np.testing.assert_allclose(s.parameters()["a"], np.full(3, _momentum_sgd(ok + 2)),
+                               rtol=1e-6)
+    assert all(led["applied"] == ok + 2 and led["failed"] == 1 for led in s.ledger())
     s.shutdown()
 
 
@@ -135,11 +152,12 @@ def test_an_error_on_shard_1_leaves_shard_0_unchanged():
         rep.join()
     assert "step 2" in str(info.value) and "too large: 99.0" in str(info.value)
     assert values[bad].attempts == 1 and all(s.stats()["alive"])
+    ok = _fetch_ok(values, bad)
     for led in s.ledger():
-        assert led["failed"] == 1 and led["applied"] == 5, led
+        assert led["failed"] == 1 and led["applied"] == ok, led
     got = s.parameters()
     for k, n in (("a", 3), ("b", 2)):
-        np.testing.assert_allclose(got[k], np.full(n, _momentum_sgd(5)), rtol=1e-6)
+        np.testing.assert_allclose(got[k], np.full(n, _momentum_sgd(ok)), rtol=1e-6)
     s.shutdown()
 
 
@@ -157,12 +175,12 @@ def test_token_gated_a_failed_push_counts_for_no_step(num_ps):
     key = _key_on(s, 0)
     bad = 4
     values = _schedule(rep, step, params, opt, 9, bad, key)
-    _assert_failed_once(s, rep, values, bad, applied=None)
+    _, ok = _assert_failed_once(s, rep, values, bad, exact=False)
     led0, *others = s.ledger()
     assert all(led == led0 for led in others), (led0, others)
-    assert led0["applied"] + led0["stale"] == 8, led0
+    assert led0["applied"] + led0["stale"] == ok, led0
     gs = led0["applied"] // 2
-    assert gs >= 3 and s.global_step == gs
+    assert gs >= 1 and s.global_step == gs
     assert all(s._executor.shard_step(i) == gs for i in range(num_ps))
     got = s.parameters()
     np.testing.assert_allclose(got["a"], np.full(3, -LR * gs), rtol=1e-6)
@@ -208,10 +226,11 @@ def test_an_update_that_cannot_trace_the_pushed_gradient_fails_the_step_only(num
     assert f"shard {num_ps - 1}" in str(info.value) and "step 1" in str(info.value)
     assert "float gradients, got int32" in str(info.value)
     assert values[1].attempts == 1 and all(s.stats()["alive"])
+    ok = _fetch_ok(values, 1)  # (step 2 may have been cancelled behind step 1)
     for led in s.ledger():
-        assert (led["applied"], led["failed"]) == (2, 1), led
+        assert (led["applied"], led["failed"]) == (ok, 1), led
     for k, n in (("a", 3), ("b", 2)):
-        np.testing.assert_allclose(s.parameters()[k], np.full(n, _momentum_sgd(2)),
+        np.testing.assert_allclose(s.parameters()[k], np.full(n, _momentum_sgd(ok)),
                                    rtol=1e-6)
     s.shutdown()
 
@@ -262,28 +281,30 @@ def _schedule(rep, step, params, opt, n, bad, key):
 def test_on_ray_a_shard_actors_update_error_is_the_steps_error():
     """Ray, two shard actors, asynchronous: shard 0's update raises for step 3: the
     step's error names shard 0, step 3 and the ValueError; not retried, the worker
-    actors alive, both ledgers record it failed, the parameters are those of the 5 other
-    pushes; then a gradient only shard 1 rejects, likewise; a killed shard actor is then
-    a ParameterServerError as before."""
+    actors alive, both ledgers record it failed, the parameters are those of the other
+    pushes that completed (the steps running on the actors finish; the queued ones are
+    cancelled); then a gradient only shard 1 rejects, likewise; a killed shard actor is
+    then a ParameterServerError as before."""
     s, rep, params, opt, step = _job(_checked_tx(), num_ps=2, carrier="ray")
     key = _key_on(s, 0)
     bad = 3
     values = _schedule(rep, step, params, opt, 6, bad, key)
-    _assert_failed_once(s, rep, values, bad, applied=5)
+    _, ok = _assert_failed_once(s, rep, values, bad)
     got = s.parameters()
     for k, n in (("a", 3), ("b", 2)):
-        np.testing.assert_allclose(got[k], np.full(n, _momentum_sgd(5)), rtol=1e-6)
+        np.testing.assert_allclose(got[k], np.full(n, _momentum_sgd(ok)), rtol=1e-6)
     # A gradient only shard 1 rejects (tried there before shard 0 applies it).
     key1 = _key_on(s, 1)
     x = (BAD, 1.0) if key1 == "a" else (1.0, BAD)
     v = rep.run(step, np.array(x, np.float32), params, opt)
-    rep.run(step, np.ones(2, np.float32), params, opt)
+    after = rep.run(step, np.ones(2, np.float32), params, opt)
     with pytest.raises(jr.ps.ShardUpdateError, match="shard 1") as info:
         rep.join()
     assert info.value.error_type == "ValueError" and info.value.step_id == v.step_id
-    assert all(led["failed"] == 2 and led["applied"] == 6 for led in s.ledger())
+    ok += _fetch_ok([v, after], 0)
+    assert all(led["failed"] == 2 and led["applied"] == ok for led in s.ledger())
     for k, n in (("a", 3), ("b", 2)):
-        np.testing.assert_allclose(s.parameters()[k], np.full(n, _momentum_sgd(6)),
+        np.testing.assert_allclose(s.parameters()[k], np.full(n, _momentum_sgd(ok)),
                                    rtol=1e-6)
     jrt.kill_shard(s, 1)
     for _ in range(4):

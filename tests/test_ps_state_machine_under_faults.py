@@ -685,8 +685,9 @@ def _boom_input(ctx):
 
 def test_token_gated_a_step_raising_on_one_worker_only():
     """2 of 3 gradients per step; the step raises on worker 2 only (after it took a
-    token). join raises that error within the bound, the other workers' steps make the
-    updates, and the parameters are the reference's for shard 0's accepted pushes."""
+    token). join raises that error within the bound, the steps behind it are cancelled
+    (TF's coordinator), and the parameters are the reference's for shard 0's accepted
+    pushes."""
     s = jr.ParameterServerStrategy(num_ps=2, num_workers=3, placement="round_robin",
                                    token_timeout=BOUND_S)
     rep = jr.Replicator(s)
@@ -718,7 +719,7 @@ def test_token_gated_a_step_raising_on_one_worker_only():
             continue
         g = float(np.ravel(tag)[0])
         grads[v.step_id] = {k: np.full(m, g, np.float32) for k, m in SIZES.items()}
-    assert failed >= 1 and s.global_step >= 1
+    assert failed >= 1
     got, want = s.parameters(), _token_reference(s, grads)
     led = s.ledger()
     s.shutdown()

@@ -98,6 +98,11 @@ class ClosureQueue:
         with self.lock:
             return {i: w for i, (w, _) in self._inflight.items()}
 
+    def in_flight(self) -> list[Closure]:
+        """The closures in flight."""
+        with self.lock:
+            return [c for _, c in self._inflight.values()]
+
     def running_workers(self) -> set[int]:
         with self.lock:
             return {w for w, _ in self._inflight.values()}

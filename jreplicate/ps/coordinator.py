@@ -8,8 +8,12 @@ worker becomes free and runs them through a *runner* (the embedded carrier calls
 * success: the RemoteValue gets the outputs;
 * :class:`ApplicationError` (the step raised, or a shard's optimizer update raised for
   its push: :class:`~jreplicate.ps.ShardUpdateError`, which no shard applied): the
-  RemoteValue gets the error, and the first one is re-raised by
-  :meth:`Coordinator.join` (not retried, as in TF; the worker stays alive);
+  RemoteValue gets the error (not retried, as in TF; the worker stays alive) and, as
+  TF's ``mark_failed``, training stops: the queued steps end with
+  :class:`StepCancelledError` (not run), the running ones are flagged
+  (``Closure.cancel``: the worker refuses the push of one that has not pushed yet), and
+  the next :meth:`Coordinator.schedule` or :meth:`Coordinator.join` raises the first
+  error, once, after the running steps ended (TF's ``_raise_if_error``);
 * a worker failure (:class:`WorkerLostError`, Ray's ``ActorDiedError``, any other
   exception of the carrier): the worker is marked dead and the closure goes back to the
   front of the queue with its id, so its push is applied at most once (the shards'
@@ -192,6 +196,9 @@ class Coordinator:
         self._alive = [True] * len(runners)
         self._replacing: set[int] = set()  # lost workers the carrier is replacing
         self._first_error: BaseException | None = None
+        #: A step raised its own error (TF's ``mark_failed``): the steps behind it were
+        #: cancelled, and the next schedule or join raises ``_first_error``, once.
+        self._stopped_by_error = False
         self._threads: list[threading.Thread | None] = [None] * len(runners)
         # Per sweep of a per-worker input, (key, generation): the workers at its end,
         # and the sweeps ended on every live worker. A sweep is a generation of the
@@ -222,6 +229,8 @@ class Coordinator:
         with q.lock:
             if q.error is not None:
                 raise q.error
+            if self._stopped_by_error:
+                self._raise_stopping_error()
             if q.stopped:
                 raise RuntimeError("ParameterServerStrategy was shut down; create a new one.")
             if not self._any_live():
@@ -241,7 +250,9 @@ class Coordinator:
         return rv
 
     def join(self, timeout: float | None = None) -> None:
-        """Waits until every scheduled step finished; re-raises the first error.
+        """Waits until every scheduled step finished (cancelled ones are not waited for:
+        they ended); re-raises the first error, once (a step's error raised by the
+        next ``schedule`` first is not raised again).
 
         Raises:
           TimeoutError: ``timeout`` seconds passed with steps still pending.
@@ -273,6 +284,8 @@ class Coordinator:
                 finally:
                     q.lock.acquire()
                 q.wait_inflight(60.0)
+            if fatal is None and self._stopped_by_error:
+                self._raise_stopping_error()
             err = fatal or self._first_error
             self._first_error = None
             if isinstance(fatal, StepCancelledError):
@@ -470,7 +483,7 @@ class Coordinator:
         except InputEnded:  # the step's own sweep (see WorkerPipelines.read)
             self._end_of_input(w, c)
         except ApplicationError as e:
-            self._finish(w, c, error=e.error)
+            self._finish(w, c, error=e.error, stops=True)
         except StepCancelledError as e:
             self._finish(w, c, error=self._queue.error or e)
         # A shard lost (or closed) in the step: its push may be on some shards only, and
@@ -495,10 +508,16 @@ class Coordinator:
 
     # -- outcomes (each in one critical section with the queue) --------------------------
     def _finish(self, w: int, c: Closure, value: Any = None,
-                error: BaseException | None = None, resolved: bool = True) -> None:
+                error: BaseException | None = None, resolved: bool = True,
+                stops: bool = False) -> None:
+        """Records ``c``'s outcome on ``w``. ``stops``: ``error`` is the step's own (it
+        raised): the steps behind it are cancelled (:meth:`_cancel_behind`)."""
+        interrupt = False
         with self._queue.lock:
             if error is not None:
-                error = self._ended(c, error, resolved)
+                raw, error = error, self._ended(c, error, resolved)
+                if stops and error is raw and self._queue.error is None:
+                    interrupt = self._cancel_behind(c, error)
             self._gate.tick(w)  # before mark_finished wakes the takers
             self._queue.mark_finished(c)
             self._starvation.moved()
@@ -510,7 +529,45 @@ class Coordinator:
             elif self._first_error is None and self._queue.error is None:
                 self._first_error = error
             rv._set(value, error)
+        if interrupt:
+            self._interrupt()  # token waits of the cancelled steps end
         self._maybe_relax()
+
+    def _cancel_behind(self, c: Closure, error: BaseException) -> bool:
+        """(Under the lock.) Step ``c`` raised ``error``: as TensorFlow's coordinator,
+        the queued steps end with StepCancelledError, not run (skipped on every shard);
+        the running ones are flagged, so that their workers refuse their pushes (each
+        ends with StepCancelledError once its worker sees the flag, or completes if it
+        was pushing already); the next schedule or join raises the first error. Returns
+        whether any step is running (its token wait, if any, is to be interrupted)."""
+        self._stopped_by_error = True
+        if self._first_error is None:
+            self._first_error = error
+        why = f"step {c.step_id} raised first ({type(error).__name__}: {error})"
+        for q in self._queue.drain():
+            self._values.pop(q.step_id)._set(error=self._ended(q, StepCancelledError(
+                f"step {q.step_id} was cancelled before it ran: {why}")))
+        running = self._queue.in_flight()
+        for r in running:
+            r.cancel.set(f"step {r.step_id} was cancelled while it ran, before it "
+                         f"pushed: {why}; its push was not applied")
+        return bool(running)
+
+    def _raise_stopping_error(self) -> None:
+        """(Under the lock.) Raises the first error of a stopped training, once (TF's
+        ``_raise_if_error``), after the steps that were running when it stopped ended
+        (their pushes refused, or applied if they were pushing already), so that the
+        shards' parameters and ledgers no longer change for them."""
+        q = self._queue
+        q.lock.release()
+        try:
+            self._interrupt()  # (a token wait that began after the first interrupt)
+        finally:
+            q.lock.acquire()
+        q.wait_inflight(None)
+        err, self._first_error, self._stopped_by_error = self._first_error, None, False
+        if err is not None:
+            raise err
 
     def _ended(self, c: Closure, error: BaseException, resolved: bool = True
                ) -> BaseException:
@@ -551,6 +608,9 @@ class Coordinator:
             self._starvation.moved()
             self._values[c.step_id].attempts -= 1
             self._input_ended.setdefault(sweep, set()).add(w)
+            if c.cancel.is_set():
+                self._end_cancelled(c)
+                return
             if self._queue.stopped:
                 self._give_up(c, StepCancelledError(
                     "the strategy shut down before this step ran"))
@@ -614,7 +674,9 @@ class Coordinator:
             if self._replace is not None and not self._queue.stopped:
                 self._replacing.add(w)
             rv = self._values[c.step_id]
-            if self._queue.stopped:  # shut down: nothing takes it again
+            if c.cancel.is_set():  # another step raised first: not run again
+                self._end_cancelled(c)
+            elif self._queue.stopped:  # shut down: nothing takes it again
                 self._give_up(c, StepCancelledError(
                     f"the strategy shut down while step {c.step_id} ran; its worker was "
                     f"lost ({type(e).__name__}: {e}) and it was not run again"))
@@ -638,6 +700,14 @@ class Coordinator:
         self._queue.mark_finished(c)
         self._values.pop(c.step_id)._set(error=error)
         self._first_error = self._first_error or error
+
+    def _end_cancelled(self, c: Closure) -> None:
+        """(Under the lock.) Cancelled step ``c`` (another step raised first), out of
+        flight without a push, ends with StepCancelledError (not run again; its id
+        skipped on every shard; not an error for join)."""
+        self._queue.mark_finished(c)
+        self._values.pop(c.step_id)._set(error=self._ended(c, StepCancelledError(
+            c.cancel.reason)))
 
     def _any_live(self) -> bool:
         """Whether a worker is alive or being replaced (called under the lock)."""
@@ -680,7 +750,9 @@ class Coordinator:
         (behind the lost step) without counting as an attempt."""
         with self._queue.lock:
             self._values[c.step_id].attempts -= 1
-            if self._queue.stopped:
+            if c.cancel.is_set():
+                self._end_cancelled(c)
+            elif self._queue.stopped:
                 self._give_up(c, StepCancelledError(
                     "the strategy shut down before this step ran"))
             elif not self._any_live():

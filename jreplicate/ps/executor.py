@@ -30,6 +30,7 @@ from jreplicate.ps.nnx_state import NnxArg
 from jreplicate.ps.per_worker import PerWorkerValue
 from jreplicate.ps.placement import Placement, place_parameters
 from jreplicate.ps.remote import ParameterServerError, RemoteValue, is_key, to_host
+from jreplicate.ps.run_arguments import check_run_arguments
 from jreplicate.ps.shard import _is_sync, check_transformation
 from jreplicate.ps.shard_restart import (
     ShardRestart,
@@ -437,6 +438,8 @@ class ParameterServerExecutor(Executor):
         p_idx = o_idx = None
         nnx_pos = self._nnx_positions(args)
         _check_device_axis(args, nnx_pos)
+        check_run_arguments(None if isinstance(batch, (HostBatch, WorkerInput)) else batch,
+                            args, nnx_pos)
         for i, a in enumerate(args):
             if i in nnx_pos:
                 if nnx_pos[i] == "model":

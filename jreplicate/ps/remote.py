@@ -145,11 +145,18 @@ def original_error(error: BaseException) -> tuple[str, str]:
 
 
 class StepCancelledError(RuntimeError):
-    """The step was never run: training stopped first (an error, or shutdown).
+    """The step was not applied: training stopped first (an error, or shutdown).
 
-    Raised by :meth:`RemoteValue.fetch` of a step that was scheduled but not run, e.g.
-    because another step raised first or the strategy was shut down; the step's push
-    was never applied.
+    Raised by :meth:`RemoteValue.fetch` of a step that was scheduled but not applied:
+
+    * another step raised first (TensorFlow's ``CancelledError``): the steps still
+      queued are not run; a step already running on the embedded carrier finishes
+      computing and its push is refused (one already pushing is applied and returns
+      its outputs; on the Ray carrier running steps finish and push);
+    * the strategy was shut down before it ran, or while it ran;
+    * token-gated training cannot go on (``join`` cancels the token waits).
+
+    In every case no shard applied the step's push (its id is skipped in the ledgers).
 
     Example (the strategy shuts down with steps still queued):
       >>> import time, jax.numpy as jnp, optax, jreplicate as jr

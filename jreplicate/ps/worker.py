@@ -56,6 +56,28 @@ class HostBatch:
     treedef: Any
 
 
+class CancelFlag:
+    """Set by the coordinator when a scheduled step is cancelled because another step
+    raised first (TensorFlow's cancellation of in-flight closures): the worker running
+    it refuses its push (:meth:`PSWorker.run`). It does not cross processes: a copy
+    unpickled on a Ray worker actor is a new flag, never set (those steps run on and
+    push, the documented bound of that carrier)."""
+
+    __slots__ = ("reason",)
+
+    def __init__(self) -> None:
+        self.reason: str | None = None
+
+    def set(self, reason: str) -> None:
+        self.reason = self.reason or reason
+
+    def is_set(self) -> bool:
+        return self.reason is not None
+
+    def __reduce__(self):
+        return (CancelFlag, ())
+
+
 @dataclasses.dataclass
 class Closure:
     """A scheduled step. ``args[param_index]`` and ``args[opt_index]`` are placeholders
@@ -75,6 +97,15 @@ class Closure:
     reuse: bool = False
     #: The pmap habits the step has on purpose (``Replicator.run(..., allow=...)``).
     allow: frozenset = frozenset()
+    #: Set when the step is cancelled (another step raised first): its push is refused.
+    cancel: CancelFlag = dataclasses.field(default_factory=CancelFlag, compare=False,
+                                           repr=False)
+
+
+def _check_cancelled(c: Closure) -> None:
+    """Raises StepCancelledError if ``c`` was cancelled (before it pushed)."""
+    if c.cancel.is_set():
+        raise StepCancelledError(c.cancel.reason)
 
 
 class ApplicationError(Exception):
@@ -206,11 +237,20 @@ class PSWorker:
     def _run_read(self, c: Closure, on_token_wait: Callable[[bool], None] | None
                   ) -> tuple[Any, Decision]:
         """:meth:`run` once the step's input is read (a :class:`HostBatch`)."""
+        _check_cancelled(c)
         token = None
         if self.client.token_gated and self.local_step is not None:
             # The coordinator counts this worker as waiting only while it blocks on an
-            # empty queue (on_wait), not while it takes a token that is there.
-            kw = {"on_wait": on_token_wait} if on_token_wait else {}
+            # empty queue (on_wait), not while it takes a token that is there. A step
+            # cancelled before it blocks is refused there (the coordinator's interrupt
+            # wakes one cancelled while it waits).
+            def on_wait(waiting: bool) -> None:
+                if waiting:
+                    _check_cancelled(c)
+                if on_token_wait is not None:
+                    on_token_wait(waiting)
+
+            kw = {"on_wait": on_wait}
             try:
                 token = self.client.shards[0].take_token(
                     time.monotonic() + self.token_timeout, skip_stale=self.skip_stale_tokens,
@@ -315,6 +355,7 @@ class PSWorker:
             time.sleep(self.delay)
         if self.kill_at == "compute":
             raise WorkerLostError(f"worker {self.index} died computing step {c.step_id}")
+        _check_cancelled(c)  # (a step cancelled while computing: its push refused)
         self.client.ordered = self.kill_at == "push"
         try:
             if self.return_params and not self.client.token_gated and \
