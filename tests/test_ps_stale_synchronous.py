@@ -199,10 +199,13 @@ def test_ssp_runs_more_steps_at_once_than_bounded_delay():
     assert seen["max_staleness"] == 0 and seen["max_clock_lead"] >= 1, seen
 
 
-def test_a_dead_worker_leaves_the_clock_minimum():
+@pytest.mark.parametrize("restarts", [0, None])
+def test_a_dead_worker_leaves_the_clock_minimum(restarts):
     """max_clock_lead=0 with a worker killed mid-training: the others do not wait for
-    its clock, and every step completes (in seconds, not at a timeout)."""
-    s, rep, w, opt, step = _linear(num_workers=3, max_clock_lead=0)
+    its clock, and every step completes (in seconds, not at a timeout). Replaced (the
+    default), it rejoins at the slowest live clock and the bound holds."""
+    s, rep, w, opt, step = _linear(num_workers=3, max_clock_lead=0,
+                                   max_worker_restarts=restarts)
     for k in range(3):
         jrt.set_worker_delay(s, k, 0.005)
     jrt.kill_worker(s, 2, when="compute")
@@ -212,7 +215,8 @@ def test_a_dead_worker_leaves_the_clock_minimum():
     s._executor.coordinator.join(timeout=30)
     assert time.monotonic() - t0 < 30
     st_ = s.stats()
-    assert st_["alive"] == [True, True, False] and st_["completed"] == 20
+    assert st_["alive"] == ([True, True, False] if restarts == 0 else [True] * 3)
+    assert st_["replaced"] == (0 if restarts == 0 else 1) and st_["completed"] == 20
     assert s.ledger()[0]["applied"] == 20 and st_["max_clock_lead"] == 0
     s.shutdown()
 
