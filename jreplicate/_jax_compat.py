@@ -54,6 +54,12 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
+
+# Imported with the library, not at a step's first call: importing jax.extend.core
+# registers JAX config options that are part of the trace context, so a late import
+# changed the context and every eager op compiled before compiled again (the executables
+# kept alive: tests/test_hardening_execution.py's dropped-step-functions check).
+import jax.extend.core  # noqa: F401
 import jaxlib
 import numpy as np
 from jax.sharding import Mesh
