@@ -73,13 +73,15 @@ def test_every_bad_leaf_is_named_in_one_error(job):
     assert "['ok']" not in msg
 
 
-def test_two_iterators_in_a_tuple_are_refused_at_run(job):
+def test_iterators_inside_a_pytree_or_among_the_arguments_are_refused_at_run(job):
+    """A tuple of per-worker iterators is run's inputs (tests/test_ps_several_inputs.py);
+    iterators anywhere else are never read, so they are refused."""
     rep = job[1]
     its = [rep.prepare_input(lambda ctx: iter([np.ones((4, 2), np.float32)] * 3))
            for _ in range(2)]
-    msg = _refused(job, TypeError, "2 leaves are wrong", inputs=tuple(its))
-    assert "the input batch [0] is an input iterator" in msg
-    assert "the input batch [1] is an input iterator" in msg
+    msg = _refused(job, TypeError, "2 leaves are wrong", inputs={"x": its[0], "y": its[1]})
+    assert "the input batch ['x'] is an input iterator" in msg
+    assert "the input batch ['y'] is an input iterator" in msg
     assert "rep.run(fn, iterator, *args)" in msg
     _refused(job, TypeError, r"argument \[2\] is an input iterator", extra=(its[0],))
 

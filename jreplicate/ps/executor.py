@@ -438,8 +438,9 @@ class ParameterServerExecutor(Executor):
         p_idx = o_idx = None
         nnx_pos = self._nnx_positions(args)
         _check_device_axis(args, nnx_pos)
-        check_run_arguments(None if isinstance(batch, (HostBatch, WorkerInput)) else batch,
-                            args, nnx_pos)
+        check_run_arguments(
+            None if isinstance(batch, (HostBatch, WorkerInput, WorkerInputs)) else batch,
+            args, {*nnx_pos, *(i for i, a in enumerate(args) if isinstance(a, PerWorkerValue))})
         for i, a in enumerate(args):
             if i in nnx_pos:
                 if nnx_pos[i] == "model":

@@ -77,8 +77,9 @@ def _check_leaf(x: Any, where: str) -> None:
         raise TypeError(
             f"{_WHAT}: {where} is an input iterator ({type(x).__name__}), not an array. "
             "Pass one iterator as run's inputs: rep.run(fn, iterator, *args) calls "
-            "fn(ctx, batch, *args) with its next batch; an iterator inside a pytree or "
-            "among the arguments is not read.")
+            "fn(ctx, batch, *args) with its next batch (a tuple of per-worker iterators, "
+            "rep.run(fn, (it1, it2), *args), gives the tuple of their batches); an "
+            "iterator inside another pytree or among the arguments is not read.")
     if isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer) and x.is_deleted():
         raise ValueError(
             f"{_WHAT}: {where} is an array that was donated to an earlier step and no "
