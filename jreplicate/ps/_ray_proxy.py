@@ -166,7 +166,16 @@ class _ShardProxy:
     def return_token(self, token):
         return self._get(self.nowait.return_token(token))
 
-    def take_token(self, deadline, *, skip_stale=True, min_step=0, live_workers=0):
+    def take_token(self, deadline, *, skip_stale=True, min_step=0, live_workers=0,
+                   on_wait=None):
+        # on_wait brackets the whole remote call: the shard actor cannot call back into
+        # this process, so "blocking" here means waiting for the actor's answer.
         left = max(deadline - time.monotonic(), 0.0)
-        return self._get(self.actor.take_token.remote(left, skip_stale, min_step,
-                                                      live_workers), timeout=left + 30.0)
+        if on_wait is not None:
+            on_wait(True)
+        try:
+            return self._get(self.actor.take_token.remote(left, skip_stale, min_step,
+                                                          live_workers), timeout=left + 30.0)
+        finally:
+            if on_wait is not None:
+                on_wait(False)
