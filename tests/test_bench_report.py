@@ -77,7 +77,10 @@ def test_one_command_runs_a_benchmark_and_records_machine_and_figures(tmp_path):
     assert got["machine"]["device_count"] == 8 and got["machine"]["platform"] == "cpu"
     rec = got["benchmarks"]["ps_scale_sim"]["record"]
     assert rec["columns"][:3] == ["mode", "workers", "shards"]
-    assert len(rec["rows"]) == 27 and all(len(r) == len(rec["columns"]) for r in rec["rows"])
+    # 4 modes (asynchronous, bounded delay, token-gated, stale-synchronous) x 3 worker
+    # counts x 3 shard counts
+    assert len(rec["rows"]) == 36 and all(len(r) == len(rec["columns"]) for r in rec["rows"])
+    assert "ssp" in {r[0] for r in rec["rows"]}
     assert "## Parameter server at 10-1,000" in (out / "report.md").read_text()
     # --render redraws from the JSON without running anything
     again = subprocess.run([sys.executable, "-m", "bench.report", "--render",

@@ -32,7 +32,14 @@ class WorkerContext:
     """What ``fn`` of
     :meth:`jreplicate.ParameterServerStrategy.create_per_worker_value` is told: the
     worker it builds the value for (``0 <= worker_index < num_workers``) and the
-    replicas of that worker's sync group."""
+    replicas of that worker's sync group.
+
+    Example:
+      >>> import jreplicate as jr
+      >>> wc = jr.ps.WorkerContext(worker_index=1, num_workers=3, num_replicas_in_sync=1)
+      >>> f"worker {wc.worker_index} of {wc.num_workers}"
+      'worker 1 of 3'
+    """
 
     worker_index: int
     num_workers: int
@@ -57,7 +64,27 @@ class PerWorkerValue:
     """A value built once on each worker by a function (TensorFlow's
     ``PerWorkerValues``): pass it to ``rep.run`` and the step receives the value of
     the worker that runs it. Made by
-    :meth:`jreplicate.ParameterServerStrategy.create_per_worker_value`."""
+    :meth:`jreplicate.ParameterServerStrategy.create_per_worker_value`.
+
+    Example (each of 2 workers builds its own offset; each step sees its worker's):
+      >>> import jax, jax.numpy as jnp, numpy as np, optax, jreplicate as jr
+      >>> strategy = jr.ParameterServerStrategy(num_ps=1, num_workers=2)
+      >>> rep = jr.Replicator(strategy)
+      >>> with rep.scope():
+      ...     w = jnp.zeros(2)
+      ...     tx = jr.ps.pushable(optax.sgd(0.1))
+      ...     opt = tx.init(w)
+      >>> offset = strategy.create_per_worker_value(
+      ...     lambda wc: np.full(2, wc.worker_index, np.float32))
+      >>> def step(ctx, w, opt, offset):
+      ...     u, opt = tx.update(jnp.ones(2), opt, w)
+      ...     return optax.apply_updates(w, u), opt, offset
+      >>> runs = [rep.run(step, None, w, opt, offset) for _ in range(4)]
+      >>> rep.join()
+      >>> all(float(r.fetch()[2][0]) == r.worker for r in runs)
+      True
+      >>> strategy.shutdown()
+    """
 
     def __init__(self, fn: Callable[[WorkerContext], Any], num_workers: int,
                  release: Callable[[int], None]):
