@@ -10,11 +10,14 @@ unpickled).
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Callable
 from typing import Any
 
 from jreplicate import _jax_compat, _wire
 from jreplicate.cluster.spec import ClusterError, MessageError
+
+_log = logging.getLogger("jreplicate")
 
 
 def decode_message[T](raw: bytes, sender: int, what: str, check: Callable[[Any], T]) -> T:
@@ -93,7 +96,7 @@ class Agreement:
             try:
                 client.key_value_delete(f"{self._prefix}/{n - 1}/{self._pid}")
             except Exception:  # noqa: BLE001 - best-effort cleanup
-                pass
+                _log.debug("agreement: best-effort cleanup", exc_info=True)
         return out
 
     def exchange[T](self, message: Any, what: str, check: Callable[[Any], T]) -> list[T]:

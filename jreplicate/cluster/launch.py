@@ -36,6 +36,7 @@ from __future__ import annotations
 import argparse
 import collections
 import dataclasses
+import logging
 import os
 import re
 import signal
@@ -53,6 +54,8 @@ from jreplicate.cluster.spec import (
     is_loopback_host,
 )
 from jreplicate.cluster.watchdog import ENV_FAIL_FAST, EXIT_INIT_TIMEOUT
+
+_log = logging.getLogger("jreplicate")
 
 ENV_RESTART_COUNT = "JREPLICATE_RESTART_COUNT"
 _PROG = "jreplicate.cluster.launch"
@@ -242,8 +245,11 @@ class _Group:
             if p.poll() is None:
                 try:
                     os.killpg(p.pid, sig)
-                except (ProcessLookupError, PermissionError):
-                    pass
+                except ProcessLookupError:  # it exited between poll() and the signal
+                    continue
+                except PermissionError:
+                    _log.warning("launch: no permission to signal process group %d "
+                                 "(signal %d)", p.pid, sig)
 
     def stop(self, grace: float) -> None:
         """SIGTERM the processes still running, SIGKILL them after ``grace`` seconds."""
@@ -256,7 +262,7 @@ class _Group:
             try:
                 p.wait(timeout=10)
             except subprocess.TimeoutExpired:
-                pass
+                _log.warning("launch: process %d still running 10 s after SIGKILL", p.pid)
         self.join_output()
 
     def join_output(self) -> None:
@@ -271,8 +277,9 @@ class _Group:
             try:
                 self._guard.stdin.close()
                 self._guard.wait(timeout=5)
-            except (OSError, ValueError, subprocess.TimeoutExpired):
-                pass
+            except (OSError, ValueError, subprocess.TimeoutExpired) as e:
+                # the guard was told to exit; one that lingers kills nothing
+                _log.debug("launch: the group's guard did not close cleanly: %r", e)
             self._guard = None
 
 

@@ -109,19 +109,22 @@ def tree_text(treedef: Any, shown: Any = None) -> str:
     a digest of the whole."""
     key = (treedef, shown)
     try:
-        return _trees[key]
-    except (KeyError, TypeError):
-        pass
+        hit = _trees.get(key)
+    except TypeError:  # an unhashable aux: computed each time, never cached (below)
+        hit = None
+    if hit is not None:
+        return hit
     whole = _ADDRESS.sub("", str(treedef))
     text = whole if shown is None else _ADDRESS.sub("", str(shown))
     digest = hashlib.blake2b(whole.encode(), digest_size=8).hexdigest()
     out = (text if len(text) <= _TREE_CHARS else text[:_TREE_CHARS] + "...") + f" #{digest}"
     try:
-        if len(_trees) >= 256:
-            _trees.clear()
-        _trees[key] = out
+        hash(key)
     except TypeError:  # an unhashable aux: not cached
-        pass
+        return out
+    if len(_trees) >= 256:
+        _trees.clear()
+    _trees[key] = out
     return out
 
 

@@ -16,6 +16,7 @@ changed) leaves the shards disagreeing: :class:`jreplicate.ps.ParameterServerErr
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
@@ -26,6 +27,8 @@ from jreplicate.ps.handle import RemoteShardHandle, ShardHandle
 from jreplicate.ps.placement import Placement
 from jreplicate.ps.remote import ParameterServerError, ShardUpdateError
 from jreplicate.ps.shard import FORGET, SKIPPED, Decision
+
+_log = logging.getLogger("jreplicate")
 
 T = TypeVar("T")
 
@@ -207,7 +210,7 @@ class ShardClient:
                 else:
                     s.record(push_id, decision)
             except Exception:  # noqa: BLE001 - a lost shard: its loss is raised elsewhere
-                pass
+                _log.debug("client: a lost shard: its loss is raised elsewhere", exc_info=True)
 
 
 _REMOTE: dict[type, bool] = {}

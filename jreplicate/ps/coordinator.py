@@ -63,6 +63,7 @@ from __future__ import annotations
 
 import atexit
 import collections
+import logging
 import threading
 import time
 import weakref
@@ -89,6 +90,8 @@ from jreplicate.ps.shard import ShardClosedError
 from jreplicate.ps.step_record import StepRecord
 from jreplicate.ps.worker import ApplicationError, Closure
 from jreplicate.ps.worker_input import InputEnded, WorkerInput, WorkerInputs
+
+_log = logging.getLogger("jreplicate")
 
 _LIVE: weakref.WeakSet = weakref.WeakSet()
 
@@ -584,7 +587,7 @@ class Coordinator:
             try:
                 self._skip(c.step_id)
             except Exception:  # noqa: BLE001 - a lost shard: its loss is raised elsewhere
-                pass
+                _log.debug("coordinator: a lost shard: its loss is raised elsewhere", exc_info=True)
         self._forget_ended()
         return error
 
@@ -596,7 +599,7 @@ class Coordinator:
             try:
                 self._forget(below)
             except Exception:  # noqa: BLE001 - a lost shard: its loss is raised elsewhere
-                pass
+                _log.debug("coordinator: a lost shard: its loss is raised elsewhere", exc_info=True)
 
     def _end_of_input(self, w: int, c: Closure) -> None:
         """``w``'s pipeline of ``c``'s input sweep is exhausted (or restarted for a later
@@ -665,8 +668,10 @@ class Coordinator:
                      lambda: self._on_worker_lost(sum(self._alive) - self._alive[w])):
             try:
                 call()
-            except Exception:
-                pass
+            except Exception:  # noqa: BLE001 - a carrier call failing here must not stop
+                # the loss being recorded: the shards are then told at the next push
+                _log.warning("parameter server: worker %d's loss: a shard call failed; "
+                             "its loss is recorded regardless", w, exc_info=True)
         with self._queue.lock:
             self.record.note_fate(c.step_id, answers[0])
             self._alive[w] = False
@@ -740,8 +745,10 @@ class Coordinator:
         if alive:
             try:
                 self._on_worker_lost(n)  # the shards count it again
-            except Exception:
-                pass
+            except Exception:  # noqa: BLE001 - the replacement stands; the shards learn
+                # the live count at the next push
+                _log.warning("parameter server: worker %d replaced, but telling the shards "
+                             "the live workers failed", w, exc_info=True)
         return alive
 
     def _not_run(self, c: Closure, e: BaseException) -> None:

@@ -5,6 +5,7 @@ the carrier (embedded or Ray) holding shards and workers."""
 from __future__ import annotations
 
 import contextlib
+import logging
 import sys
 import warnings
 import weakref
@@ -48,6 +49,8 @@ from jreplicate.ps.worker_input import (
     WorkerInputs,
     ZippedWorkerInputs,
 )
+
+_log = logging.getLogger("jreplicate")
 
 
 class ParameterServerExecutor(Executor):
@@ -288,7 +291,7 @@ class ParameterServerExecutor(Executor):
                 try:
                     live[j] = self._carrier.shard_state(j)["ledger"]
                 except Exception:  # lost too: restart it as well
-                    pass
+                    _log.debug("executor: lost too: restart it as well", exc_info=True)
         # The live shards must agree (checked before anything is replaced); the steps
         # that ended while a shard was lost without any shard deciding them are skipped.
         undecided = self._check_live_shards(i, live)

@@ -343,7 +343,7 @@ class RayCarrier:
         try:
             self.shards[0].interrupt.remote()
         except Exception:  # the actor is gone: nothing waits on it
-            pass
+            _log.debug("ray_carrier: the actor is gone: nothing waits on it", exc_info=True)
 
     def _ask_shard(self, i: int, call: Any) -> Any:
         """Shard ``i``'s answer to ``call(actor)`` (a ref); a lost shard is a
@@ -402,7 +402,7 @@ class RayCarrier:
         try:
             ray.kill(self.shards[i], no_restart=True)
         except Exception:  # already gone
-            pass
+            _log.debug("ray_carrier: already gone", exc_info=True)
         actor = self._new_shard(i, saved["params"], _host_restored([saved], 0))
         ray.get(actor.step.remote(), timeout=300)
         self.shards[i] = actor
@@ -488,7 +488,7 @@ class RayCarrier:
             try:
                 ray.kill(a, no_restart=True)
             except Exception:  # already gone
-                pass
+                _log.debug("ray_carrier: already gone", exc_info=True)
 
 
 def _when_back(actor: Any, deadline: float) -> str:

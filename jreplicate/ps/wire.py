@@ -134,11 +134,10 @@ def _dtype_name(dtype: np.dtype) -> str:
     which NumPy spells as raw bytes (``<V2``) or as a string it cannot read back
     (float8_e5m2's ``<f1``)."""
     try:
-        if np.dtype(dtype.str) == dtype:
-            return dtype.str
-    except TypeError:
-        pass
-    return f"ml_dtypes:{dtype.name}"
+        same = np.dtype(dtype.str) == dtype
+    except TypeError:  # NumPy cannot read the spelling back (float8_e5m2's "<f1")
+        same = False
+    return dtype.str if same else f"ml_dtypes:{dtype.name}"
 
 
 def _dtype(name: str) -> np.dtype:
