@@ -13,6 +13,7 @@ token-gated.
 
 from __future__ import annotations
 
+import contextlib
 import sys
 
 import jax.numpy as jnp
@@ -252,15 +253,18 @@ def _steps(rep, step, params, opt, n):
 
 
 def _footprint(rec) -> int:
-    """Bytes of the per-step containers of a coordinator's record (old and new
-    layouts alike): sets, dicts and ints of its attributes and of its ledger's."""
+    """Bytes held per step by a coordinator's record (old and new layouts alike): its
+    and its ledger's ints, and 8 bytes per entry of their sets, dicts and lists plus the
+    entries' own size. Entries, not ``sys.getsizeof`` of a container: a dict keeps the
+    capacity it once needed after its entries are deleted (how many steps were in
+    flight at once, a matter of timing), which is no per-step growth."""
     size = 0
     for obj in (rec, getattr(rec, "completed_ids", None)):
         for v in vars(obj).values() if obj is not None else ():
-            if isinstance(v, (set, dict, int, list)) and not isinstance(v, bool):
+            if isinstance(v, int) and not isinstance(v, bool):
                 size += sys.getsizeof(v)
-                if isinstance(v, (set, list)):
-                    size += sum(sys.getsizeof(x) for x in v)
+            elif isinstance(v, (set, dict, list)):
+                size += 8 * len(v) + sum(sys.getsizeof(x) for x in v)
     return size
 
 
@@ -274,9 +278,12 @@ def test_the_record_of_skipped_steps_stays_bounded(monkeypatch):
         sizes = []
         for _ in range(3):
             for _ in range(60):
-                rep.run(_bad, None, params, opt)
-                rep.run(step, None, params, opt)
-            with pytest.raises(ValueError, match="raises"):
+                for fn in (_bad, step):
+                    try:
+                        rep.run(fn, None, params, opt)
+                    except ValueError:  # a step raised: run raises it once (TF's
+                        rep.run(fn, None, params, opt)  # schedule), then schedules again
+            with contextlib.suppress(ValueError):  # the last error, unless run raised it
                 rep.join()
             sizes.append(_footprint(s._ex().coordinator.record))
         assert sizes[2] <= sizes[1] + 64, sizes  # the third 60 kept no more
