@@ -204,3 +204,15 @@ def _named(e: Exception, where: str | Callable[[], str]) -> Exception:
     where = where if isinstance(where, str) else where()
     return type(e)(f"{where}: {e}") if isinstance(e, (TypeError, ValueError)) else \
         ValueError(f"{where}: {e}")
+
+
+def deleted_array_error(where: str) -> ValueError:
+    """The error for a leaf that was donated to an earlier step: ``where`` names it (an
+    argument and its pytree path)."""
+    return ValueError(
+        f"Replicator.run: {where} is an array that was donated to an earlier step "
+        "(run(..., donate_argnums=...), or an NNX module's old state) and no longer exists. "
+        "Pass the value that run returned instead (params, opt_state = rep.run(step, ..., "
+        "params, opt_state, donate_argnums=(0, 1))), or do not donate an argument you read "
+        "again."
+    )

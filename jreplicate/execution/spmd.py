@@ -19,6 +19,7 @@ from jreplicate import _porting
 from jreplicate._tree import (
     check_fits,
     covers,
+    deleted_array_error,
     is_array_like,
     map_checked,
     path_str,
@@ -350,7 +351,7 @@ class SPMDExecutor(Executor):
                     traced = True  # under an outer jit: shard_map's in_specs place it
                     kind = REPLICATED
                 elif isinstance(x, jax.Array) and x.is_deleted():
-                    raise _deleted_error(where(i))
+                    raise deleted_array_error(where(i))
                 elif isinstance(x, jax.Array) and not (across and x.is_fully_addressable):
                     how = self._placements.get(x.sharding) or self._placement(x.sharding)
                     if how.copy:
@@ -460,7 +461,7 @@ class SPMDExecutor(Executor):
             )
         if isinstance(x.array, jax.Array) and not isinstance(x.array, jax.core.Tracer) \
                 and x.array.is_deleted():
-            raise _deleted_error(where(i))
+            raise deleted_array_error(where(i))
         return read_now(x.array)
 
     def _send_home(self, outs: list, homes: list[Home], treedef: Any,
@@ -685,16 +686,6 @@ def _check_donated_once(arrays: list, donated: tuple[int, ...], treedef: Any,
         "(jnp.copy(x)) in one of the places.")
         for j, i in ((j, ids.get(id(x))) for j, x in enumerate(arrays))
         if i is not None and i != j], "Replicator.run")
-
-
-def _deleted_error(where: str) -> ValueError:
-    return ValueError(
-        f"Replicator.run: {where} is an array that was donated to an earlier step "
-        "(run(..., donate_argnums=...), or an NNX module's old state) and no longer exists. "
-        "Pass the value that run returned instead (params, opt_state = rep.run(step, ..., "
-        "params, opt_state, donate_argnums=(0, 1))), or do not donate an argument you read "
-        "again."
-    )
 
 
 class _LeafNames:

@@ -18,7 +18,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from jreplicate._tree import check_fits, is_array_like, path_str, report
+from jreplicate._tree import check_fits, deleted_array_error, is_array_like, path_str, report
 from jreplicate.context import PerReplica
 from jreplicate.input.iterator import InputIterator
 from jreplicate.ps.remote import RemoteValue
@@ -81,9 +81,7 @@ def _check_leaf(x: Any, where: str) -> None:
             "rep.run(fn, (it1, it2), *args), gives the tuple of their batches); an "
             "iterator inside another pytree or among the arguments is not read.")
     if isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer) and x.is_deleted():
-        raise ValueError(
-            f"{_WHAT}: {where} is an array that was donated to an earlier step and no "
-            "longer exists. Pass the value that run returned instead.")
+        raise deleted_array_error(where)
     if not is_array_like(x):
         raise TypeError(
             f"{_WHAT}: {where} is a {type(x).__name__}, not an array. Arguments must be "
