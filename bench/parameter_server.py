@@ -147,7 +147,7 @@ def main() -> int:
         try:
             import ray
 
-            from jreplicate.ps.ray_carrier import ensure_ray
+            from jreplicate.ps.ray.carrier import ensure_ray
             os.environ.setdefault("RAY_AUTH_MODE", "disabled")
             ensure_ray()  # a private Ray on 127.0.0.1 only, no dashboard
             ray_rate = measure(4, adam, args.steps, carrier="ray")[0]

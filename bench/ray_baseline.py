@@ -64,7 +64,7 @@ import ray  # noqa: E402
 import jreplicate as jr  # noqa: E402
 from bench import _record  # noqa: E402
 from bench._timing import mlp as forward  # noqa: E402 (bench/parameter_server.py's MLP)
-from jreplicate.ps.ray_carrier import ensure_ray  # noqa: E402
+from jreplicate.ps.ray.carrier import ensure_ray  # noqa: E402
 
 SIZES = [64, 256, 256, 10]  # bench/parameter_server.py's MLP (hidden sizes varied)
 BATCH = 64

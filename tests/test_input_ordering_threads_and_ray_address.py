@@ -144,7 +144,7 @@ def test_ray_address_local_gets_the_private_loopback_instance(monkeypatch, addre
     """RAY_ADDRESS=local asks Ray for a new local instance: it was started by a plain
     ray.init(), which listens on the machine's network address (Ray's processes
     exchange pickles)."""
-    from jreplicate.ps import ray_carrier
+    from jreplicate.ps.ray import carrier as ray_carrier
 
     fake = _FakeRay()
     monkeypatch.setattr(ray_carrier, "_ray", lambda: fake)

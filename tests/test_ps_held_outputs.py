@@ -14,7 +14,7 @@ import optax
 import pytest
 
 import jreplicate as jr
-from jreplicate.ps._ray_actors import HELD_IN_STORE
+from jreplicate.ps.ray.actors import HELD_IN_STORE
 from tests._ps_helpers import bounded_test  # noqa: F401 (autouse: every test bounded)
 
 LR = 0.5

@@ -22,7 +22,7 @@ import pytest
 import jreplicate as jr
 import jreplicate.testing as jrt
 from jreplicate.ps.handle import Carrier, RemoteShardHandle
-from jreplicate.ps.ray_carrier import ensure_ray
+from jreplicate.ps.ray.carrier import ensure_ray
 from tests._ps_helpers import bounded_test  # noqa: F401 (autouse: every test bounded)
 from tests._sockets import is_loopback, listening_sockets
 

@@ -8,7 +8,7 @@ import jax
 import pytest
 
 import jreplicate as jr
-from jreplicate.ps.ray_options import (
+from jreplicate.ps.ray.options import (
     is_gpu_worker,
     resolve,
     shard_actor_options,
@@ -102,7 +102,7 @@ def test_options_need_the_ray_carrier():
 
 
 def test_a_driver_with_gpus_is_told_its_workers_run_on_cpu():
-    from jreplicate.ps.ray_options import warn_if_gpus_unused
+    from jreplicate.ps.ray.options import warn_if_gpus_unused
     with pytest.warns(UserWarning, match=r"run on CPU .* ray_worker_options=\{'num_gpus': 2\}"):
         warn_if_gpus_unused(({}, {}), "gpu", 2)
     with warnings.catch_warnings():

@@ -491,7 +491,7 @@ def test_a_gpu_workers_environment_does_not_pin_it_to_the_drivers_cpu():
 
     import ray
 
-    from jreplicate.ps.ray_options import resolve, worker_actor_options
+    from jreplicate.ps.ray.options import resolve, worker_actor_options
 
     assert os.environ.get("JAX_PLATFORMS") == "cpu"  # the tests' driver is CPU-only
     opts = worker_actor_options(resolve("ray_worker_options", {"num_gpus": 1}, 1)[0], 1)
@@ -512,7 +512,7 @@ def test_a_gpu_shards_environment_does_not_pin_it_to_the_drivers_cpu():
 
     import ray
 
-    from jreplicate.ps.ray_options import resolve, shard_actor_options
+    from jreplicate.ps.ray.options import resolve, shard_actor_options
 
     assert os.environ.get("JAX_PLATFORMS") == "cpu"
     opts = shard_actor_options(resolve("ray_shard_options", {"num_gpus": 1}, 1)[0])

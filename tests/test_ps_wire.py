@@ -1,4 +1,4 @@
-"""The Ray carrier's wire form (jreplicate.ps.wire): bytes back bit for bit.
+"""The Ray carrier's wire form (jreplicate.ps.ray.wire): bytes back bit for bit.
 
 A property over dicts of arrays of every dtype a model holds (floats including
 bfloat16, integers, bool), every shape (0-d, empty, non-contiguous views) and every
@@ -15,7 +15,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from jreplicate.ps import wire
+from jreplicate.ps.ray import wire
 
 DTYPES = [np.float32, np.float64, np.float16, ml_dtypes.bfloat16, np.int8, np.int32,
           np.int64, np.uint8, np.bool_, np.complex64]

@@ -429,7 +429,7 @@ def test_wire_meta_round_trips_every_ml_dtypes_type():
     (float8_e5m2 is of kind 'f', spelled '<f1' by NumPy, which NumPy cannot read)."""
     import ml_dtypes
 
-    from jreplicate.ps import wire
+    from jreplicate.ps.ray import wire
 
     names = [n for n in dir(ml_dtypes) if n.startswith(("float", "int", "uint", "bfloat"))]
     types = [getattr(ml_dtypes, n) for n in names if isinstance(getattr(ml_dtypes, n), type)]

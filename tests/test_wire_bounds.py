@@ -4,7 +4,7 @@ class "wire").
 An input report with a dimension of 2**60 passed the schema, and the process that
 padded with it failed alone in ``np.zeros``. The schemas are walked, not listed: every
 message the processes agree on (``jreplicate._wire.MESSAGES``) and the parameter
-server's packed meta data (``jreplicate.ps.wire.META``); for every numeric field found,
+server's packed meta data (``jreplicate.ps.ray.wire.META``); for every numeric field found,
 too large, negative, non-integer, bool, NaN and infinite values are each refused,
 naming the sender and the field. A value within the limits that one process still
 cannot build (no memory for its padding) is an error on every process.
@@ -24,7 +24,7 @@ import pytest
 from jreplicate import _jax_compat, _wire
 from jreplicate.cluster.agreement import Agreement
 from jreplicate.cluster.spec import MessageError
-from jreplicate.ps import wire as ps_wire
+from jreplicate.ps.ray import wire as ps_wire
 from tests.test_security import _FakeKV
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -18,7 +18,7 @@
 * :mod:`jreplicate.ps.executor`: the strategy's executor (registration, scheduling).
 * :mod:`jreplicate.ps.embedded`: shards and workers as objects and threads of this
   process (the default carrier).
-* :mod:`jreplicate.ps.ray_carrier`: shards and workers as Ray actors.
+* :mod:`jreplicate.ps.ray.carrier`: shards and workers as Ray actors.
 """
 
 from jreplicate.ps.capture import pushable

@@ -32,7 +32,7 @@ class PSConfig:
       placement_policy: how leaves are placed on shards (``jreplicate.ps.placement``).
       min_slice_bytes: the smallest slice when a leaf is split over shards.
       ray_worker_options: ``carrier="ray"``: each worker actor's checked Ray options
-        (:mod:`jreplicate.ps.ray_options`); empty dicts: the defaults.
+        (:mod:`jreplicate.ps.ray.options`); empty dicts: the defaults.
       ray_shard_options: ``carrier="ray"``: each shard actor's.
       max_worker_restarts: ``carrier="embedded"``: times each lost worker is replaced
         by a new one with its index (-1: every time, as Ray's ``max_restarts``; 0:

@@ -14,7 +14,7 @@ The policy (embedded carrier, one process):
   error naming the largest ``num_workers`` that fits.
 
 With ``carrier="ray"`` shards and workers are actors with devices of their own (see
-:mod:`jreplicate.ps.ray_options`): the driver's devices play no part, the layout has no
+:mod:`jreplicate.ps.ray.options`): the driver's devices play no part, the layout has no
 shard devices and one empty group per worker.
 """
 

@@ -123,7 +123,7 @@ class ParameterServerExecutor(Executor):
                record: StepRecord | None = None) -> None:
         s = self.config
         if s.carrier == "ray":
-            from jreplicate.ps.ray_carrier import RayCarrier
+            from jreplicate.ps.ray.carrier import RayCarrier
             self._carrier = RayCarrier(s, self._tx, self.placement, pieces, opt_host,
                                        restored)
         else:

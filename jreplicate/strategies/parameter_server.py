@@ -38,7 +38,7 @@ whichever worker runs the step.
 **Carriers.** ``carrier="embedded"`` (default): shards and workers are threads of this
 process on distinct local devices (8 devices, ``num_ps=2``: 2 shards + 6 workers;
 :mod:`jreplicate.ps.embedded`). ``carrier="ray"``: shards and workers are Ray actors
-(:mod:`jreplicate.ps.ray_carrier`). The executor is :mod:`jreplicate.ps.executor`.
+(:mod:`jreplicate.ps.ray.carrier`). The executor is :mod:`jreplicate.ps.executor`.
 """
 
 from __future__ import annotations
@@ -55,8 +55,8 @@ from jreplicate.ps.device_layout import assign_devices
 from jreplicate.ps.executor import ParameterServerExecutor
 from jreplicate.ps.per_worker import PerWorkerValue, WorkerContext
 from jreplicate.ps.placement import POLICIES, Placement
-from jreplicate.ps.ray_options import resolve as resolve_ray_options
-from jreplicate.ps.ray_options import warn_if_gpus_unused
+from jreplicate.ps.ray.options import resolve as resolve_ray_options
+from jreplicate.ps.ray.options import warn_if_gpus_unused
 from jreplicate.ps.shard_restart import ShardRestart
 from jreplicate.strategies.base import Strategy
 
@@ -127,7 +127,7 @@ class ParameterServerStrategy(Strategy):
         whose process died is restarted, every time, and given steps again; 0: lost for
         good). The
         workers' devices are theirs, not this process's: a CPU-only driver can run GPU
-        workers. See :mod:`jreplicate.ps.ray_options`.
+        workers. See :mod:`jreplicate.ps.ray.options`.
       ray_shard_options: ``carrier="ray"``: the shard actors' Ray options (as above;
         no ``max_restarts``: a lost shard stops training, see :meth:`restart_shard`).
       axis_name: the name of the replica mesh axis of each worker's sync group (default

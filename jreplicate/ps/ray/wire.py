@@ -21,7 +21,7 @@ before, because packing costs a copy on each side (measured with a 4.5 MB model:
 
 Example:
   >>> import numpy as np
-  >>> from jreplicate.ps import wire
+  >>> from jreplicate.ps.ray import wire
   >>> tree = {"w": np.arange(6, dtype=np.float32).reshape(2, 3), "n": np.int8(3)}
   >>> meta, chunks = wire.pack(tree)
   >>> back = wire.unpack(meta, chunks)

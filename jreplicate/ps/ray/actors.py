@@ -15,9 +15,9 @@ import jax
 
 from jreplicate.context import PerReplica
 from jreplicate.layout import REPLICA_AXIS
-from jreplicate.ps import wire
+from jreplicate.ps.ray import wire
 from jreplicate.ps._malloc import keep_freed_blocks
-from jreplicate.ps._ray_proxy import _Forgotten, _ShardProxy
+from jreplicate.ps.ray.proxy import _Forgotten, _ShardProxy
 from jreplicate.ps.client import ShardClient
 from jreplicate.ps.ledger import Ledger
 from jreplicate.ps.per_worker import PerWorkerArg
@@ -71,7 +71,7 @@ if ray is not None:
         @ray.method(concurrency_group="io")
         def push_pull_packed(self, push_id, worker, fetched_step, meta, *chunks):
             """The shard's ``push_pull`` with the pieces and the parameters as
-            :mod:`jreplicate.ps.wire` chunks of bytes, ``meta`` encoded (the caller asks
+            :mod:`jreplicate.ps.ray.wire` chunks of bytes, ``meta`` encoded (the caller asks
             for ``1 + len(chunks)`` returns: ``(decision, step, meta)``, then the
             chunks)."""
             grads = wire.unpack(wire.decode(meta, f"worker {worker}"), chunks)

@@ -20,7 +20,7 @@ the strategy's parameters, or set ``RAY_ADDRESS``; otherwise :func:`ensure_ray` 
 private local Ray instance that listens on 127.0.0.1 only, without a dashboard (Ray's
 processes exchange pickles: keep them off the network). The actors' resources, placement
 and runtime environment come from the strategy's ``ray_worker_options`` and
-``ray_shard_options`` (:mod:`jreplicate.ps.ray_options`; by default they ask for no
+``ray_shard_options`` (:mod:`jreplicate.ps.ray.options`; by default they ask for no
 CPUs, so that they fit any cluster, and a worker runs on CPU). A worker actor whose
 process dies is restarted by Ray (``max_restarts``) and given steps again
 (:meth:`RayCarrier.replace_worker`); a lost shard can be restarted from a saved state
@@ -50,12 +50,12 @@ import time
 import warnings
 from typing import Any
 
-from jreplicate.ps._ray_proxy import _Forgotten, _ray, _ShardLost, _ShardProxy
+from jreplicate.ps.ray.proxy import _Forgotten, _ray, _ShardLost, _ShardProxy
 from jreplicate.ps.client import ShardClient
 from jreplicate.ps.config import PSConfig
 from jreplicate.ps.per_worker import PerWorkerArg
 from jreplicate.ps.placement import Placement
-from jreplicate.ps.ray_options import is_gpu_worker, shard_actor_options, worker_actor_options
+from jreplicate.ps.ray.options import is_gpu_worker, shard_actor_options, worker_actor_options
 from jreplicate.ps.remote import ParameterServerError, StepCancelledError, WorkerLostError
 from jreplicate.ps.shard import ShardClosedError
 from jreplicate.ps.worker import ApplicationError
@@ -115,7 +115,7 @@ def _execs_at_once():
 
 def _actor_classes():
     """The actor classes (their module imports Ray, so it is imported only here)."""
-    from jreplicate.ps import _ray_actors
+    from jreplicate.ps.ray import actors as _ray_actors
     return _ray_actors.ShardActor, _ray_actors.WorkerActor
 
 

@@ -1,8 +1,8 @@
 """Shard actors seen from a Ray process (the driver or a worker actor): a
 :class:`jreplicate.ps.handle.RemoteShardHandle` over a shard actor.
 
-Imported by both :mod:`jreplicate.ps.ray_carrier` (the driver) and
-:mod:`jreplicate.ps._ray_actors` (inside the worker actors); it imports neither, so the
+Imported by both :mod:`jreplicate.ps.ray.carrier` (the driver) and
+:mod:`jreplicate.ps.ray.actors` (inside the worker actors); it imports neither, so the
 two Ray modules do not import each other.
 """
 
@@ -11,7 +11,7 @@ from __future__ import annotations
 import time
 from typing import NamedTuple
 
-from jreplicate.ps import wire
+from jreplicate.ps.ray import wire
 from jreplicate.ps.remote import ShardUpdateError
 
 
