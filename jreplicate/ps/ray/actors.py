@@ -15,12 +15,12 @@ import jax
 
 from jreplicate.context import PerReplica
 from jreplicate.layout import REPLICA_AXIS
-from jreplicate.ps.ray import wire
 from jreplicate.ps._malloc import keep_freed_blocks
-from jreplicate.ps.ray.proxy import _Forgotten, _ShardProxy
 from jreplicate.ps.client import ShardClient
 from jreplicate.ps.ledger import Ledger
 from jreplicate.ps.per_worker import PerWorkerArg
+from jreplicate.ps.ray import wire
+from jreplicate.ps.ray.proxy import _Forgotten, _ShardProxy
 from jreplicate.ps.remote import WorkerLostError, to_host
 from jreplicate.ps.shard import PSShard
 from jreplicate.ps.worker import PSWorker

@@ -50,12 +50,12 @@ import time
 import warnings
 from typing import Any
 
-from jreplicate.ps.ray.proxy import _Forgotten, _ray, _ShardLost, _ShardProxy
 from jreplicate.ps.client import ShardClient
 from jreplicate.ps.config import PSConfig
 from jreplicate.ps.per_worker import PerWorkerArg
 from jreplicate.ps.placement import Placement
 from jreplicate.ps.ray.options import is_gpu_worker, shard_actor_options, worker_actor_options
+from jreplicate.ps.ray.proxy import _Forgotten, _ray, _ShardLost, _ShardProxy
 from jreplicate.ps.remote import ParameterServerError, StepCancelledError, WorkerLostError
 from jreplicate.ps.shard import ShardClosedError
 from jreplicate.ps.worker import ApplicationError
