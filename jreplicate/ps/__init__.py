@@ -13,7 +13,8 @@
   gate, the token-starvation detector, the statistics) and
   :mod:`jreplicate.ps.step_record` (what became of the pushes of the steps that ended).
 * :mod:`jreplicate.ps.per_worker`: values built once on each worker (TF's
-  ``PerWorkerValues``).
+  ``PerWorkerValues``), and per-worker state a step updates (TF's per-worker
+  variables).
 * :mod:`jreplicate.ps.remote`: :class:`jreplicate.ps.RemoteValue` and the errors.
 * :mod:`jreplicate.ps.executor`: the strategy's executor (registration, scheduling).
 * :mod:`jreplicate.ps.embedded`: shards and workers as objects and threads of this
@@ -22,7 +23,13 @@
 """
 
 from jreplicate.ps.capture import pushable
-from jreplicate.ps.per_worker import PerWorkerValue, WorkerContext
+from jreplicate.ps.per_worker import (
+    PerWorkerState,
+    PerWorkerValue,
+    WorkerContext,
+    WorkerStateUpdate,
+    update_worker_state,
+)
 from jreplicate.ps.remote import (
     ParameterServerError,
     RemoteValue,
@@ -33,11 +40,14 @@ from jreplicate.ps.remote import (
 
 __all__ = [
     "ParameterServerError",
+    "PerWorkerState",
     "PerWorkerValue",
     "RemoteValue",
     "ShardUpdateError",
     "StepCancelledError",
     "WorkerContext",
     "WorkerLostError",
+    "WorkerStateUpdate",
     "pushable",
+    "update_worker_state",
 ]

@@ -134,6 +134,10 @@ class EmbeddedCarrier:
         for w in self.workers:
             w.values.release(key)
 
+    def read_value(self, key: int) -> list:
+        """Each worker's per-worker state of ``key`` (NumPy; None where it holds none)."""
+        return [w.values.read(key) for w in self.workers]
+
     def workers_alive(self, n: int) -> None:
         self.shards[0].set_live_workers(n)
 

@@ -28,7 +28,7 @@ from jreplicate.ps.coordinator import Coordinator
 from jreplicate.ps.embedded import EmbeddedCarrier
 from jreplicate.ps.handle import Carrier
 from jreplicate.ps.nnx_state import NnxArg
-from jreplicate.ps.per_worker import PerWorkerValue
+from jreplicate.ps.per_worker import PerWorkerState, PerWorkerValue
 from jreplicate.ps.placement import Placement, place_parameters
 from jreplicate.ps.remote import ParameterServerError, RemoteValue, is_key, to_host
 from jreplicate.ps.run_arguments import check_run_arguments
@@ -373,6 +373,17 @@ class ParameterServerExecutor(Executor):
     def per_worker_value(self, fn: Callable) -> PerWorkerValue:
         """``strategy.create_per_worker_value(fn)`` (see :mod:`jreplicate.ps.per_worker`)."""
         return PerWorkerValue(fn, self.config.num_workers, self.release_value)
+
+    def per_worker_state(self, fn: Callable) -> PerWorkerState:
+        """``strategy.create_per_worker_state(fn)`` (see :mod:`jreplicate.ps.per_worker`)."""
+        return PerWorkerState(fn, self.config.num_workers, self.release_value,
+                              self.read_value)
+
+    def read_value(self, key: int) -> list:
+        """Each worker's per-worker state of ``key`` (NumPy; None where it holds none)."""
+        if self._carrier is None:
+            return [None] * self.config.num_workers
+        return self._carrier.read_value(key)
 
     def release_value(self, key: int) -> None:
         """The PerWorkerValue of ``key`` was collected: every worker lets its value go

@@ -36,7 +36,7 @@ from jreplicate.layout import REPLICA_AXIS, mesh_layout, replica_mesh
 from jreplicate.ps.capture import capturing
 from jreplicate.ps.client import ShardClient
 from jreplicate.ps.nnx_state import NnxArg, check_nothing_lost
-from jreplicate.ps.per_worker import PerWorkerArg, WorkerValues
+from jreplicate.ps.per_worker import PerWorkerArg, WorkerValues, take_updates
 from jreplicate.ps.remote import ShardUpdateError, StepCancelledError, WorkerLostError
 from jreplicate.ps.shard import Decision, TokenTimeoutError, TokenWaitInterrupted
 from jreplicate.ps.worker_input import (
@@ -346,6 +346,8 @@ class PSWorker:
                 self._nnx_checked.add(c.fn_key)
             if first is not None:
                 out = _unforward(out, args, self._plans, self.layout.replicated)
+            # (checked before the push: a refused new state fails the step unapplied)
+            out, new_states = take_updates(out, c.args, args)
             grads = jax.tree.map(np.asarray, grads)
         except WorkerLostError:
             raise
@@ -370,6 +372,7 @@ class PSWorker:
             raise ApplicationError(e) from e
         self.local_step = token
         self._min_step = decision.step + 1 if decision.kind == "applied" else 0
+        self.values.commit(new_states)  # the step succeeded: its per-worker states
         return out, decision
 
     def _execute(self, fn: Callable, has_batch: bool, batch: Any, args: tuple,

@@ -246,6 +246,11 @@ if ray is not None:
             return True, _host(out, to_host)
 
         @ray.method(concurrency_group="control")
+        def read_value(self, key):
+            """This worker's per-worker state of ``key`` (NumPy), or None."""
+            return self.worker.values.read(key)
+
+        @ray.method(concurrency_group="control")
         def held_steps(self):
             """The ids of the steps whose outputs this worker holds."""
             return sorted(self.held)

@@ -333,6 +333,22 @@ class RayCarrier:
         for queue in self._release_values:
             queue.append(key)
 
+    def read_value(self, key: int) -> list:
+        """Each worker actor's per-worker state of ``key`` (NumPy), None where it holds
+        none or cannot be reached now (a lost or restarting actor: logged)."""
+        ray = _ray()
+        refs = [w.read_value.remote(key) for w in self.workers]
+        states = []
+        for w, ref in enumerate(refs):
+            try:
+                states.append(ray.get(ref, timeout=60))
+            except Exception as e:  # noqa: BLE001 - any Ray failure of one actor: that
+                # worker's state is unknown (None), the others are still read
+                _log.warning("worker %d: its per-worker state could not be read (%s: %s)",
+                             w, type(e).__name__, e)
+                states.append(None)
+        return states
+
     def set_live_workers(self, fn) -> None:
         self._live = fn
 
