@@ -340,7 +340,7 @@ class WorkerValues:
         """
         with self._lock:
             if a.key in self._values:
-                return self._values[a.key]
+                return _fresh(self._values[a.key])
         value = a.fn(WorkerContext(self.index, a.num_workers, self.g))
         if a.state:  # (NumPy in JAX's dtypes: a state keeps the ones the step sees)
             value = jax.tree.map(_canonical, value)
@@ -348,7 +348,7 @@ class WorkerValues:
             self.built[a.key] = self.built.get(a.key, 0) + 1
             if a.key not in self._released:
                 self._values.setdefault(a.key, value)
-        return value
+        return _fresh(value)
 
     def commit(self, updates: list[tuple[int, Any]]) -> None:
         """The states of a step that succeeded here replaced by its new values (called
@@ -357,7 +357,7 @@ class WorkerValues:
         with self._lock:
             for key, value in updates:
                 if key not in self._released:
-                    self._values[key] = value
+                    self._values[key] = _fresh(value)  # (not the outputs' own nodes)
                     self.commits[key] = self.commits.get(key, 0) + 1
 
     def read(self, key: int) -> Any:
@@ -375,6 +375,15 @@ class WorkerValues:
     def count(self) -> int:
         """How many values this worker holds (for tests and diagnostics)."""
         return len(self._values)
+
+
+def _fresh(value: Any) -> Any:
+    """``value``'s pytree rebuilt around the same leaves: new ``nnx.Variable`` objects
+    (pytree nodes) where it holds some, so that a step writing its NNX arguments back in
+    place (:mod:`jreplicate.execution.nnx_args`) changes its own copy, never the value
+    kept here (a failed step would otherwise change the state, and a step's outputs
+    would share the next one's Variables)."""
+    return jax.tree.map(lambda x: x, value)
 
 
 def _canonical(x: Any) -> np.ndarray:

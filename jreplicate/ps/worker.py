@@ -301,8 +301,12 @@ class PSWorker:
             fetched = [min(token, *steps)]
         else:
             fetched = steps
-        args = [a.build(c.step_id) if isinstance(a, NnxArg) else
-                self._worker_value(a) if isinstance(a, PerWorkerArg) else a for a in c.args]
+        def fresh_args() -> list:  # (NNX nodes and per-worker values: new copies)
+            return [a.build(c.step_id) if isinstance(a, NnxArg) else
+                    self._worker_value(a) if isinstance(a, PerWorkerArg) else a
+                    for a in c.args]
+
+        args = fresh_args()
         nnx_model = isinstance(c.args[c.param_index], NnxArg)
         if nnx_model:  # an NNX model: its params pulled
             from flax import nnx
@@ -336,7 +340,10 @@ class PSWorker:
                 # its gradient would be that stale. Pull again and run the compiled
                 # step on the fresh parameters (asynchronous modes).
                 fetched, params = self.client.pull()
-                args = list(args)
+                # (afresh: the first run wrote its NNX arguments back in place)
+                args = fresh_args()
+                if c.opt_index is not None:
+                    args[c.opt_index] = self._opt
                 args[c.param_index], batch = self._place_inputs(params, c.batch)
                 args = tuple(args)
                 got, _ = self._execute(fn, c.has_batch, batch, args, donate, c.allow)
