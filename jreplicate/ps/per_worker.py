@@ -51,6 +51,7 @@ import jax
 import numpy as np
 
 from jreplicate._tree import path_str
+from jreplicate.context import PerReplica
 
 _KEYS = itertools.count()
 
@@ -299,6 +300,14 @@ def _has_marker(out: Any) -> bool:
 
 def _check_like(new: Any, old: Any, index: int) -> None:
     """Refuses a new state ``new`` unlike the state ``old`` argument ``index`` was."""
+    for path, x in jax.tree_util.tree_flatten_with_path(
+            new, is_leaf=lambda x: isinstance(x, PerReplica))[0]:
+        if isinstance(x, PerReplica):
+            raise ValueError(
+                f"ParameterServerStrategy: the new per-worker state of argument "
+                f"[{index}]{path_str(path)} varies over its sync group's replicas; a "
+                "worker keeps one state: reduce it over the group (e.g. ctx.all_sum, or "
+                "ctx.all_sum(x) / ctx.num_replicas_in_sync) before returning it.")
     old_leaves, old_def = jax.tree_util.tree_flatten_with_path(old)
     new_leaves, new_def = jax.tree.flatten(new)
     if old_def != new_def:
@@ -307,17 +316,14 @@ def _check_like(new: Any, old: Any, index: int) -> None:
             f"the structure {new_def}, the state {old_def}; return "
             "jr.ps.update_worker_state(new) with the state's structure.")
     for (path, a), b in zip(old_leaves, new_leaves):
-        want = (tuple(np.shape(a)), jax.dtypes.canonicalize_dtype(np.result_type(a)))
-        got = (tuple(np.shape(b)), jax.dtypes.canonicalize_dtype(np.result_type(b)))
+        want = (tuple(np.shape(a)), _dtype(a))
+        got = (tuple(np.shape(b)), _dtype(b))
         if want != got:
-            hint = (" It has a leading axis of the worker's replicas: the value varies "
-                    "over its sync group; reduce it (e.g. ctx.all_sum) to one value per "
-                    "worker." if got[0][1:] == want[0] else "")
             raise ValueError(
                 f"ParameterServerStrategy: the new per-worker state of argument "
                 f"[{index}]{path_str(path)} has shape {got[0]} and dtype {got[1]}, the "
                 f"state shape {want[0]} and dtype {want[1]}; a state keeps its shapes and "
-                f"dtypes (cast or reshape the new value).{hint}")
+                "dtypes (cast or reshape the new value).")
 
 
 class WorkerValues:
@@ -375,6 +381,12 @@ class WorkerValues:
     def count(self) -> int:
         """How many values this worker holds (for tests and diagnostics)."""
         return len(self._values)
+
+
+def _dtype(x: Any) -> np.dtype:
+    """The dtype a step sees for leaf ``x`` (JAX's canonical one)."""
+    return jax.dtypes.canonicalize_dtype(x.dtype if hasattr(x, "dtype") else
+                                         np.asarray(x).dtype)
 
 
 def _fresh(value: Any) -> Any:
