@@ -245,6 +245,12 @@ def update_worker_state(new_value: Any) -> WorkerStateUpdate:
     Args:
       new_value: a pytree of arrays of the structure, shapes and dtypes of the state
         the step received, the same on every replica of the worker's sync group.
+
+    Example (a pytree node: it passes through ``jax.jit`` with its value):
+      >>> import jax, jax.numpy as jnp, jreplicate as jr
+      >>> out = jax.jit(lambda n: (n * 2, jr.ps.update_worker_state(n + 1)))(jnp.int32(3))
+      >>> int(out[1].value)
+      4
     """
     return WorkerStateUpdate(new_value)
 
