@@ -255,7 +255,8 @@ def update_worker_state(new_value: Any) -> WorkerStateUpdate:
     return WorkerStateUpdate(new_value)
 
 
-def take_updates(out: Any, sent: tuple, args: tuple) -> tuple[Any, list[tuple[int, Any]]]:
+def take_updates(out: Any, sent: tuple, args: tuple, marked: bool = True
+                 ) -> tuple[Any, list[tuple[int, Any]]]:
     """A step's outputs with each :class:`WorkerStateUpdate` replaced by its value, and
     ``(key, new value)`` for each :class:`PerWorkerState` argument of the step.
 
@@ -263,6 +264,8 @@ def take_updates(out: Any, sent: tuple, args: tuple) -> tuple[Any, list[tuple[in
       out: the step's outputs (on the worker, after it ran).
       sent: the step's arguments as scheduled (:class:`PerWorkerArg` for a state).
       args: the arguments the step received (the worker's states in their place).
+      marked: whether a trace of the step returned a marker (:func:`has_marker`);
+        without states or markers ``out`` is returned as it is.
 
     Raises:
       ValueError: the markers do not match the state arguments one for one, a state
@@ -278,7 +281,7 @@ def take_updates(out: Any, sent: tuple, args: tuple) -> tuple[Any, list[tuple[in
         return x
 
     states = [(i, a) for i, a in enumerate(sent) if isinstance(a, PerWorkerArg) and a.state]
-    if not states and not _has_marker(out):
+    if not states and not marked:
         return out, []
     out = jax.tree.map(unwrap, out, is_leaf=lambda x: isinstance(x, WorkerStateUpdate))
     if len(found) != len(states):
@@ -299,7 +302,9 @@ def take_updates(out: Any, sent: tuple, args: tuple) -> tuple[Any, list[tuple[in
     return out, [(a.key, new) for (_, a), new in zip(states, found)]
 
 
-def _has_marker(out: Any) -> bool:
+def has_marker(out: Any) -> bool:
+    """Whether the outputs ``out`` hold a :class:`WorkerStateUpdate` (the worker asks at
+    trace time, so that a step without states pays nothing per run)."""
     return any(isinstance(x, WorkerStateUpdate) for x in jax.tree.leaves(
         out, is_leaf=lambda x: isinstance(x, WorkerStateUpdate)))
 

@@ -36,7 +36,7 @@ from jreplicate.layout import REPLICA_AXIS, mesh_layout, replica_mesh
 from jreplicate.ps.capture import capturing
 from jreplicate.ps.client import ShardClient
 from jreplicate.ps.nnx_state import NnxArg, check_nothing_lost
-from jreplicate.ps.per_worker import PerWorkerArg, WorkerValues, take_updates
+from jreplicate.ps.per_worker import PerWorkerArg, WorkerValues, has_marker, take_updates
 from jreplicate.ps.remote import ShardUpdateError, StepCancelledError, WorkerLostError
 from jreplicate.ps.shard import Decision, TokenTimeoutError, TokenWaitInterrupted
 from jreplicate.ps.worker_input import (
@@ -354,7 +354,7 @@ class PSWorker:
             if first is not None:
                 out = _unforward(out, args, self._plans, self.layout.replicated)
             # (checked before the push: a refused new state fails the step unapplied)
-            out, new_states = take_updates(out, c.args, args)
+            out, new_states = take_updates(out, c.args, args, fn.marked)
             grads = jax.tree.map(np.asarray, grads)
         except WorkerLostError:
             raise
@@ -437,6 +437,7 @@ class PSWorker:
             def wrapped(ctx, *args):
                 with capturing() as sink:
                     out = step(ctx, *args)
+                wrapped.marked = wrapped.marked or has_marker(out)  # (per-worker states)
                 if first is not None:
                     own = () if donated is None else args[first + donated]
                     out = _forward(out, args[first:], ctx._axis, own, sink.zeros)
@@ -456,6 +457,7 @@ class PSWorker:
                 return out, grads, kept
             # The cache's warning about recompiled code counts the step's code, not
             # this wrapper's (one code object for every step function).
+            wrapped.marked = False
             wrapped.__wrapped__ = step
             wrapped.__qualname__ = step_name(fn)  # (warnings name the step)
             self._wrapped[fn][(first, donated)] = wrapped
