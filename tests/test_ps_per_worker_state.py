@@ -555,3 +555,32 @@ def test_on_ray_a_crashed_worker_rebuilds_its_state_and_no_step_counts_twice(loc
     new = state.read()[1]
     assert new is None or int(new["born"]) != int(old["born"])  # rebuilt by fn
     s.shutdown()
+
+
+@pytest.mark.parametrize("g", [1, 2])
+def test_a_state_returned_unchanged_is_kept_as_it_was(g):
+    """update_worker_state(state) with the state itself (an output the worker forwards
+    from its input without a copy): kept, fetched and read as it was, and the next step
+    updates it from there."""
+    s = jr.ParameterServerStrategy(num_ps=1, num_workers=1, num_replicas_in_sync=g)
+    rep = jr.Replicator(s)
+    with rep.scope():
+        w = jnp.zeros(3)
+        tx = jr.ps.pushable(optax.sgd(LR))
+        opt = tx.init(w)
+    state = s.create_per_worker_state(lambda wc: np.arange(3, dtype=np.float32))
+
+    def same(ctx, w, opt, st):
+        u, opt = tx.update(jnp.ones(3), opt, w)
+        return optax.apply_updates(w, u), opt, jr.ps.update_worker_state(st)
+
+    def plus(ctx, w, opt, st):
+        u, opt = tx.update(jnp.ones(3), opt, w)
+        return optax.apply_updates(w, u), opt, jr.ps.update_worker_state(st + 1)
+
+    outs = [rep.run(f, None, w, opt, state).fetch()[2] for f in (same, same, plus, same)]
+    for got, want in zip(outs, ([0, 1, 2], [0, 1, 2], [1, 2, 3], [1, 2, 3])):
+        np.testing.assert_array_equal(got, want)
+    np.testing.assert_array_equal(state.read()[0], [1, 2, 3])
+    np.testing.assert_allclose(s.parameters(), np.full(3, -4 * LR))
+    s.shutdown()
