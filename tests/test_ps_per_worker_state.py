@@ -521,6 +521,9 @@ def test_worker_values_commit_only_while_the_key_is_held():
     vals.release(1)
     vals.commit([(1, np.float32(6.0))])  # a step of it still running ends after
     assert vals.read(1) is None and vals.count() == 0
+    bad = PerWorkerArg(2, lambda wc: {"name": "worker"}, 1, state=True)
+    with pytest.raises(TypeError, match=r"str at state\['name'\]"):
+        vals.get(bad)
 
 
 

@@ -360,7 +360,7 @@ class WorkerValues:
                 return _fresh(self._values[a.key])
         value = a.fn(WorkerContext(self.index, a.num_workers, self.g))
         if a.state:  # (NumPy in JAX's dtypes: a state keeps the ones the step sees)
-            value = jax.tree.map(_canonical, value)
+            value = jax.tree_util.tree_map_with_path(_canonical, value)
         with self._lock:
             self.built[a.key] = self.built.get(a.key, 0) + 1
             if a.key not in self._released:
@@ -409,7 +409,16 @@ def _fresh(value: Any) -> Any:
     return jax.tree.map(lambda x: x, value)
 
 
-def _canonical(x: Any) -> np.ndarray:
-    """A leaf of a state as fn returned it, as NumPy in the dtype the step sees."""
-    x = np.asarray(x)
-    return x.astype(jax.dtypes.canonicalize_dtype(x.dtype), copy=False)
+def _canonical(path: tuple, x: Any) -> np.ndarray:
+    """A leaf of a state as fn returned it, as NumPy in the dtype the step sees.
+
+    Raises:
+      TypeError: the leaf is not an array, a NumPy scalar or a number.
+    """
+    a = np.asarray(x)
+    if a.dtype.kind not in "biufc":
+        raise TypeError(
+            f"create_per_worker_state(fn): fn returned {type(x).__name__} at "
+            f"state{path_str(path)}; a state is a pytree of arrays (or numbers). Keep "
+            "other values out of it (a PerWorkerValue, or the step function).")
+    return a.astype(jax.dtypes.canonicalize_dtype(a.dtype), copy=False)
