@@ -272,23 +272,21 @@ def take_updates(out: Any, sent: tuple, args: tuple, marked: bool = True
         is passed twice, or a new value differs from the state in structure, shape or
         dtype (the step's error: it fails before it pushes).
     """
-    found: list = []
-
-    def unwrap(x: Any) -> Any:
-        if isinstance(x, WorkerStateUpdate):
-            found.append(x.value)
-            return x.value
-        return x
-
     states = [(i, a) for i, a in enumerate(sent) if isinstance(a, PerWorkerArg) and a.state]
     if not states and not marked:
         return out, []
-    out = jax.tree.map(unwrap, out, is_leaf=lambda x: isinstance(x, WorkerStateUpdate))
-    if len(found) != len(states):
+    leaves, treedef = jax.tree.flatten(out)
+    plan = _PLANS.get(treedef)
+    if plan is None:
+        if len(_PLANS) >= 64:  # (outputs of many structures: start again)
+            _PLANS.clear()
+        plan = _PLANS[treedef] = _unwrap_plan(treedef)
+    stripped, spans = plan
+    if len(spans) != len(states):
         raise ValueError(
             f"ParameterServerStrategy: the step took {len(states)} per-worker state(s) "
             f"(arguments {[i for i, _ in states]}) and returned "
-            f"{len(found)} jr.ps.update_worker_state(...) marker(s); return one per state, "
+            f"{len(spans)} jr.ps.update_worker_state(...) marker(s); return one per state, "
             "in the order of the arguments (the state unchanged: "
             "jr.ps.update_worker_state(state)). A value the step only reads is a "
             "strategy.create_per_worker_value(fn).")
@@ -297,9 +295,51 @@ def take_updates(out: Any, sent: tuple, args: tuple, marked: bool = True
         raise ValueError(
             "ParameterServerStrategy: the same PerWorkerState is passed twice to one step "
             f"(arguments {[i for i, _ in states]}); pass it once.")
-    for (i, _), new in zip(states, found):
-        _check_like(new, args[i], i)
-    return out, [(a.key, new) for (_, a), new in zip(states, found)]
+    found = []
+    for (i, _), (start, stop, value_def, varies) in zip(states, spans):
+        new = jax.tree.unflatten(value_def, leaves[start:stop])
+        if varies or not _like(leaves[start:stop], value_def, args[i]):
+            _check_like(new, args[i], i)  # (raises, naming the leaf)
+        found.append(new)
+    return (jax.tree.unflatten(stripped, leaves),
+            [(a.key, new) for (_, a), new in zip(states, found)])
+
+
+_PLANS: dict = {}  # output structure -> _unwrap_plan
+
+
+def _unwrap_plan(treedef: Any) -> tuple[Any, list[tuple[int, int, Any, bool]]]:
+    """For outputs of structure ``treedef``: the structure with each
+    :class:`WorkerStateUpdate` node replaced by its value (the same leaves, in the same
+    order), and per marker, in order, ``(first leaf, end leaf, its value's structure,
+    whether a PerReplica is in it)``."""
+    spans: list = []
+
+    def unwrap(x: Any) -> Any:
+        if not isinstance(x, WorkerStateUpdate):
+            return x
+        index = jax.tree.leaves(x.value)
+        value_def = jax.tree.structure(x.value)
+        varies = any(isinstance(y, PerReplica) for y in jax.tree.leaves(
+            x.value, is_leaf=lambda y: isinstance(y, PerReplica)))
+        spans.append((index[0] if index else 0, index[-1] + 1 if index else 0,
+                       value_def, varies))
+        return x.value
+
+    numbered = jax.tree.unflatten(treedef, list(range(treedef.num_leaves)))
+    stripped = jax.tree.map(unwrap, numbered,
+                            is_leaf=lambda x: isinstance(x, WorkerStateUpdate))
+    return jax.tree.structure(stripped), spans
+
+
+def _like(new_leaves: list, new_def: Any, old: Any) -> bool:
+    """Whether the new state's leaves and structure match ``old``'s, shape and dtype."""
+    old_leaves, old_def = jax.tree.flatten(old)
+    # (the kept leaves are in JAX's dtypes already: a dtype that differs is checked
+    # again, canonicalised, by _check_like)
+    return old_def == new_def and all(
+        np.shape(a) == np.shape(b) and getattr(a, "dtype", None) == b.dtype
+        for a, b in zip(old_leaves, new_leaves))
 
 
 def has_marker(out: Any) -> bool:
