@@ -26,6 +26,7 @@ from jreplicate.ps.client import ShardClient
 from jreplicate.ps.config import PSConfig
 from jreplicate.ps.coordinator import Coordinator
 from jreplicate.ps.embedded import EmbeddedCarrier
+from jreplicate.ps.faults import FaultPlan
 from jreplicate.ps.handle import Carrier
 from jreplicate.ps.nnx_state import NnxArg
 from jreplicate.ps.per_worker import PerWorkerValue
@@ -125,10 +126,10 @@ class ParameterServerExecutor(Executor):
         if s.carrier == "ray":
             from jreplicate.ps.ray.carrier import RayCarrier
             self._carrier = RayCarrier(s, self._tx, self.placement, pieces, opt_host,
-                                       restored)
+                                       restored, faults=FaultPlan())
         else:
             self._carrier = EmbeddedCarrier(s, self._tx, self.placement, pieces,
-                                            opt_host, restored)
+                                            opt_host, restored, faults=FaultPlan())
         self.client = self._carrier.client
         self.coordinator = Coordinator(
             self._carrier.runners, depth=self._carrier.depth, max_staleness=s.max_staleness,
