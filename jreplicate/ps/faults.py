@@ -102,10 +102,7 @@ class FaultPlan:
         """Worker ``worker``'s faults become ``faults`` (the Ray carrier sends a worker
         actor its part of the driver's plan so)."""
         with self._lock:
-            if faults == _NONE:
-                self._workers.pop(worker, None)
-            else:
-                self._workers[worker] = faults
+            self._put(worker, faults)
 
     def set_delay(self, worker: int, seconds: float) -> None:
         """Each step of worker ``worker`` takes ``seconds`` more (0.0: no delay)."""
@@ -122,18 +119,23 @@ class FaultPlan:
 
     def _change(self, worker: int, **changes) -> None:
         with self._lock:
-            new = dataclasses.replace(self._workers.get(worker, _NONE), **changes)
-            if new == _NONE:
-                self._workers.pop(worker, None)
-            else:
-                self._workers[worker] = new
+            self._put(worker, dataclasses.replace(self._workers.get(worker, _NONE),
+                                                  **changes))
+
+    def _put(self, worker: int, faults: WorkerFaults) -> None:
+        """(Under the lock.) A worker with nothing armed has no entry: the default
+        plan's points then return at once."""
+        if faults == _NONE:
+            self._workers.pop(worker, None)
+        else:
+            self._workers[worker] = faults
 
     def _fire(self, worker: int, point: str) -> WorkerFaults:
         """Worker ``worker``'s faults, its kill disarmed if it fires at ``point``."""
         with self._lock:
             f = self._workers.get(worker, _NONE)
             if f.kill_at == point:
-                self._workers[worker] = dataclasses.replace(f, kill_at=None)
+                self._put(worker, dataclasses.replace(f, kill_at=None))
         return f
 
     # -- the named points production code consults -------------------------------------------
