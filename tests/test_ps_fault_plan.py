@@ -333,3 +333,19 @@ def test_on_ray_each_actor_holds_its_part_of_the_plan_and_a_kill_fires(local_ray
     assert all(v.fetch() is not None for v in values[-2:])
     _exact(s, 6)
     s.shutdown()
+
+
+@pytest.mark.parametrize("seconds", [-1.0, float("nan")])
+def test_a_negative_delay_is_refused_at_the_call_not_by_losing_the_worker(seconds):
+    """Before the plan, a negative delay was accepted and each step of that worker raised
+    in ``time.sleep`` after computing: the worker was lost (and replaced, again and
+    again)."""
+    s, rep, w, opt, step = _job(num_ps=1)
+    with pytest.raises(ValueError, match=r"set_worker_delay\(seconds=(-1.0|nan)\).*>= 0"):
+        jrt.set_worker_delay(s, 0, seconds)
+    for _ in range(4):
+        rep.run(step, None, w, opt)
+    rep.join()
+    assert s.stats()["rescheduled"] == 0 and s.stats()["replaced"] == 0
+    _exact(s, 4)
+    s.shutdown()

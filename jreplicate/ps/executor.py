@@ -171,7 +171,11 @@ class ParameterServerExecutor(Executor):
 
     def set_worker_delay(self, w: int, seconds: float) -> None:
         """Worker ``w`` spends ``seconds`` more on each step."""
-        self._carrier.set_worker_delay(self._worker_index(w), float(seconds))
+        seconds = float(seconds)
+        if not seconds >= 0.0:  # (NaN too; time.sleep would raise in the worker: lost)
+            raise ValueError(f"set_worker_delay(seconds={seconds!r}): a worker's delay is "
+                             "seconds >= 0; pass 0.0 for none.")
+        self._carrier.set_worker_delay(self._worker_index(w), seconds)
 
     def kill_shard(self, i: int) -> None:
         """Shard ``i`` is lost (its state is gone)."""
