@@ -32,7 +32,8 @@ matched in the order of the arguments). The rules (see :meth:`WorkerValues.commi
   per-replica value, e.g. ``ctx.all_sum``). Else the step fails before it pushes;
 * :meth:`PerWorkerState.read` on the driver returns each worker's state (NumPy) after
   the last step that succeeded there, or aggregated over the workers (``"sum"``,
-  ``"mean"``); a worker holds no state (None) until a step with it ran there;
+  ``"mean"``); a worker holds no state (None) until a step taking it started there
+  (``fn`` builds it then: a step that fails leaves ``fn``'s value);
 * a replaced worker (``max_worker_restarts``, a Ray actor restarted) and every worker
   after ``strategy.restore`` rebuild their state with ``fn``: it is not in
   ``strategy.state()`` (checkpoints), as TensorFlow re-creates per-worker resources.
@@ -173,8 +174,9 @@ class PerWorkerState(PerWorkerValue):
 
         Args:
           reduce: None: a list, one entry per worker: its state, or None where it holds
-            none (no step with this state ran there since the worker was built,
-            replaced or restored; on Ray, an actor that cannot be reached now, logged).
+            none (no step taking this state started there since the worker was
+            built, replaced or restored; on Ray, an actor that cannot be reached now,
+            logged).
             ``"sum"`` or ``"mean"``: the states of the workers that hold one, summed or
             averaged leaf by leaf (TensorFlow's ON_READ aggregation); None if none does.
 
