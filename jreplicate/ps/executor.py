@@ -23,6 +23,7 @@ from jreplicate.execution.cache import FunctionMap
 from jreplicate.input.iterator import InputIterator
 from jreplicate.ps import capture
 from jreplicate.ps.client import ShardClient
+from jreplicate.ps.closure import Closure, HostBatch
 from jreplicate.ps.config import PSConfig
 from jreplicate.ps.coordinator import Coordinator
 from jreplicate.ps.embedded import EmbeddedCarrier
@@ -42,7 +43,6 @@ from jreplicate.ps.shard_restart import (
     lost_updates,
 )
 from jreplicate.ps.step_record import StepRecord
-from jreplicate.ps.worker import Closure, HostBatch
 from jreplicate.ps.worker_input import (
     WorkerInput,
     WorkerInputIterator,
