@@ -37,6 +37,7 @@ from jreplicate.ps.capture import capturing
 from jreplicate.ps.client import ShardClient
 from jreplicate.ps.closure import Closure, HostBatch, check_cancelled
 from jreplicate.ps.nnx_state import NnxArg, check_nothing_lost
+from jreplicate.ps.outcome import ApplicationError
 from jreplicate.ps.per_worker import PerWorkerArg, WorkerValues
 from jreplicate.ps.remote import ShardUpdateError, StepCancelledError, WorkerLostError
 from jreplicate.ps.shard import Decision, TokenTimeoutError, TokenWaitInterrupted
@@ -46,17 +47,6 @@ from jreplicate.ps.worker_input import (
     WorkerInputs,
     WorkerPipelines,
 )
-
-
-class ApplicationError(Exception):
-    """The step function itself raised (not retried: TF's application errors)."""
-
-    def __init__(self, error: BaseException):
-        super().__init__(str(error))
-        self.error = error
-
-    def __reduce__(self):  # crosses Ray with the original error
-        return (ApplicationError, (self.error,))
 
 
 class PSWorker:
