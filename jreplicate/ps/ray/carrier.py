@@ -48,9 +48,11 @@ import logging
 import os
 import time
 import warnings
+from collections.abc import Callable
 from typing import Any
 
 from jreplicate.ps.client import ShardClient
+from jreplicate.ps.closure import Closure
 from jreplicate.ps.config import PSConfig
 from jreplicate.ps.handle import Carrier
 from jreplicate.ps.outcome import (
@@ -220,8 +222,10 @@ class RayCarrier(Carrier):
         self.replaces_workers = True  # Ray restarts a worker actor (max_restarts)
         self._starts = [self._runner(w) for w in range(len(self.workers))]
 
-    def start(self, w: int, closure: Any, on_token_wait: Any) -> Any:
-        """Sends ``closure`` to worker ``w``'s actor; the wait returns its outcome."""
+    def start(self, w: int, closure: Closure, on_token_wait: Callable[[bool], None]
+              ) -> Callable[[], Outcome]:
+        """Sends ``closure`` to worker ``w``'s actor; the wait returns its outcome
+        (``on_token_wait`` is not called: live_workers=0 below)."""
         return self._starts[w](closure, on_token_wait)
 
     def _runner(self, w: int):
