@@ -8,6 +8,7 @@ outcome for each run of each step (one worker, so the order of the runs is known
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 from hypothesis import given, settings
@@ -230,5 +231,38 @@ def test_a_wait_that_raises_instead_of_returning_an_outcome_ends_its_step():
         rv = co.schedule(Closure(0, None, False, None, (), 0, None))
         co.join(timeout=BOUND)
         assert rv.fetch(timeout=1) == 0 and rv.attempts == 2
+    finally:
+        co.shutdown(wait=1.0)
+
+
+def test_a_replacement_that_raises_leaves_the_worker_lost_and_says_why(caplog):
+    """The carrier's replace_worker raising: the worker stays lost (its step runs on the
+    other worker) and the reason is logged, not swallowed."""
+
+    class Unreplaceable(FakeCarrier):
+        lost = threading.Event()  # worker 1 runs nothing before worker 0 died
+
+        def start(self, w, c, on_token_wait):
+            if w == 0:
+                return lambda: (self.lost.set(), WorkerLost(WorkerLostError("died")))[1]
+            return lambda: Completed(c.step_id) if self.lost.wait(BOUND) else None
+
+        def replace_worker(self, w):
+            raise RuntimeError("no device left for a new worker")
+
+    co = Coordinator(Unreplaceable(2, replaces_workers=True), max_attempts=3)
+    try:
+        with caplog.at_level("WARNING", logger="jreplicate"):
+            values = [co.schedule(Closure(i, None, False, None, (), 0, None))
+                      for i in range(4)]
+            co.join(timeout=BOUND)
+            deadline = time.monotonic() + BOUND
+            while co.alive[0] or 0 in co._ends.replacing:
+                assert time.monotonic() < deadline
+                time.sleep(0.01)
+        assert [v.fetch(timeout=1) for v in values] == [0, 1, 2, 3]
+        assert co.alive == [False, True]
+        assert any("could not be replaced" in r.getMessage() and r.exc_info
+                   for r in caplog.records)
     finally:
         co.shutdown(wait=1.0)
