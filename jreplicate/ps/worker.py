@@ -120,7 +120,8 @@ class PSWorker:
         decision. Raises :class:`ApplicationError` for the step's own errors (reading
         its input included, and a shard's update raising for its push),
         :class:`InputEnded` when its input (read here, before any token) is exhausted,
-        and :class:`WorkerLostError` (or any other exception) for worker failures."""
+        and :class:`WorkerLostError` (or any other exception) for worker failures; the
+        carrier turns them into an outcome (:func:`jreplicate.ps.outcome.outcome_of`)."""
         self.lost_read = None
         if isinstance(c.batch, WorkerInputs):
             return self._run_zipped(c, on_token_wait)
