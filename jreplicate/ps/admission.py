@@ -39,7 +39,8 @@ from typing import NamedTuple, Protocol
 class AdmissionGate(Protocol):
     """When an idle worker may start a step (called under the queue's lock).
 
-    ``arrive``/``leave`` bracket a worker's wait for a step; ``admits`` decides;
+    ``arrive``/``leave`` bracket a worker's wait for a step; ``admits`` decides (and
+    ``first`` names the idle worker it would admit);
     ``start``/``stop`` follow a step in and out of flight; ``tick`` ends a step on a
     worker (its clock moves on); ``lose``/``rejoin`` follow a worker's loss and return.
     """
@@ -48,6 +49,8 @@ class AdmissionGate(Protocol):
 
     def arrive(self, worker: int) -> None: ...
     def leave(self, worker: int) -> None: ...
+    def first(self, can_run: Callable[[int], bool] | None = None,
+              running: dict[int, int] | None = None) -> int | None: ...
     def admits(self, worker: int, can_run: Callable[[int], bool],
                running: dict[int, int]) -> bool: ...
     def start(self, step_id: int) -> None: ...
@@ -73,18 +76,31 @@ class StalenessGate:
         self.tau = tau
         self._stats = stats
         self._alongside: dict[int, int] = {}  # running step id -> steps it ran alongside
-        self._idle: dict[int, int] = {}  # worker waiting for a step -> its ticket
-        self._tickets = 0
+        self._idle: dict[int, None] = {}  # the workers waiting for a step, in arrival order
         self._max = 0  # the most steps one step ran alongside, so far
 
     def arrive(self, worker: int) -> None:
-        """``worker`` starts waiting for a step (takes a ticket)."""
-        self._tickets += 1
-        self._idle[worker] = self._tickets
+        """``worker`` starts waiting for a step (at the end of the idle order, unless it
+        waits already)."""
+        self._idle.setdefault(worker)
 
     def leave(self, worker: int) -> None:
         """``worker`` stopped waiting (took a step, or exits)."""
         self._idle.pop(worker, None)
+
+    def first(self, can_run: Callable[[int], bool] | None = None,
+              running: dict[int, int] | None = None) -> int | None:
+        """The first idle worker (of those ``can_run`` the step), if starting a step on
+        it now keeps every running step's count at most tau; else None."""
+        v = next((v for v in self._idle if can_run is None or can_run(v)), None)
+        return v if v is not None and self._room(v, running or {}) else None
+
+    def _room(self, worker: int, running: dict[int, int]) -> bool:
+        if self.tau is None:
+            return True
+        others = [i for i, v in running.items() if v != worker]
+        return len(others) <= self.tau and all(self._alongside[i] < self.tau
+                                               for i in others)
 
     def admits(self, worker: int, can_run: Callable[[int], bool],
                running: dict[int, int]) -> bool:
@@ -93,11 +109,8 @@ class StalenessGate:
         at most tau. ``running``: ``{step id: worker}`` in flight."""
         if self.tau is None:
             return True
-        if self._idle[worker] != min(t for v, t in self._idle.items() if can_run(v)):
-            return False  # first come, first served: a finishing worker does not hog
-        others = [i for i, v in running.items() if v != worker]
-        return len(others) <= self.tau and all(self._alongside[i] < self.tau
-                                               for i in others)
+        # first come, first served: a finishing worker does not hog
+        return self.first(can_run, running) == worker
 
     def start(self, step_id: int) -> None:
         """Step ``step_id`` starts alongside every running one."""
@@ -175,8 +188,11 @@ class ClockGate:
         return min((c for v, c in enumerate(self.clocks)
                     if self._live[v] and (can_run is None or can_run(v))), default=None)
 
-    def first(self, can_run: Callable[[int], bool] | None = None) -> int | None:
-        """The first idle worker (in arrival order) that may start a step now."""
+    def first(self, can_run: Callable[[int], bool] | None = None,
+              running: dict[int, int] | None = None) -> int | None:
+        """The first idle worker (in arrival order) that may start a step now
+        (``running`` is not needed: clocks say it all)."""
+        del running
         low = self.slowest(can_run)
         for v in self._idle:
             if (can_run is None or can_run(v)) and self._ok(v, low):
