@@ -51,7 +51,7 @@ class AdmissionGate(Protocol):
     def leave(self, worker: int) -> None: ...
     def first(self, can_run: Callable[[int], bool] | None = None,
               running: dict[int, int] | None = None) -> int | None: ...
-    def admits(self, worker: int, can_run: Callable[[int], bool],
+    def admits(self, worker: int, can_run: Callable[[int], bool] | None,
                running: dict[int, int]) -> bool: ...
     def start(self, step_id: int) -> None: ...
     def stop(self, step_id: int) -> None: ...
@@ -102,11 +102,12 @@ class StalenessGate:
         return len(others) <= self.tau and all(self._alongside[i] < self.tau
                                                for i in others)
 
-    def admits(self, worker: int, can_run: Callable[[int], bool],
+    def admits(self, worker: int, can_run: Callable[[int], bool] | None,
                running: dict[int, int]) -> bool:
         """Whether idle ``worker`` may start a step now: it is the first idle worker
         (of those ``can_run`` the step) and starting keeps every running step's count
-        at most tau. ``running``: ``{step id: worker}`` in flight."""
+        at most tau (``can_run`` None: every worker can). ``running``: ``{step id:
+        worker}`` in flight."""
         if self.tau is None:
             return True
         # first come, first served: a finishing worker does not hog
@@ -169,6 +170,10 @@ class ClockGate:
         self._stats = stats
         self.clocks = [0] * workers
         self._live = [True] * workers
+        # How many live workers are at each clock: the slowest one in O(distinct clocks),
+        # which SSP keeps within about lead + 2 values (1,000 workers: no scan of all).
+        self._at: collections.Counter[int] = collections.Counter({0: workers} if workers
+                                                                 else {})
         self._idle: dict[int, int] = {}  # in arrival order: worker -> its ticket
         self._tickets = 0
         self._max = 0
@@ -185,6 +190,8 @@ class ClockGate:
     def slowest(self, can_run: Callable[[int], bool] | None = None) -> int | None:
         """The smallest clock of the live workers that ``can_run`` the step (None: no
         such worker)."""
+        if can_run is None:
+            return min(self._at, default=None)
         return min((c for v, c in enumerate(self.clocks)
                     if self._live[v] and (can_run is None or can_run(v))), default=None)
 
@@ -204,7 +211,7 @@ class ClockGate:
         # back by itself: low is None only when no live worker can run the step.
         return low is None or self.clocks[v] - low <= self.lead
 
-    def admits(self, worker: int, can_run: Callable[[int], bool],
+    def admits(self, worker: int, can_run: Callable[[int], bool] | None,
                running: dict[int, int]) -> bool:
         """Whether idle ``worker`` may start a step now: its clock is at most ``lead``
         ahead of the slowest live worker's that can run it, and no idle worker that may
@@ -228,10 +235,20 @@ class ClockGate:
 
     def tick(self, worker: int) -> None:
         """A step ended on ``worker`` (completed, or failed there): its clock moves on."""
+        if self._live[worker]:
+            self._count(self.clocks[worker], -1)
+            self._count(self.clocks[worker] + 1, 1)
         self.clocks[worker] += 1
+
+    def _count(self, clock: int, n: int) -> None:
+        self._at[clock] += n
+        if not self._at[clock]:
+            del self._at[clock]
 
     def lose(self, worker: int) -> None:
         """``worker`` was lost: its clock no longer holds the others back."""
+        if self._live[worker]:
+            self._count(self.clocks[worker], -1)
         self._live[worker] = False
         self._idle.pop(worker, None)
 
@@ -239,10 +256,13 @@ class ClockGate:
         """``worker`` is back (replaced): it rejoins at the slowest live worker's clock
         (or its own, if later), so that the others' leads over it stay within bounds
         and the bound on the staleness of updates holds."""
+        if self._live[worker]:
+            return
         low = self.slowest()
         self._live[worker] = True
         if low is not None:
             self.clocks[worker] = max(self.clocks[worker], low)
+        self._count(self.clocks[worker], 1)
 
 
 class StarvationDetector:
@@ -273,6 +293,11 @@ class StarvationDetector:
     def moved(self) -> None:
         """A step ended (or went back to the queue uncounted)."""
         self.progress += 1
+
+    @property
+    def waits(self) -> bool:
+        """Whether any worker waits for a token."""
+        return bool(self._waiting)
 
     def stuck(self, running: set[int], queued: int) -> bool:
         """Whether every running step waits for a token and none is queued."""

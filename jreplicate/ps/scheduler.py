@@ -70,11 +70,6 @@ class Take(NamedTuple):
     why: str
 
 
-def _anyone(worker: int, c: Schedulable) -> bool:
-    del worker, c
-    return True
-
-
 class Scheduler:
     """The queued and running steps, admission and starvation (see the module doc).
 
@@ -172,13 +167,16 @@ class Scheduler:
             return Take(None, STOPPED)
         if self.error is not None:
             return Take(None, FAILED)
-        can_run = can_run or _anyone
-        i = next((i for i, c in enumerate(self._queue) if can_run(worker, c)), None)
+        if can_run is None:  # (the gate's own can_run None: every worker, no calls)
+            i, runs = (0 if self._queue else None), None
+        else:
+            i = next((i for i, c in enumerate(self._queue) if can_run(worker, c)), None)
+            runs = None if i is None else \
+                (lambda v, c=self._queue[i]: can_run(v, c))
         if i is None:
             return Take(None, EMPTY)
         c = self._queue[i]
-        if self.gate.bounded and not self.gate.admits(
-                worker, lambda v: can_run(v, c), self._running):
+        if self.gate.bounded and not self.gate.admits(worker, runs, self._running):
             return Take(None, HELD)
         del self._queue[i]
         self.gate.start(c.step_id)
@@ -263,6 +261,8 @@ class Scheduler:
 
     def stuck(self) -> bool:
         """Every running step waits for a token and none is queued."""
+        if self._queue or not self.starvation.waits:  # (no set of 1,000 workers built)
+            return False
         return self.starvation.stuck(self.running_workers(), len(self._queue))
 
     def maybe_relax(self) -> bool:
