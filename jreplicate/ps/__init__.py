@@ -8,9 +8,11 @@
   update becomes a push.
 * :mod:`jreplicate.ps.worker`: a worker running scheduled steps on its devices.
 * :mod:`jreplicate.ps.coordinator`: TF2 ``ClusterCoordinator`` scheduling and faults,
-  composed of :mod:`jreplicate.ps.closure_queue` (the queued and running steps, TF's
-  ``_CoordinatedClosureQueue``) and :mod:`jreplicate.ps.admission` (the bounded-staleness
-  gate, the token-starvation detector, the statistics) and
+  composed of :mod:`jreplicate.ps.scheduler` (the pure, thread-free scheduling core:
+  queued and running steps, admission, starvation; ``bench/ps_scale_sim.py`` drives it
+  in virtual time), :mod:`jreplicate.ps.closure_queue` (its lock and waits, TF's
+  ``_CoordinatedClosureQueue``), :mod:`jreplicate.ps.admission` (the bounded-staleness
+  gates, the token-starvation detector, the statistics) and
   :mod:`jreplicate.ps.step_record` (what became of the pushes of the steps that ended).
 * :mod:`jreplicate.ps.per_worker`: values built once on each worker (TF's
   ``PerWorkerValues``).
