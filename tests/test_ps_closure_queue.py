@@ -12,11 +12,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from jreplicate.ps.admission import StalenessGate, StarvationDetector, StatsRecorder
+from jreplicate.ps.closure import Closure
 from jreplicate.ps.closure_queue import ClosureQueue
 from jreplicate.ps.coordinator import Coordinator
+from jreplicate.ps.outcome import Cancelled, Completed
 from jreplicate.ps.remote import StepCancelledError
 from jreplicate.ps.scheduler import Scheduler
-from jreplicate.ps.worker import Closure
+from tests._fake_carrier import FakeCarrier
 from tests._ps_helpers import bounded_test  # noqa: F401 (autouse: every test bounded)
 
 BOUND = 10.0  # seconds any wait in these tests may take at most
@@ -268,30 +270,41 @@ def test_stats_snapshot_is_immutable_and_counts_concurrent_updates_exactly():
         snap.completed = 1
 
 
-def _token_runner(token: threading.Event, interrupted: threading.Event):
-    """A step that waits for ``token`` as a token-gated worker does: counted as waiting
-    (``on_token_wait``) while it blocks; cancelled by ``interrupted``."""
-    def start(c, on_token_wait):
+class _TokenCarrier(FakeCarrier):
+    """Steps that wait for ``token`` as a token-gated worker does: counted as waiting
+    (``on_token_wait``) while they block; cancelled by :meth:`interrupt`; shard 0 has
+    a token to give when ``token_there``."""
+
+    def __init__(self, n: int, token: threading.Event, token_there: bool):
+        super().__init__(n)
+        self.token, self.token_there = token, token_there
+        self.interrupted = threading.Event()
+
+    def interrupt(self) -> None:
+        self.interrupted.set()
+
+    def starved(self) -> bool:
+        return not self.token_there
+
+    def start(self, w, c, on_token_wait):
         def wait():
             on_token_wait(True)
             try:
-                while not token.wait(0.01):
-                    if interrupted.is_set():
-                        raise StepCancelledError("interrupted")
+                while not self.token.wait(0.01):
+                    if self.interrupted.is_set():
+                        return Cancelled(StepCancelledError("interrupted"))
             finally:
                 on_token_wait(False)
-            return c.step_id
+            return Completed(c.step_id)
         return wait
-    return start
 
 
 @pytest.mark.parametrize("token_there", [False, True])
 def test_join_cancels_token_waits_only_when_shard_0_has_no_token(token_there):
     """Every running step waits, none queued: with no token to give, join raises
     StepCancelledError after the grace; with one, it keeps waiting and returns."""
-    token, interrupted = threading.Event(), threading.Event()
-    co = Coordinator([_token_runner(token, interrupted)] * 2, starved=lambda: not token_there,
-                     interrupt=interrupted.set)
+    token = threading.Event()
+    co = Coordinator(_TokenCarrier(2, token, token_there))
     co.STARVED_AFTER = co._starvation.grace = 0.3
     values = [co.schedule(_c(i)) for i in range(2)]
     if token_there:

@@ -6,13 +6,18 @@
 * :mod:`jreplicate.ps.client`: a worker's pull and push over all shards.
 * :mod:`jreplicate.ps.capture`: :func:`jreplicate.ps.pushable`, how a step's optimizer
   update becomes a push.
+* :mod:`jreplicate.ps.closure`: a scheduled step (``Closure``) and its cancel flag.
 * :mod:`jreplicate.ps.worker`: a worker running scheduled steps on its devices.
-* :mod:`jreplicate.ps.coordinator`: TF2 ``ClusterCoordinator`` scheduling and faults,
-  composed of :mod:`jreplicate.ps.scheduler` (the pure, thread-free scheduling core:
-  queued and running steps, admission, starvation; ``bench/ps_scale_sim.py`` drives it
-  in virtual time), :mod:`jreplicate.ps.closure_queue` (its lock and waits, TF's
+* :mod:`jreplicate.ps.outcome`: what became of a step's run, as a value.
+* :mod:`jreplicate.ps.coordinator`: TF2 ``ClusterCoordinator`` scheduling and faults
+  over one carrier (:class:`jreplicate.ps.handle.StepCarrier`), composed of
+  :mod:`jreplicate.ps.scheduler` (the pure, thread-free scheduling core: queued and
+  running steps, admission, starvation; ``bench/ps_scale_sim.py`` drives it in virtual
+  time), :mod:`jreplicate.ps.closure_queue` (its lock and waits, TF's
   ``_CoordinatedClosureQueue``), :mod:`jreplicate.ps.admission` (the bounded-staleness
-  gates, the token-starvation detector, the statistics) and
+  gates, the token-starvation detector, the statistics),
+  :mod:`jreplicate.ps.step_ends` (how each outcome ends a step),
+  :mod:`jreplicate.ps.input_sweeps` (the per-worker inputs' ends) and
   :mod:`jreplicate.ps.step_record` (what became of the pushes of the steps that ended).
 * :mod:`jreplicate.ps.per_worker`: values built once on each worker (TF's
   ``PerWorkerValues``).

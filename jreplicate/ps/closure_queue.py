@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any
 from jreplicate.ps.scheduler import HELD, Scheduler
 
 if TYPE_CHECKING:
-    from jreplicate.ps.worker import Closure
+    from jreplicate.ps.closure import Closure
 
 
 class ClosureQueue:

@@ -23,6 +23,7 @@ from jreplicate.execution.cache import FunctionMap
 from jreplicate.input.iterator import InputIterator
 from jreplicate.ps import capture
 from jreplicate.ps.client import ShardClient
+from jreplicate.ps.closure import Closure, HostBatch
 from jreplicate.ps.config import PSConfig
 from jreplicate.ps.coordinator import Coordinator
 from jreplicate.ps.embedded import EmbeddedCarrier
@@ -42,7 +43,6 @@ from jreplicate.ps.shard_restart import (
     lost_updates,
 )
 from jreplicate.ps.step_record import StepRecord
-from jreplicate.ps.worker import Closure, HostBatch
 from jreplicate.ps.worker_input import (
     WorkerInput,
     WorkerInputIterator,
@@ -131,17 +131,8 @@ class ParameterServerExecutor(Executor):
                                             opt_host, restored)
         self.client = self._carrier.client
         self.coordinator = Coordinator(
-            self._carrier.runners, depth=self._carrier.depth, max_staleness=s.max_staleness,
-            max_clock_lead=s.max_clock_lead, max_attempts=s.max_attempts,
-            is_shard_failure=self._carrier.is_shard_failure,
-            interrupt=self._carrier.interrupt, on_worker_lost=self._carrier.workers_alive,
-            on_relax=lambda relax: self._carrier.workers_alive(
-                0 if relax else sum(self.coordinator.alive)),
-            settle=self.client.settle, starved=self._carrier.starved,
-            replace=self._carrier.replace_worker if s.carrier == "ray"
-            or s.max_worker_restarts != 0 else None,
-            decided=self.client.decided, skip=self.client.skip, forget=self.client.forget,
-            record=record)
+            self._carrier, depth=self._carrier.depth, max_staleness=s.max_staleness,
+            max_clock_lead=s.max_clock_lead, max_attempts=s.max_attempts, record=record)
         self._carrier.set_live_workers(lambda: sum(self.coordinator.alive))
 
     def shard_step(self, i: int) -> int:
@@ -400,11 +391,11 @@ class ParameterServerExecutor(Executor):
         return ZippedWorkerInputs(owner, self, tuple(iterators))
 
     def sweep_exhausted(self, sweep: tuple) -> bool:
-        return self.coordinator is not None and self.coordinator.sweep_exhausted(sweep)
+        return self.coordinator is not None and self.coordinator.sweeps.exhausted(sweep)
 
     def input_exhausted(self, key: int, generation: int) -> bool:
         return self.coordinator is not None and \
-            self.coordinator.input_exhausted(key, generation)
+            self.coordinator.sweeps.exhausted((key, generation))
 
     def reset_input(self, key: int, generation: int) -> None:
         if self.coordinator is not None:

@@ -48,7 +48,7 @@ TAKEN, STOPPED, FAILED, EMPTY, HELD = "taken", "stopped", "failed", "empty", "he
 
 
 class Schedulable(Protocol):
-    """What the scheduler needs of a step (:class:`jreplicate.ps.worker.Closure`)."""
+    """What the scheduler needs of a step (:class:`jreplicate.ps.closure.Closure`)."""
 
     step_id: int
 
