@@ -12,7 +12,7 @@ scheduler, together with the queue and the bounded-delay rule.
 """
 
 import pytest
-from hypothesis import HealthCheck, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
@@ -243,6 +243,49 @@ SchedulerMachine.TestCase.settings = settings(
     max_examples=150, stateful_step_count=40, deadline=None,
     suppress_health_check=[HealthCheck.too_slow])
 TestScheduler = SchedulerMachine.TestCase
+
+
+@settings(max_examples=200, deadline=None)
+@given(n=st.integers(1, 6), tau=st.integers(0, 3),
+       ops=st.lists(st.tuples(st.sampled_from(["next", "finish", "lose", "back"]),
+                              st.integers(0, 5)), max_size=60))
+def test_bounded_delay_never_lets_a_running_step_run_alongside_more_than_tau(n, tau, ops):
+    """Any order of starts, finishes, losses and returns: every running step ran
+    alongside at most tau others (recounted here from the starts), and with nothing
+    running an idle worker starts a step."""
+    s = Scheduler(n, max_staleness=tau)
+    for i in range(40):
+        s.submit(Step(i))
+    alive = set(range(n))
+    for w in range(n):
+        s.arrive(w)
+    alongside: dict[int, int] = {}
+    for op, k in ops:
+        if op == "next" and (got := s.take_next()) is not None:
+            for i in alongside:
+                alongside[i] += 1
+            alongside[got[1].step_id] = len(alongside)
+        elif op == "finish" and alongside:
+            step = sorted(alongside)[k % len(alongside)]
+            w = s.running()[step]
+            s.finish(w, next(c for c in s.in_flight() if c.step_id == step))
+            del alongside[step]
+            s.arrive(w)
+        elif op == "lose" and len(alive) > 1:
+            w = sorted(alive)[k % len(alive)]
+            alive.discard(w)
+            s.worker_lost(w)
+            for c in [c for c in s.in_flight() if s.running()[c.step_id] == w]:
+                s.put_back(c)
+                del alongside[c.step_id]
+        elif op == "back" and len(alive) < n:
+            w = sorted(set(range(n)) - alive)[k % (n - len(alive))]
+            alive.add(w)
+            s.worker_back(w)
+            s.arrive(w)
+        assert all(v <= tau for v in alongside.values()), alongside
+    if not alongside:  # nothing running, every live worker idle: one starts
+        assert s.take_next() is not None
 
 
 def test_take_says_why_it_gives_nothing():
