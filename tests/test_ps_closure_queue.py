@@ -17,6 +17,7 @@ from jreplicate.ps.closure_queue import ClosureQueue
 from jreplicate.ps.coordinator import Coordinator
 from jreplicate.ps.outcome import Cancelled, Completed
 from jreplicate.ps.remote import StepCancelledError
+from jreplicate.ps.scheduler import Scheduler
 from tests._fake_carrier import FakeCarrier
 from tests._ps_helpers import bounded_test  # noqa: F401 (autouse: every test bounded)
 
@@ -27,7 +28,7 @@ def _c(i: int) -> Closure:
     return Closure(i, None, False, None, (), 0, None)
 
 
-def _any(c: Closure) -> bool:
+def _any(w: int, c: Closure) -> bool:
     return True
 
 
@@ -42,7 +43,7 @@ def test_get_takes_in_put_order_and_skips_what_the_taker_cannot_run():
     q = ClosureQueue()
     for i in range(4):
         q.put(_c(i))
-    assert q.get(0, lambda c: c.step_id % 2 == 1).step_id == 1
+    assert q.get(0, lambda w, c: c.step_id % 2 == 1).step_id == 1
     assert [q.get(1, _any).step_id for _ in range(3)] == [0, 2, 3]
     assert q.running() == {1: 0, 0: 1, 2: 1, 3: 1} and q.queued == 0 and q.pending == 4
     assert q.get(0, _any, idle_timeout=0) is None  # nothing queued: no block
@@ -62,10 +63,11 @@ def test_put_back_goes_to_the_front_or_the_given_position_and_leaves_flight():
     assert [q.get(0, _any).step_id for _ in range(3)] == [0, 2, 1]
 
 
-def test_hooks_see_every_closure_enter_and_leave_flight_once():
+def test_the_gate_sees_every_closure_enter_and_leave_flight_once():
     entered, left = [], []
-    q = ClosureQueue(on_start=lambda c: entered.append(c.step_id),
-                     on_stop=lambda c: left.append(c.step_id))
+    sched = Scheduler(1)
+    sched.gate.start, sched.gate.stop = entered.append, left.append
+    q = ClosureQueue(sched)
     for i in range(3):
         q.put(_c(i))
     cs = [q.get(0, _any) for _ in range(3)]
@@ -138,19 +140,10 @@ def test_get_times_out_when_idle():
 def test_a_take_held_back_by_the_gate_wakes_when_a_step_leaves_flight():
     """tau = 0: worker 1 waits (no timeout) until worker 0's step ends."""
     stats = StatsRecorder(2)
-    gate = StalenessGate(0, stats)
-    q = ClosureQueue(on_start=lambda c: gate.start(c.step_id),
-                     on_stop=lambda c: gate.stop(c.step_id))
+    q = ClosureQueue(Scheduler(2, max_staleness=0, stats=stats))
 
     def take(w):
-        with q.lock:
-            gate.arrive(w)
-            try:
-                return q.get(w, _any, idle_timeout=BOUND,
-                             admit=lambda c: gate.admits(w, lambda v: True, q.running()))
-            finally:
-                gate.leave(w)
-                q.notify_takers()
+        return q.get(w, _any, idle_timeout=BOUND)
 
     for i in range(2):
         q.put(_c(i))

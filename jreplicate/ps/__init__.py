@@ -11,9 +11,11 @@
 * :mod:`jreplicate.ps.outcome`: what became of a step's run, as a value.
 * :mod:`jreplicate.ps.coordinator`: TF2 ``ClusterCoordinator`` scheduling and faults
   over one carrier (:class:`jreplicate.ps.handle.StepCarrier`), composed of
-  :mod:`jreplicate.ps.closure_queue` (the queued and running steps, TF's
+  :mod:`jreplicate.ps.scheduler` (the pure, thread-free scheduling core: queued and
+  running steps, admission, starvation; ``bench/ps_scale_sim.py`` drives it in virtual
+  time), :mod:`jreplicate.ps.closure_queue` (its lock and waits, TF's
   ``_CoordinatedClosureQueue``), :mod:`jreplicate.ps.admission` (the bounded-staleness
-  gate, the token-starvation detector, the statistics),
+  gates, the token-starvation detector, the statistics),
   :mod:`jreplicate.ps.step_ends` (how each outcome ends a step),
   :mod:`jreplicate.ps.input_sweeps` (the per-worker inputs' ends) and
   :mod:`jreplicate.ps.step_record` (what became of the pushes of the steps that ended).

@@ -61,14 +61,7 @@ import time
 import weakref
 from collections.abc import Callable
 
-from jreplicate.ps.admission import (
-    AdmissionGate,
-    ClockGate,
-    CoordinatorStats,
-    StalenessGate,
-    StarvationDetector,
-    StatsRecorder,
-)
+from jreplicate.ps.admission import CoordinatorStats
 from jreplicate.ps.closure import Closure
 from jreplicate.ps.closure_queue import ClosureQueue
 from jreplicate.ps.handle import StepCarrier
@@ -76,6 +69,7 @@ from jreplicate.ps.input_sweeps import InputSweeps, input_sweep
 from jreplicate.ps.ledger import Ledger
 from jreplicate.ps.outcome import Outcome, from_error
 from jreplicate.ps.remote import ParameterServerError, RemoteValue, StepCancelledError
+from jreplicate.ps.scheduler import Scheduler
 from jreplicate.ps.step_ends import StepEnds
 from jreplicate.ps.step_record import StepRecord
 
@@ -132,13 +126,14 @@ class Coordinator:
         n = carrier.num_workers
         self._carrier = carrier
         self._depth = depth
-        self._stats = StatsRecorder(n)
-        self._gate: AdmissionGate = (
-            StalenessGate(max_staleness, self._stats) if max_clock_lead is None
-            else ClockGate(max_clock_lead, n, self._stats))
-        self._starvation = StarvationDetector(self.STARVED_AFTER)
-        self._queue = ClosureQueue(on_start=lambda c: self._gate.start(c.step_id),
-                                   on_stop=lambda c: self._gate.stop(c.step_id))
+        # The scheduling state (queue, in flight, admission, starvation) is the pure
+        # Scheduler's; the queue's lock guards it, and the worker threads drive it.
+        self._sched = Scheduler(n, max_staleness=max_staleness,
+                                max_clock_lead=max_clock_lead,
+                                starved_after=self.STARVED_AFTER)
+        self._stats, self._gate = self._sched.stats, self._sched.gate
+        self._starvation = self._sched.starvation
+        self._queue = ClosureQueue(self._sched)
         self._threads: list[threading.Thread | None] = [None] * n
         #: The sweeps of the per-worker inputs ended on which workers (under the lock).
         self.sweeps = InputSweeps()
@@ -182,10 +177,9 @@ class Coordinator:
                 raise StopIteration
             rv = RemoteValue(closure.step_id)
             self._values[closure.step_id] = rv
-            q.put(closure)
+            restore = q.put(closure)  # new steps: token-gated relaxation undone
             self._stats.count("scheduled")
             self._start_threads()
-            restore = self._starvation.unrelax()
         if restore:
             self._on_relax(False)
         return rv
@@ -335,18 +329,10 @@ class Coordinator:
     def _take(self, w: int, wait: bool = True) -> Closure | None:
         """The next closure ``w`` may run, marked running (None: stop, or none now when
         not ``wait``-ing)."""
-        q, gate = self._queue, self._gate
-        kw = {} if not gate.bounded else {"admit": lambda c: gate.admits(
-            w, lambda v: self._can_run(v, c), q.running())}
-        with q.lock:
-            gate.arrive(w)
-            try:
-                c = q.get(w, lambda c: self._can_run(w, c), stop=lambda: not self._alive[w],
-                          idle_timeout=self.IDLE_EXIT if wait else 0, **kw)
-            finally:
-                gate.leave(w)
-                if kw:
-                    q.notify_takers()  # the next idle worker may be first now
+        q = self._queue
+        with q.lock:  # Scheduler.take, waited for (admission and all)
+            c = q.get(w, self._can_run, stop=lambda: not self._alive[w],
+                      idle_timeout=self.IDLE_EXIT if wait else 0)
             if c is None and wait and self._alive[w] and not q.stopped:
                 self._threads[w] = None  # idle: restarted by the next schedule
             return c
@@ -357,14 +343,14 @@ class Coordinator:
 
     def _token_wait(self, w: int, waiting: bool) -> None:
         with self._queue.lock:
-            self._starvation.token_wait(w, waiting)
+            relax = self._sched.token_wait(w, waiting)
             self._queue.notify_waiters()  # join's starvation check
-        self._maybe_relax()
+        if relax:
+            self._on_relax(True)
 
     def _maybe_relax(self) -> None:
-        q, det = self._queue, self._starvation
-        with q.lock:
-            relax = det.relax(det.stuck(q.running_workers(), q.queued))
+        with self._queue.lock:
+            relax = self._sched.maybe_relax()
         if relax:
             self._on_relax(True)
 
