@@ -79,7 +79,9 @@ from jreplicate.ps.admission import (
     StatsRecorder,
 )
 from jreplicate.ps.closure_queue import ClosureQueue
-from jreplicate.ps.ledger import Ledger
+from jreplicate.ps.fate.ledger import Ledger
+from jreplicate.ps.fate.reconcile import shard_lost_error
+from jreplicate.ps.fate.record import StepRecord
 from jreplicate.ps.remote import (
     ParameterServerError,
     RemoteValue,
@@ -87,7 +89,6 @@ from jreplicate.ps.remote import (
     WorkerLostError,
 )
 from jreplicate.ps.shard import ShardClosedError
-from jreplicate.ps.step_record import StepRecord
 from jreplicate.ps.worker import ApplicationError, Closure
 from jreplicate.ps.worker_input import InputEnded, WorkerInput, WorkerInputs
 
@@ -210,7 +211,7 @@ class Coordinator:
         self._input_ended: dict[tuple[int, int], set[int]] = {}
         self._input_exhausted: set[tuple[int, int]] = set()
         #: The record of ended steps (completed, skipped, half applied) and of the
-        #: job's history: see :mod:`jreplicate.ps.step_record`.
+        #: job's history: see :mod:`jreplicate.ps.fate.record`.
         self.record = record if record is not None else StepRecord()
         _LIVE.add(self)
         with self._queue.lock:
@@ -645,12 +646,7 @@ class Coordinator:
 
     def _shard_lost(self, e: BaseException) -> BaseException:
         with self._queue.lock:
-            err = ParameterServerError(
-                f"a parameter-server shard failed ({type(e).__name__}: {e}); the "
-                "parameters it held are gone, so training stops. Restore the last "
-                "checkpoint (strategy.restore(...)), or restart the lost shard from "
-                "it (strategy.restart_shard(i, state)).")
-            err.__cause__ = e
+            err = shard_lost_error(e)
             self._fail(self._queue.mark_failed(err), err)
             return self._queue.error
 
