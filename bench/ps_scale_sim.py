@@ -230,7 +230,7 @@ class Sim:
         """What decides whether a waiter may take a token (a pass over the waiters is
         needed only when it changed, or for a new waiter)."""
         s0 = self.shards[0]
-        return (s0.step, self.returned, min(s0._acked[1:], default=0),
+        return (s0.step, self.returned, min(s0.release.acked[1:], default=0),
                 self._live() >= self.k, self.relaxed)
 
     def _retry_tokens(self, only_new: bool = False) -> None:

@@ -53,17 +53,19 @@ from typing import Any
 import jax
 import numpy as np
 
-from jreplicate.ps.fate.decision import Decision, ShardBook, driver_decision
+from jreplicate.ps.fate.decision import Decision, ShardBook, TokenRelease, driver_decision
 from jreplicate.ps.fate.ledger import Ledger
 from jreplicate.ps.remote import ShardUpdateError, original_error
 from jreplicate.ps.shard_update import (
     ShardUpdate,
+    _accumulated,
     _counters,
+    _deleted,
     _is_sync,
     _own_buffers,
     _sync_state,
+    _token_returned,
 )
-from jreplicate.sync.state import SyncReplicasState
 
 
 class ShardClosedError(RuntimeError):
@@ -101,10 +103,8 @@ class PSShard:
                  ledger: Ledger | None = None, num_shards: int = 1,
                  max_staleness: int | None = None):
         self.index = index
-        self._device = device
         put = (lambda t: jax.device_put(t, device)) if device is not None else \
             (lambda t: jax.tree.map(jax.numpy.asarray, t))
-        self._put = put
         self._params = put(params)
         # A shard without parameters (more shards than leaves) keeps only its ledger.
         self.empty = not params
@@ -117,17 +117,10 @@ class PSShard:
         self._cond = threading.Condition(threading.Lock())
         self._closed: str | None = None
         self._interrupts = 0
-        self._k: int | None = None  # replicas_to_aggregate, learnt at the first update
-        self._live: int | None = None  # workers alive, as the coordinator last said
-        # Token-gated, shard 0: the step each other shard acknowledged having reached.
-        self._acked = [self._step] * max(int(num_shards), 1)
-        # The fate of the pushes (ledger, decisions, staged and accepted pieces); the
-        # accepted pushes of the current step fed so far (an empty shard keeps the count
-        # as its whole optimizer state).
-        self.book = ShardBook(index, ledger, fed=int(
-            _sync_state(self._opt_state).num_accumulated) if self.token_gated
-            else int(np.asarray(opt_state["accumulated"])) if self.empty and
-            isinstance(opt_state, dict) and "accumulated" in opt_state else 0)
+        # Token-gated, shard 0: when a step's tokens may be handed out.
+        self.release = TokenRelease(self._step, num_shards)
+        # The fate of the pushes (ledger, decisions, staged and accepted pieces).
+        self.book = ShardBook(index, ledger, fed=_accumulated(self._opt_state, opt_state))
         self.apply_seconds = 0.0
         #: The jitted update (None: no pieces), compiled now (see :class:`ShardUpdate`).
         self.update = None if self.empty else ShardUpdate(
@@ -146,9 +139,8 @@ class PSShard:
         """
         try:
             return self.update(self._params, self._opt_state, *args)
-        except Exception as e:
-            if any(getattr(x, "is_deleted", lambda: False)()
-                   for x in jax.tree.leaves(self._opt_state)):
+        except Exception as e:  # the user's update may raise anything: the push's error
+            if _deleted(self._opt_state):
                 raise self._lose("lost: its update raised ({}: {}) after taking its "
                                  "optimizer state".format(*original_error(e))) from e
             self.book.failed(push_id, self._step)
@@ -171,7 +163,7 @@ class PSShard:
         args = (grads, np.int32(fetched_step)) if self.token_gated else (grads,)
         try:
             self.update.trial(params, opt, *args)
-        except Exception as e:
+        except Exception as e:  # the user's update may raise anything: the push's error
             raise ShardUpdateError.of(e, shard=self.index, step_id=push_id) from e
 
     # -- reading ---------------------------------------------------------------------
@@ -264,9 +256,8 @@ class PSShard:
 
     def _push_async(self, push_id, fetched_step, grads):
         staleness = self._step - int(fetched_step)
-        if self._tau is not None and staleness > self._tau:
-            self.ledger.record(push_id, "stale")
-            return Decision("stale", self._step)
+        if (d := self.book.too_stale(push_id, self._step, staleness, self._tau)) is not None:
+            return d
         t0 = time.perf_counter()
         self._params, self._opt_state = self._updated(push_id, grads)
         self.apply_seconds += time.perf_counter() - t0
@@ -280,8 +271,7 @@ class PSShard:
         self._params, self._opt_state = self._updated(push_id, grads, np.int32(local_step))
         after = _counters(self._opt_state)
         d = driver_decision(before, after, attempt)
-        if d.completes:
-            self._k = d.index + 1
+        self.release.decided(d)
         self._step = after.global_step
         self.book.decided_by_driver(push_id, d)
         if d.completes:
@@ -367,13 +357,8 @@ class PSShard:
         """The other shards' steps as a worker saw them after its commits: tokens of a
         step are handed out once every shard reached it."""
         with self._cond:
-            for i, st in enumerate(steps, 1):
-                if i < len(self._acked):
-                    self._acked[i] = max(self._acked[i], int(st))
+            self.release.ack(steps)
             self._cond.notify_all()
-
-    def _released(self) -> bool:
-        return min(self._acked[1:], default=self._step) >= self._step
 
     def take_token(self, deadline: float, *, skip_stale: bool = True, min_step: int = 0,
                    live_workers: int = 0,
@@ -388,11 +373,9 @@ class PSShard:
           skip_stale: drop tokens older than ``global_step`` (a gradient computed with
             one would be dropped as stale) and take the next one; False keeps
             TensorFlow's FIFO exactly.
-          min_step: with ``skip_stale``, wait until ``global_step >= min_step`` (the
-            caller's last gradient was accepted for step ``min_step - 1``: one gradient
-            per worker and step, so a fast worker does not take a slower worker's token
-            of the same step and turn that worker's gradient into a backup). Applied only
-            while ``live_workers`` is at least ``replicas_to_aggregate``.
+          min_step: with ``skip_stale``, wait until ``global_step >= min_step``, so that
+            a fast worker does not take a slower one's token of the same step and turn
+            its gradient into a backup (:meth:`TokenRelease.holds_back`).
           live_workers: the workers alive (see ``min_step``).
           on_wait: called with True when the caller starts blocking (no token it may
             take) and with False when it stops; never under the shard's lock.
@@ -431,11 +414,8 @@ class PSShard:
         self._check_open()
         if self._interrupts != generation:
             raise TokenWaitInterrupted("the token wait was cancelled")
-        if not self._released():
-            return None
-        live = live_workers if self._live is None else min(live_workers, self._live)
-        if skip_stale and self._k is not None and live >= self._k and \
-                self._step < min_step:
+        if not self.release.released(self._step) or self.release.holds_back(
+                self._step, min_step, live_workers, skip_stale):
             return None
         while int(self.update.available(self._opt_state)) > 0:
             token, self._opt_state = self.update.take(self._opt_state)
@@ -448,7 +428,7 @@ class PSShard:
         """Whether a token waiter could take a token now (every shard reached
         ``global_step`` and the queue holds one)."""
         with self._cond:
-            return self.token_gated and self._released() and \
+            return self.token_gated and self.release.released(self._step) and \
                 int(self.update.available(self._opt_state)) > 0
 
     def return_token(self, token: int) -> None:
@@ -456,20 +436,16 @@ class PSShard:
         with self._cond:
             if not self.token_gated or self._closed:
                 return
-            s = _sync_state(self._opt_state)
-            q = s.tokens
-            if int(q.head_step) == token == int(s.global_step):
-                new_q = q._replace(head_count=q.head_count + 1)
-                self._opt_state = jax.tree.map(
-                    lambda x: s._replace(tokens=new_q) if isinstance(x, SyncReplicasState)
-                    else x, self._opt_state, is_leaf=lambda x: isinstance(x, SyncReplicasState))
+            new = _token_returned(self._opt_state, token)
+            if new is not None:
+                self._opt_state = new
                 self._cond.notify_all()
 
     def set_live_workers(self, n: int) -> None:
         """The coordinator's count of live workers (a worker died): token waits that
         held one gradient per worker and step re-check whether enough workers remain."""
         with self._cond:
-            self._live = int(n)
+            self.release.live = int(n)
             self._cond.notify_all()
 
     def interrupt(self) -> None:

@@ -40,6 +40,34 @@ def _counters(state: Any) -> Counters:
                     int(s.dropped_backup))
 
 
+def _accumulated(state: Any, saved: Any) -> int:
+    """The accepted pushes of the current step already fed to a shard's accumulators:
+    its ``SyncReplicasState``'s count, or an empty shard's saved count (``saved``, the
+    whole optimizer state it keeps), else 0."""
+    if _is_sync(state):
+        return int(_sync_state(state).num_accumulated)
+    if state is None and isinstance(saved, dict) and "accumulated" in saved:
+        return int(np.asarray(saved["accumulated"]))
+    return 0
+
+
+def _deleted(state: Any) -> bool:
+    """Whether a leaf of ``state`` was deleted (donated to an update that then raised)."""
+    return any(getattr(x, "is_deleted", lambda: False)() for x in jax.tree.leaves(state))
+
+
+def _token_returned(state: Any, token: int) -> Any:
+    """``state`` with ``token`` back in its token queue, if it is of the current step and
+    at the queue's head (None: it is not, nothing to put back)."""
+    s = _sync_state(state)
+    q = s.tokens
+    if not int(q.head_step) == token == int(s.global_step):
+        return None
+    new_q = q._replace(head_count=q.head_count + 1)
+    return jax.tree.map(lambda x: s._replace(tokens=new_q) if isinstance(
+        x, SyncReplicasState) else x, state, is_leaf=lambda x: isinstance(x, SyncReplicasState))
+
+
 def check_transformation(index: int, tx: Any, pieces: dict[str, np.ndarray],
                          paths: list[str]) -> None:
     """Traces (abstractly) ``tx``'s ``init`` and ``update`` over shard ``index``'s
@@ -62,7 +90,7 @@ def check_transformation(index: int, tx: Any, pieces: dict[str, np.ndarray],
             jax.eval_shape(lambda p, s: _sync_update(tx, p, s, p, -1), pieces, state)
         else:
             jax.eval_shape(lambda p, s: _apply_update(tx, p, s, p), pieces, state)
-    except Exception as e:
+    except Exception as e:  # the user's transformation may raise anything: named here
         kind, message = original_error(e)
         raise ValueError(
             f"ParameterServerStrategy: the optimizer cannot run on parameter-server shard "

@@ -17,6 +17,7 @@ from jreplicate.ps.fate.decision import (
     Counters,
     Decision,
     ShardBook,
+    TokenRelease,
     driver_decision,
     needs_ack,
 )
@@ -42,6 +43,7 @@ __all__ = [
     "Ledger",
     "ShardBook",
     "StepRecord",
+    "TokenRelease",
     "check_history",
     "decided_ids",
     "driver_decision",

@@ -126,6 +126,16 @@ class ShardBook:
         self.ledger.record(push_id, "failed")
         self.ledger.decisions[push_id] = Decision("failed", step)
 
+    def too_stale(self, push_id: int, step: int, staleness: int, tau: int | None
+                  ) -> Decision | None:
+        """Asynchronous mode: a push ``staleness`` updates stale, beyond the bound
+        ``tau`` (None: no bound), is dropped: recorded ``stale``, its decision returned
+        (None: it is applied)."""
+        if tau is None or staleness <= tau:
+            return None
+        self.ledger.record(push_id, "stale")
+        return Decision("stale", step)
+
     def decided_by_driver(self, push_id: int, d: Decision) -> None:
         """Shard 0 (token-gated) decided ``d`` for ``push_id``: recorded, and kept for
         a rerun's push (until :data:`FORGET`)."""
@@ -211,3 +221,44 @@ class ShardBook:
                 "transformation.")
         self.pending.pop(step, None)
         self.fed = 0
+
+
+class TokenRelease:
+    """Token-gated shard 0: when a step's tokens may be handed out (TensorFlow's "only
+    after all variables have been updated"): once every other shard committed the
+    step's accepted pushes and acknowledged reaching it (:meth:`ack`), and, for a waiter
+    that already pushed for the step, not before the next one.
+
+    Args:
+      step: the step every shard is at (the restored ``global_step``).
+      num_shards: the shards of the job.
+    """
+
+    def __init__(self, step: int, num_shards: int):
+        #: The step each shard acknowledged having reached (index 0 unused).
+        self.acked = [int(step)] * max(int(num_shards), 1)
+        self.k: int | None = None  # replicas_to_aggregate, learnt at the first completion
+        self.live: int | None = None  # workers alive, as the coordinator last said
+
+    def ack(self, steps: list[int]) -> None:
+        """The other shards' ``steps`` (shard 1 first) as a worker saw them."""
+        for i, st in enumerate(steps, 1):
+            if i < len(self.acked):
+                self.acked[i] = max(self.acked[i], int(st))
+
+    def decided(self, d: Decision) -> None:
+        """Shard 0 decided ``d``: a completing push tells ``replicas_to_aggregate``."""
+        if d.completes:
+            self.k = d.index + 1
+
+    def released(self, step: int) -> bool:
+        """Whether every other shard reached ``step`` (shard 0's ``global_step``)."""
+        return min(self.acked[1:], default=step) >= step
+
+    def holds_back(self, step: int, min_step: int, live_workers: int,
+                   skip_stale: bool) -> bool:
+        """Whether a waiter whose last gradient counted for ``min_step - 1`` waits for
+        ``global_step`` (``step``) to reach ``min_step``: one gradient per worker and
+        step, while at least ``replicas_to_aggregate`` workers are alive."""
+        live = live_workers if self.live is None else min(live_workers, self.live)
+        return skip_stale and self.k is not None and live >= self.k and step < min_step
