@@ -2,7 +2,7 @@
 
 What it stands for. The engine-neutral core of ``ParameterServerStrategy`` is real
 here: :class:`jreplicate.ps.shard.PSShard` objects (their jitted optax updates, their
-:class:`jreplicate.ps.ledger.Ledger`, shard 0's ``sync_replicas`` host driver and token
+:class:`jreplicate.ps.fate.ledger.Ledger`, shard 0's ``sync_replicas`` host driver and token
 queue, staging / decision / commit / ack across shards, the shards' staleness guard) and
 :meth:`jreplicate.ps.client.ShardClient.settle` for a worker lost mid-push. The
 :class:`jreplicate.ps.coordinator.Coordinator` is thread-bound (one thread per worker,
