@@ -86,10 +86,17 @@ def settle_restart(record: StepRecord, ledger: Ledger, undecided: Iterable[int],
     shard decided them) are recorded skipped, the other ended ids completed (a live
     shard decided them); the restarted ledger decides, uncounted, the ids it ``lost``
     and those skipped since its save (no push of them will come), so that its watermark
-    moves on. The caller skips the ``undecided`` ids on the live shards."""
+    moves on. The caller skips the ``undecided`` ids on the live shards.
+
+    The steps recorded half applied below ``stop`` are resolved: the live shards agree
+    on each (the caller checked), and the restarted shard either lost its update
+    (``lost``) or, as every shard, skips it; so they no longer keep ``state()`` from
+    saving."""
     for pid in undecided:
         record.skip(pid)
     record.ended_below(stop)
+    for pid in [p for p in record.half_applied if p < stop]:
+        del record.half_applied[pid]
     gone = set(lost)
     for pid in range(ledger.watermark, stop):
         if pid in gone or record.was_skipped(pid):
