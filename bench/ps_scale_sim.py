@@ -2,7 +2,7 @@
 
 What it stands for. The engine-neutral core of ``ParameterServerStrategy`` is real
 here: :class:`jreplicate.ps.shard.PSShard` objects (their jitted optax updates, their
-:class:`jreplicate.ps.ledger.Ledger`, shard 0's ``sync_replicas`` host driver and token
+:class:`jreplicate.ps.fate.ledger.Ledger`, shard 0's ``sync_replicas`` host driver and token
 queue, staging / decision / commit / ack across shards, the shards' staleness guard),
 :meth:`jreplicate.ps.client.ShardClient.settle` for a worker lost mid-push, and the
 coordinator's scheduling: the pure :class:`jreplicate.ps.scheduler.Scheduler` that the
@@ -228,7 +228,7 @@ class Sim:
         """What decides whether a waiter may take a token (a pass over the waiters is
         needed only when it changed, or for a new waiter)."""
         s0 = self.shards[0]
-        return (s0.step, self.returned, min(s0._acked[1:], default=0),
+        return (s0.step, self.returned, min(s0.release.acked[1:], default=0),
                 self._live() >= self.k, self.relaxed)
 
     def _retry_tokens(self, only_new: bool = False) -> None:

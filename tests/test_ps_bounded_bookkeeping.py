@@ -22,16 +22,17 @@ import optax
 import pytest
 
 import jreplicate as jr
-from jreplicate.ps import admission, step_record
+from jreplicate.ps import admission
 from jreplicate.ps.client import ShardClient
 from jreplicate.ps.closure import Closure
 from jreplicate.ps.coordinator import Coordinator
-from jreplicate.ps.ledger import Ledger
+from jreplicate.ps.fate import record as step_record
+from jreplicate.ps.fate.ledger import Ledger
+from jreplicate.ps.fate.record import StepRecord
 from jreplicate.ps.outcome import Completed, Failed, WorkerLost
 from jreplicate.ps.placement import place_parameters
 from jreplicate.ps.remote import WorkerLostError
 from jreplicate.ps.shard import PSShard
-from jreplicate.ps.step_record import StepRecord
 from tests._fake_carrier import FakeCarrier
 from tests._ps_helpers import bounded_test  # noqa: F401 (autouse: every test bounded)
 
@@ -211,7 +212,7 @@ def test_ten_thousand_steps_keep_every_record_bounded(monkeypatch):
             assert len(rec.skipped) <= _bits_bound()
             for sh in job.shards:
                 _check_ledger(sh.ledger, n)
-                assert not sh._staged
+                assert not sh.book.staged
             st = job.co.stats()
             assert all(len(t) <= admission.FINISH_TIMES for t in st.finish_times)
             saved = rec.to_arrays(n)

@@ -1,8 +1,11 @@
 """Parameter-server core shared by the carriers of :class:`jreplicate.ParameterServerStrategy`.
 
 * :mod:`jreplicate.ps.placement`: which shard holds which parameter leaf.
-* :mod:`jreplicate.ps.shard`: one shard as a plain state machine (push, pull, tokens).
-* :mod:`jreplicate.ps.ledger`: each shard's record of what became of every push.
+* :mod:`jreplicate.ps.shard`: one shard as a threaded shell (lock, update, tokens) over
+  :mod:`jreplicate.ps.shard_update` (its jitted optax update).
+* :mod:`jreplicate.ps.fate`: the fate of every push, pure: shard 0's decisions, each
+  shard's ledger, the driver's record of the steps that ended, reconciliation after a
+  lost worker or shard, and the pushes a restarted shard lost.
 * :mod:`jreplicate.ps.client`: a worker's pull and push over all shards.
 * :mod:`jreplicate.ps.capture`: :func:`jreplicate.ps.pushable`, how a step's optimizer
   update becomes a push.
@@ -18,7 +21,8 @@
   gates, the token-starvation detector, the statistics),
   :mod:`jreplicate.ps.step_ends` (how each outcome ends a step),
   :mod:`jreplicate.ps.input_sweeps` (the per-worker inputs' ends) and
-  :mod:`jreplicate.ps.step_record` (what became of the pushes of the steps that ended).
+  :mod:`jreplicate.ps.fate.record` (what became of the pushes of the steps that ended;
+  the fate of a push in all: :mod:`jreplicate.ps.fate`).
 * :mod:`jreplicate.ps.per_worker`: values built once on each worker (TF's
   ``PerWorkerValues``), and per-worker state a step updates (TF's per-worker
   variables).

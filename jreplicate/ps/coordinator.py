@@ -64,14 +64,14 @@ from collections.abc import Callable
 from jreplicate.ps.admission import CoordinatorStats
 from jreplicate.ps.closure import Closure
 from jreplicate.ps.closure_queue import ClosureQueue
+from jreplicate.ps.fate.ledger import Ledger
+from jreplicate.ps.fate.record import StepRecord
 from jreplicate.ps.handle import StepCarrier
 from jreplicate.ps.input_sweeps import InputSweeps, input_sweep
-from jreplicate.ps.ledger import Ledger
 from jreplicate.ps.outcome import Outcome, from_error
 from jreplicate.ps.remote import ParameterServerError, RemoteValue, StepCancelledError
 from jreplicate.ps.scheduler import Scheduler
 from jreplicate.ps.step_ends import StepEnds
-from jreplicate.ps.step_record import StepRecord
 
 _log = logging.getLogger("jreplicate")
 
@@ -138,7 +138,7 @@ class Coordinator:
         #: The sweeps of the per-worker inputs ended on which workers (under the lock).
         self.sweeps = InputSweeps()
         #: The record of ended steps (completed, skipped, half applied) and of the
-        #: job's history: see :mod:`jreplicate.ps.step_record`.
+        #: job's history: see :mod:`jreplicate.ps.fate.record`.
         self.record = record if record is not None else StepRecord()
         self._ends = StepEnds(self._queue, carrier, self.record, self.sweeps, self._stats,
                               self._gate, self._starvation, max_attempts=max_attempts,

@@ -27,6 +27,14 @@ from jreplicate.ps.closure import Closure, HostBatch
 from jreplicate.ps.config import PSConfig
 from jreplicate.ps.coordinator import Coordinator
 from jreplicate.ps.embedded import EmbeddedCarrier
+from jreplicate.ps.fate import (
+    StepRecord,
+    check_history,
+    ids_to_ask,
+    judge_live,
+    lost_updates,
+    settle_restart,
+)
 from jreplicate.ps.faults import FaultPlan
 from jreplicate.ps.handle import Carrier
 from jreplicate.ps.nnx_state import NnxArg
@@ -34,16 +42,13 @@ from jreplicate.ps.per_worker import PerWorkerState, PerWorkerValue
 from jreplicate.ps.placement import Placement, place_parameters
 from jreplicate.ps.remote import ParameterServerError, RemoteValue, is_key, to_host
 from jreplicate.ps.run_arguments import check_run_arguments
-from jreplicate.ps.shard import _is_sync, check_transformation
 from jreplicate.ps.shard_restart import (
     ShardRestart,
-    check_history,
     check_same_aggregation,
     check_shard_state,
     host_shard_state,
-    lost_updates,
 )
-from jreplicate.ps.step_record import StepRecord
+from jreplicate.ps.shard_update import _is_sync, check_transformation
 from jreplicate.ps.worker_input import (
     WorkerInput,
     WorkerInputIterator,
@@ -293,17 +298,10 @@ class ParameterServerExecutor(Executor):
         undecided = self._check_live_shards(i, live)
         lost = lost_updates(shards[i]["ledger"], list(live.values()), record, self.next_id)
         for pid in undecided:
-            record.skip(pid)
             self.client.skip(pid)  # (the restarted shard: below, with the skipped)
-        record.ended_below(self.next_id)  # the others: decided by a live shard
-        # No step is pending and every id below next_id has ended: the restarted shard
-        # decides the steps skipped since the save and those whose update it lost (no
-        # push of them will come), so that its ledger's watermark moves on.
-        led = saved["ledger"]
-        gone = set(lost)
-        for pid in range(led.watermark, self.next_id):
-            if pid in gone or record.was_skipped(pid):
-                led.skip(pid)
+        # No step is pending and every id below next_id has ended: the record and the
+        # restarted shard's ledger are brought up to it (see settle_restart).
+        settle_restart(record, saved["ledger"], undecided, lost, self.next_id)
         self._carrier.restart_shard(i, saved)
         self.coordinator.resume()
         return ShardRestart(i, saved["step"], lost)
@@ -324,18 +322,13 @@ class ParameterServerExecutor(Executor):
         hi = self.next_id
         if lo >= hi:
             return []
-        sets = [_decided_ids(led, lo, hi) for led in live.values()]
-        union = set().union(*sets)
-        skipped = self.coordinator.record.was_skipped
-        some = sorted(p for p in union if not skipped(p) and any(p not in d for d in sets))
-        none = [p for p in range(lo, hi)
-                if p not in union and not self.coordinator.completed_ids.seen(p)]
+        record = self.coordinator.record
         undecided = []
-        for pid in some + none:  # (a ledger's saved window may be short: ask the shards)
-            answers = self.client.decided(pid)
-            yes = [j for j in live if answers[j]]
-            no = [j for j in live if answers[j] is False]
-            if yes and no and not skipped(pid):
+        for pid in ids_to_ask(live.values(), lo, hi, record.was_skipped,
+                              record.completed_ids.seen):
+            fate, yes, no = judge_live(self.client.decided(pid), live,
+                                       record.was_skipped(pid), record.completed_ids.seen(pid))
+            if fate == "half":
                 msg = (f"restart_shard({i}, state): step {pid}'s push is on shard(s) {yes} "
                        f"and not on shard(s) {no} (a shard was lost in the middle of it), "
                        "so the live shards' parameters disagree; restarting shard "
@@ -343,7 +336,7 @@ class ParameterServerExecutor(Executor):
                        "with strategy.restore(state).")
                 self.coordinator.half_applied.setdefault(pid, msg)
                 raise ValueError(msg)
-            if not yes and not self.coordinator.completed_ids.seen(pid):
+            if fate == "undecided":
                 undecided.append(pid)
         return undecided
 
@@ -582,13 +575,6 @@ class ParameterServerExecutor(Executor):
         if self.coordinator is not None:
             self.coordinator.shutdown()
             self._carrier.close()
-
-
-def _decided_ids(led: dict[str, Any], start: int, stop: int) -> set[int]:
-    """The ids in ``[start, stop)`` a ledger (its arrays) decided."""
-    wm = int(np.asarray(led["watermark"]))
-    window = {int(x) for x in np.asarray(led["window"]).tolist() if start <= x < stop}
-    return set(range(start, min(wm, stop))) | window
 
 
 def _check_device_axis(args: tuple, nnx_pos: dict) -> None:

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import numpy as np
 
-from jreplicate.ps.shard import Decision
+from jreplicate.ps.fate.decision import Decision
 
 if TYPE_CHECKING:
     from jreplicate.ps.closure import Closure

@@ -39,6 +39,8 @@ from typing import Any
 from jreplicate.ps.admission import AdmissionGate, StarvationDetector, StatsRecorder
 from jreplicate.ps.closure import Closure
 from jreplicate.ps.closure_queue import ClosureQueue
+from jreplicate.ps.fate.reconcile import shard_lost_error
+from jreplicate.ps.fate.record import StepRecord
 from jreplicate.ps.handle import StepCarrier
 from jreplicate.ps.input_sweeps import InputSweeps, input_sweep
 from jreplicate.ps.outcome import (
@@ -57,7 +59,6 @@ from jreplicate.ps.remote import (
     WorkerLostError,
 )
 from jreplicate.ps.shard import ShardClosedError
-from jreplicate.ps.step_record import StepRecord
 
 _log = logging.getLogger("jreplicate")
 
@@ -254,12 +255,7 @@ class StepEnds:
 
     def shard_lost(self, e: BaseException) -> BaseException:
         with self.queue.lock:
-            err = ParameterServerError(
-                f"a parameter-server shard failed ({type(e).__name__}: {e}); the "
-                "parameters it held are gone, so training stops. Restore the last "
-                "checkpoint (strategy.restore(...)), or restart the lost shard from "
-                "it (strategy.restart_shard(i, state)).")
-            err.__cause__ = e
+            err = shard_lost_error(e)
             self.fail(self.queue.mark_failed(err), err)
             return self.queue.error
 

@@ -36,12 +36,13 @@ from jreplicate.layout import REPLICA_AXIS, mesh_layout, replica_mesh
 from jreplicate.ps.capture import capturing
 from jreplicate.ps.client import ShardClient
 from jreplicate.ps.closure import Closure, HostBatch, check_cancelled
+from jreplicate.ps.fate.decision import Decision
 from jreplicate.ps.faults import FaultPlan
 from jreplicate.ps.nnx_state import NnxArg, check_nothing_lost
 from jreplicate.ps.outcome import ApplicationError
 from jreplicate.ps.per_worker import PerWorkerArg, WorkerValues, has_marker, take_updates
 from jreplicate.ps.remote import ShardUpdateError, StepCancelledError, WorkerLostError
-from jreplicate.ps.shard import Decision, TokenTimeoutError, TokenWaitInterrupted
+from jreplicate.ps.shard import TokenTimeoutError, TokenWaitInterrupted
 from jreplicate.ps.worker_input import (
     InputEnded,
     WorkerInput,

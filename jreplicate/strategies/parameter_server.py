@@ -411,7 +411,7 @@ class ParameterServerStrategy(Strategy):
         :class:`jreplicate.CheckpointManager`: a consistent snapshot, every shard at the
         step its ledger records, with the record of the job's steps (``"steps"``: which
         of its last step ids were skipped, and the timeline it is on; fixed-size arrays,
-        see :mod:`jreplicate.ps.step_record`).
+        see :mod:`jreplicate.ps.fate.record`).
 
         Raises:
           RuntimeError: steps are scheduled or running; call ``rep.join()`` first.

@@ -17,8 +17,8 @@ from jreplicate.context import PerReplica
 from jreplicate.layout import REPLICA_AXIS
 from jreplicate.ps._malloc import keep_freed_blocks
 from jreplicate.ps.client import ShardClient
+from jreplicate.ps.fate.ledger import Ledger
 from jreplicate.ps.faults import FaultPlan
-from jreplicate.ps.ledger import Ledger
 from jreplicate.ps.per_worker import PerWorkerArg
 from jreplicate.ps.ray import wire
 from jreplicate.ps.ray.proxy import _Forgotten, _ShardProxy
