@@ -57,11 +57,14 @@ def _grads(n, bad=()):
 
 
 def _outcomes(values):
-    """Per RemoteValue: "ok", "cancelled" or "failed"."""
+    """Per RemoteValue: "ok", "cancelled" or "failed" ("ok" too for a step applied whose
+    outputs were lost with its worker: ``StepOutputsLostError``)."""
     out = []
     for v in values:
         try:
             v.fetch()
+            out.append("ok")
+        except jr.ps.StepOutputsLostError:
             out.append("ok")
         except jr.ps.StepCancelledError:
             out.append("cancelled")
@@ -192,3 +195,55 @@ def test_on_ray_queued_steps_are_cancelled_and_the_error_raised_once():
     _check_exact(s, gs + more, outcomes + _outcomes(after))
     assert _outcomes(after) == ["ok", "ok"]
     s.shutdown()
+
+
+def test_a_step_applied_before_its_worker_died_is_not_called_cancelled():
+    """A step whose worker died right after its push was applied, put back in the
+    queue, then drained because another step raised: its update is in, so its
+    RemoteValue says so (StepOutputsLostError, a WorkerLostError), never "cancelled
+    before it ran"; ``applied = scheduled - failed - cancelled`` holds."""
+    import threading
+
+    s = jr.ParameterServerStrategy(num_ps=1, num_workers=2, max_worker_restarts=0)
+    rep = jr.Replicator(s)
+    with rep.scope():
+        w = jnp.zeros(3)
+        tx = jr.ps.pushable(optax.sgd(LR))
+        opt = tx.init(w)
+    started = threading.Event()
+
+    def hold_then_raise(g):
+        if np.isnan(np.asarray(g)).any():
+            started.set()  # the NaN step runs: its worker is busy
+            deadline = time.monotonic() + 30
+            while s.stats()["rescheduled"] < 1 and time.monotonic() < deadline:
+                time.sleep(0.01)  # until the other step's worker died after its push
+            raise FloatingPointError("the gradient is NaN")
+
+    def step(ctx, w, opt, g):
+        jax.debug.callback(hold_then_raise, g)
+        u, opt = tx.update(g, opt, w)
+        return optax.apply_updates(w, u), opt
+
+    try:
+        for _ in range(4):  # both workers compile
+            rep.run(step, None, w, opt, np.zeros(3, np.float32))
+        rep.join()
+        bad = rep.run(step, None, w, opt, np.full(3, np.nan, np.float32))
+        assert started.wait(30)
+        for k in range(2):  # (the NaN step never pushes: only the other worker dies)
+            jrt.kill_worker(s, k, when="push")
+        g = np.array([1.0, 2.0, 3.0], np.float32)
+        lost = rep.run(step, None, w, opt, g)
+        with pytest.raises(Exception, match="gradient is NaN"):
+            rep.join()
+        with pytest.raises(jr.ps.WorkerLostError, match="applied on every shard") as e:
+            lost.fetch()
+        assert isinstance(e.value, jr.ps.StepOutputsLostError)
+        with pytest.raises(Exception, match="gradient is NaN"):
+            bad.fetch()
+        np.testing.assert_allclose(np.asarray(s.parameters()), -LR * g, rtol=1e-6)
+        (led,) = s.ledger()
+        assert led["applied"] == 5 and s.stats()["rescheduled"] == 1, (led, s.stats())
+    finally:
+        s.shutdown()

@@ -46,6 +46,7 @@ from jreplicate.ps.remote import (
     RemoteValue,
     ShardUpdateError,
     StepCancelledError,
+    StepOutputsLostError,
     WorkerLostError,
 )
 
@@ -56,6 +57,7 @@ __all__ = [
     "RemoteValue",
     "ShardUpdateError",
     "StepCancelledError",
+    "StepOutputsLostError",
     "WorkerContext",
     "WorkerLostError",
     "WorkerStateUpdate",

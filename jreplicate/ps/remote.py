@@ -39,6 +39,20 @@ class WorkerLostError(RuntimeError):
     """
 
 
+class StepOutputsLostError(WorkerLostError):
+    """A step's update was applied, on every shard, but its outputs are lost.
+
+    Its worker was lost after its push was applied and before its outputs reached the
+    driver: a worker that held them died (on Ray, outputs stay on the worker until
+    fetched), or the step was not run again to recompute them (another step raised
+    first and the steps behind it were cancelled, the strategy shut down, or its reruns
+    were given up). Count such a step as applied: in asynchronous mode
+    ``applied = scheduled - failed - cancelled``, where ``failed`` does not count it.
+    Read the parameters from the shards (``strategy.parameters()``) rather than from
+    the step's outputs.
+    """
+
+
 class ParameterServerError(RuntimeError):
     """A parameter-server shard failed; training cannot continue (restore a checkpoint).
 

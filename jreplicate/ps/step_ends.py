@@ -56,6 +56,7 @@ from jreplicate.ps.remote import (
     ParameterServerError,
     RemoteValue,
     StepCancelledError,
+    StepOutputsLostError,
     WorkerLostError,
 )
 from jreplicate.ps.shard import ShardClosedError
@@ -132,7 +133,7 @@ class StepEnds:
         interrupt = False
         with self.queue.lock:
             if error is not None:
-                raw, error = error, self.ended(c, error, resolved)
+                raw, error = error, self.ended(c, error, resolved, own=stops)
                 if stops and error is raw and self.queue.error is None:
                     interrupt = self.cancel_behind(c, error)
             self._gate.tick(w)  # before mark_finished wakes the takers
@@ -186,12 +187,16 @@ class StepEnds:
         if err is not None:
             raise err
 
-    def ended(self, c: Closure, error: BaseException, resolved: bool = True
-               ) -> BaseException:
+    def ended(self, c: Closure, error: BaseException, resolved: bool = True,
+              own: bool = False) -> BaseException:
         """(Under the lock.) Step ``c`` ends for good without success; returns the error
         its RemoteValue gets (see :meth:`StepRecord.ended`): its id skipped on every
         shard, or, with its push on some shards only, a ParameterServerError with which
-        training stops (queued steps fail with it)."""
+        training stops (queued steps fail with it). A step that an earlier, lost run
+        pushed to every shard was applied: unless this run raised its own error
+        (``own``), its RemoteValue says so (:class:`StepOutputsLostError`), whatever
+        ended it (cancelled behind another step's error, shut down, given up)."""
+        applied = self.record.pushed_everywhere(c.step_id)
         got = self.record.ended(c.step_id, error, resolved)
         if isinstance(got, ParameterServerError):
             self.first_error = self.first_error or got
@@ -203,6 +208,8 @@ class StepEnds:
             except Exception:  # noqa: BLE001 - a lost shard: its loss is raised elsewhere
                 _log.debug("coordinator: a lost shard: its loss is raised elsewhere", exc_info=True)
         self.forget_ended()
+        if applied and not own:
+            return _outputs_lost(c, error)
         return error
 
     def forget_ended(self) -> None:
@@ -399,6 +406,18 @@ def _shut_down_while_running(c: Closure, e: ShardClosedError) -> StepCancelledEr
                              "shards closed before it pushed or pulled); nothing ran it "
                              "again")
     err.__cause__ = e
+    return err
+
+
+def _outputs_lost(c: Closure, error: BaseException) -> StepOutputsLostError:
+    """The error of step ``c``, applied on every shard by a run whose worker was lost
+    after pushing, that ended without a later run returning its outputs (``error``)."""
+    err = StepOutputsLostError(
+        f"step {c.step_id}'s update was applied on every shard, but its worker was lost "
+        "after pushing, so its outputs are lost, and no later run recomputed them "
+        f"({type(error).__name__}: {error}). Count it as applied; read the parameters "
+        "from the shards (strategy.parameters()).")
+    err.__cause__ = error
     return err
 
 

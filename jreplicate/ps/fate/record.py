@@ -173,6 +173,12 @@ class StepRecord:
         if fate is not None:
             self._fates[step_id] = fate
 
+    def pushed_everywhere(self, step_id: int) -> bool:
+        """Whether a lost run of step ``step_id`` is known to have pushed to every shard
+        (its update is applied; :meth:`ended` then records it completed)."""
+        fate = self._fates.get(step_id)
+        return fate is not None and fate.kind == "all"
+
     def ended(self, step_id: int, error: BaseException, resolved: bool = True
               ) -> ParameterServerError | bool:
         """Step ``step_id`` ends for good without success (``error``).

@@ -69,7 +69,12 @@ from jreplicate.ps.per_worker import PerWorkerArg
 from jreplicate.ps.placement import Placement
 from jreplicate.ps.ray.options import is_gpu_worker, shard_actor_options, worker_actor_options
 from jreplicate.ps.ray.proxy import _Forgotten, _ray, _ShardLost, _ShardProxy
-from jreplicate.ps.remote import ParameterServerError, StepCancelledError, WorkerLostError
+from jreplicate.ps.remote import (
+    ParameterServerError,
+    StepCancelledError,
+    StepOutputsLostError,
+    WorkerLostError,
+)
 from jreplicate.ps.shard import ShardClosedError
 from jreplicate.ps.worker_input import InputEnded, WorkerInput, WorkerInputs, markers
 
@@ -159,7 +164,7 @@ class HeldOutputs:
         except ray.exceptions.RayActorError as e:
             found, out = False, e
         if not found:
-            raise WorkerLostError(
+            raise StepOutputsLostError(
                 f"the outputs of step {self.step_id} were held by worker {self.worker}, "
                 f"which was lost before they were fetched ({out}); fetch the outputs you "
                 "need before a worker may fail (strategy.parameters() reads the shards).")
