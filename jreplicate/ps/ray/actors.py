@@ -20,6 +20,7 @@ from jreplicate.ps.client import ShardClient
 from jreplicate.ps.ledger import Ledger
 from jreplicate.ps.per_worker import PerWorkerArg
 from jreplicate.ps.ray import wire
+from jreplicate.ps.ray.pieces import in_pieces
 from jreplicate.ps.ray.proxy import _Forgotten, _ShardProxy
 from jreplicate.ps.remote import WorkerLostError, to_host
 from jreplicate.ps.shard import PSShard
@@ -56,9 +57,11 @@ if ray is not None:
                                  num_shards=num_shards, max_staleness=max_staleness)
 
         # The ShardHandle operations (jreplicate.ps.handle) and the driver's queries.
+        # Parameters go back with each array over 1 MiB in pieces (ray/pieces.py).
         @ray.method(concurrency_group="io")
         def pull(self):
-            return self.shard.pull()
+            step, params = self.shard.pull()
+            return step, in_pieces(params)
 
         @ray.method(concurrency_group="io")
         def push(self, push_id, worker, fetched_step, grads, decision=None, attempt=0):
@@ -66,7 +69,9 @@ if ray is not None:
 
         @ray.method(concurrency_group="io")
         def push_pull(self, push_id, worker, fetched_step, grads):
-            return self.shard.push_pull(push_id, worker, fetched_step, grads)
+            decision, step, params = self.shard.push_pull(push_id, worker, fetched_step,
+                                                          grads)
+            return decision, step, in_pieces(params)
 
         @ray.method(concurrency_group="io")
         def push_pull_packed(self, push_id, worker, fetched_step, meta, *chunks):
