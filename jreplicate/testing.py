@@ -2,7 +2,10 @@
 
 These functions kill workers and shards and slow workers down, to test what a
 training job does when that happens in production. They are not part of training:
-they live here, not on the strategy.
+they live here, not on the strategy: each updates the fault plan the strategy's carrier
+was built with (:class:`jreplicate.ps.faults.FaultPlan`, which the workers consult at
+named points; on Ray each worker actor is sent its part), or kills a shard or a Ray
+actor at once.
 
 Example:
   >>> import jreplicate as jr
@@ -79,7 +82,7 @@ def set_worker_delay(strategy: ParameterServerStrategy, worker: int,
     """Worker ``worker`` spends ``seconds`` more on each step (a straggler).
 
     Raises:
-      ValueError: ``worker`` is out of range.
+      ValueError: ``worker`` is out of range, or ``seconds`` is negative (or NaN).
 
     Example (worker 1 is a straggler: worker 0 takes most steps):
       >>> import jax.numpy as jnp, optax, jreplicate as jr

@@ -14,6 +14,7 @@ import pytest
 import jreplicate as jr
 import jreplicate.testing as jrt
 from jreplicate.ps.client import ShardClient
+from jreplicate.ps.faults import FaultPlan
 from jreplicate.ps.placement import place_parameters
 from jreplicate.ps.shard import PSShard, TokenTimeoutError, _sync_state
 from jreplicate.sync.state import take_token as real_take
@@ -108,18 +109,16 @@ def test_a_worker_lost_mid_push_holds_the_tokens_until_every_shard_has_the_step(
     pl = place_parameters(params, 2)
     shards = [PSShard(i, pl.split(params)[i], tx, num_shards=2) for i in range(2)]
 
-    def die(i):
-        raise jr.ps.WorkerLostError("died between shard 0 and shard 1")
-
-    client = ShardClient(shards, pl, token_gated=True, between_shards=die)
+    faults = FaultPlan()
+    faults.kill(0, "push")  # worker 0 dies between shard 0 and shard 1
+    client = ShardClient(shards, pl, token_gated=True, faults=faults)
     grads = {"a": np.ones(2, np.float32), "b": np.full(2, 2.0, np.float32)}
-    with pytest.raises(jr.ps.WorkerLostError):
+    with pytest.raises(jr.ps.WorkerLostError, match="after pushing to shard 0"):
         client.push(0, 0, [0], grads, attempt=1)
     assert (shards[0].step, shards[1].step) == (1, 0)
     assert not shards[0].takeable()
     with pytest.raises(TokenTimeoutError):
         shards[0].take_token(time.monotonic() + 0.2)
-    client.between_shards = None
     client.settle(0)
     assert shards[1].step == 1 and shards[0].takeable()
     assert shards[0].take_token(time.monotonic() + 1) == 1

@@ -66,8 +66,6 @@ class _Client:
     aligned, as from Ray's object store); pushes are recorded."""
 
     token_gated = False
-    ordered = False
-    between_shards = None
 
     def __init__(self, params):
         self.params = params

@@ -345,7 +345,7 @@ def one_ray_worker_faults(local_ray):  # noqa: F811 (the imported fixture)
         actor = s._executor._carrier.workers[0]
         obs["replaced"] = s.stats()["replaced"]
         obs["delay_after_restart"] = ray.get(actor.__ray_call__.remote(
-            lambda self: self.worker.delay), timeout=60)
+            lambda self: self.worker.faults.get(0).delay), timeout=60)
         obs["elements"] = before_crash + _elements(second)
         obs["applied"] = s.ledger()[0]["applied"]
         obs["params"] = float(s.parameters()[0])

@@ -23,6 +23,7 @@ from typing import Any, TypeVar
 import jax
 import numpy as np
 
+from jreplicate.ps.faults import FaultPlan
 from jreplicate.ps.handle import RemoteShardHandle, ShardHandle
 from jreplicate.ps.placement import Placement
 from jreplicate.ps.remote import ParameterServerError, ShardUpdateError
@@ -40,22 +41,20 @@ class ShardClient:
       shards: one :class:`ShardHandle` per shard.
       placement: how the parameters are split over the shards.
       token_gated: whether shard 0 decides which pushes count (token-gated mode).
-      between_shards: called with 1 after shard 0's push, before the others' (with one
-        shard: after its push): a test hook to simulate a worker dying mid-push.
       guarded: a shard's update can raise once it runs (see the module docstring).
+      faults: the faults to inject (tests, benchmarks): a push goes to shard 0 first,
+        then ``faults.between_shards(worker, 1)``, then to the others (with one shard:
+        after its push) -- always in token-gated mode, in asynchronous mode where
+        ``faults.ordered(worker)``. None: no faults.
     """
 
     def __init__(self, shards: Sequence[ShardHandle], placement: Placement, token_gated: bool,
-                 between_shards: Callable[[int], None] | None = None, *,
-                 guarded: bool = False):
+                 *, guarded: bool = False, faults: FaultPlan | None = None):
         self.shards = list(shards)
         self.placement = placement
         self.token_gated = token_gated
-        self.between_shards = between_shards
         self.guarded = guarded
-        #: Push to shard 0 first, then call ``between_shards``, then the others (always
-        #: in token-gated mode; in asynchronous mode only when a test arms it).
-        self.ordered = False
+        self.faults = FaultPlan() if faults is None else faults
 
     def _fan(self, op: Callable[[int, ShardHandle], T], first: int = 0,
              stop: int | None = None) -> list[T]:
@@ -89,7 +88,8 @@ class ShardClient:
         careful = self._careful(leaves)
         if careful:
             self._check(push_id, fetched, pieces)
-        if not self.token_gated and not self.ordered and not careful:  # all at once
+        if not self.token_gated and not careful and \
+                not self.faults.ordered(worker):  # all at once
             got = self._fan(lambda i, s: s.push(push_id, worker, int(fetched[i]),
                                                 pieces[i]))
             return got[0]
@@ -97,8 +97,7 @@ class ShardClient:
             self._fan(lambda i, s: s.stage(push_id, attempt, pieces[i]), first=1)
         first = self._first(push_id, lambda s: s.push(
             push_id, worker, int(fetched[0]), pieces[0], None, attempt))
-        if self.between_shards is not None:
-            self.between_shards(1)
+        self.faults.between_shards(worker, 1)
         if self.token_gated:
             self.settle(push_id, first)
         else:

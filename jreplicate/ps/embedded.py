@@ -10,6 +10,7 @@ from typing import Any
 
 from jreplicate.ps.client import ShardClient
 from jreplicate.ps.config import PSConfig
+from jreplicate.ps.faults import FaultPlan
 from jreplicate.ps.placement import Placement
 from jreplicate.ps.shard import PSShard
 from jreplicate.ps.worker import PSWorker
@@ -17,11 +18,14 @@ from jreplicate.ps.worker import PSWorker
 
 class EmbeddedCarrier:
     """Shards and workers as objects of this process; each worker runs on a thread of
-    the :class:`Coordinator` with its own devices."""
+    the :class:`Coordinator` with its own devices. ``faults`` (tests, benchmarks; none
+    by default) is handed to every worker and its shard client."""
 
     def __init__(self, s: PSConfig, tx: Any, placement: Placement,
-                 pieces: list, opt_host: Any, restored: list | None):
+                 pieces: list, opt_host: Any, restored: list | None, *,
+                 faults: FaultPlan | None = None):
         self._config, self._tx, self._placement, self._opt_host = s, tx, placement, opt_host
+        self.faults = FaultPlan() if faults is None else faults
         self.shards = [self._new_shard(i, pieces[i], restored[i] if restored else {})
                        for i in range(s.num_ps)]
         self.workers = [self._new_worker(w) for w in range(s.num_workers)]
@@ -43,10 +47,10 @@ class EmbeddedCarrier:
         """Worker ``w`` afresh, on its devices, over the current shards."""
         s = self._config
         client = ShardClient(self.shards, self._placement, self.shards[0].token_gated,
-                             guarded=self._guarded())
+                             guarded=self._guarded(), faults=self.faults)
         return PSWorker(w, list(s.worker_devices[w]), client, self._opt_host,
                         token_timeout=s.token_timeout, skip_stale_tokens=s.skip_stale_tokens,
-                        axis_name=s.layout.replica_axis)
+                        axis_name=s.layout.replica_axis, faults=self.faults)
 
     def is_shard_failure(self, e: BaseException) -> bool:
         return False
@@ -100,7 +104,8 @@ class EmbeddedCarrier:
             return False
         self._restarts_left[w] = left - 1 if left > 0 else left
         old, new = self.workers[w], self._new_worker(w)
-        new.inputs, new.delay, new.live_workers = old.inputs, old.delay, old.live_workers
+        new.inputs, new.live_workers = old.inputs, old.live_workers
+        self.faults.disarm(w)  # (its delay, the plan's, stays)
         new.return_params = old.return_params
         if old.lost_read is not None:
             m, batch, decided = old.lost_read
@@ -111,10 +116,10 @@ class EmbeddedCarrier:
         return True
 
     def kill_worker(self, w: int, when: str) -> None:
-        self.workers[w].kill_at = when
+        self.faults.kill(w, when)
 
     def set_worker_delay(self, w: int, seconds: float) -> None:
-        self.workers[w].delay = seconds
+        self.faults.set_delay(w, seconds)
 
     def set_live_workers(self, fn: Callable[[], int]) -> None:
         for w in self.workers:

@@ -26,6 +26,7 @@ from jreplicate.ps.client import ShardClient
 from jreplicate.ps.config import PSConfig
 from jreplicate.ps.coordinator import Coordinator
 from jreplicate.ps.embedded import EmbeddedCarrier
+from jreplicate.ps.faults import FaultPlan
 from jreplicate.ps.handle import Carrier
 from jreplicate.ps.nnx_state import NnxArg
 from jreplicate.ps.per_worker import PerWorkerValue
@@ -125,10 +126,10 @@ class ParameterServerExecutor(Executor):
         if s.carrier == "ray":
             from jreplicate.ps.ray.carrier import RayCarrier
             self._carrier = RayCarrier(s, self._tx, self.placement, pieces, opt_host,
-                                       restored)
+                                       restored, faults=FaultPlan())
         else:
             self._carrier = EmbeddedCarrier(s, self._tx, self.placement, pieces,
-                                            opt_host, restored)
+                                            opt_host, restored, faults=FaultPlan())
         self.client = self._carrier.client
         self.coordinator = Coordinator(
             self._carrier.runners, depth=self._carrier.depth, max_staleness=s.max_staleness,
@@ -170,7 +171,11 @@ class ParameterServerExecutor(Executor):
 
     def set_worker_delay(self, w: int, seconds: float) -> None:
         """Worker ``w`` spends ``seconds`` more on each step."""
-        self._carrier.set_worker_delay(self._worker_index(w), float(seconds))
+        seconds = float(seconds)
+        if not seconds >= 0.0:  # (NaN too; time.sleep would raise in the worker: lost)
+            raise ValueError(f"set_worker_delay(seconds={seconds!r}): a worker's delay is "
+                             "seconds >= 0; pass 0.0 for none.")
+        self._carrier.set_worker_delay(self._worker_index(w), seconds)
 
     def kill_shard(self, i: int) -> None:
         """Shard ``i`` is lost (its state is gone)."""

@@ -35,6 +35,7 @@ from jreplicate.execution.spmd import SPMDExecutor
 from jreplicate.layout import REPLICA_AXIS, mesh_layout, replica_mesh
 from jreplicate.ps.capture import capturing
 from jreplicate.ps.client import ShardClient
+from jreplicate.ps.faults import FaultPlan
 from jreplicate.ps.nnx_state import NnxArg, check_nothing_lost
 from jreplicate.ps.per_worker import PerWorkerArg, WorkerValues
 from jreplicate.ps.remote import ShardUpdateError, StepCancelledError, WorkerLostError
@@ -130,11 +131,13 @@ class PSWorker:
       token_timeout: seconds a token wait may last (token-gated mode).
       skip_stale_tokens: see :meth:`jreplicate.ps.shard.PSShard.take_token`.
       axis_name: the replica mesh axis of the sync group (the strategy's ``axis_name``).
+      faults: the faults to inject (tests, benchmarks; the carrier's plan, which it also
+        gives ``client``); none by default.
     """
 
     def __init__(self, index: int, devices: list, client: ShardClient, opt_state: Any, *,
                  token_timeout: float = 60.0, skip_stale_tokens: bool = True,
-                 axis_name: str = REPLICA_AXIS):
+                 axis_name: str = REPLICA_AXIS, faults: FaultPlan | None = None):
         self.index = index
         self.layout = mesh_layout(
             replica_mesh(devices, 1, "ParameterServerStrategy", axis_name),
@@ -148,8 +151,7 @@ class PSWorker:
         self.token_timeout = token_timeout
         self.skip_stale_tokens = skip_stale_tokens
         self.local_step: int | None = None
-        self.delay = 0.0  # simulated extra seconds per step (stragglers in tests/benchmarks)
-        self.kill_at: str | None = None  # "compute" or "push": die there on the next step
+        self.faults = FaultPlan() if faults is None else faults
         self.steps_done = 0
         #: ``(WorkerInput, HostBatch, whether a shard decided its push)`` of the step
         #: this worker was lost in, if that step read per-worker input (see :meth:`run`).
@@ -178,11 +180,6 @@ class PSWorker:
             self.layout.replicated, self.layout.per_replica))
         self._first_runs: set = set()  # step functions run here before (compiled)
         self._nnx_checked: set = set()  # step functions whose NNX state was checked
-        client.between_shards = self._between_shards
-
-    def _between_shards(self, i: int) -> None:
-        if self.kill_at == "push":
-            raise WorkerLostError(f"worker {self.index} died after pushing to shard {i - 1}")
 
     def run(self, c: Closure, on_token_wait: Callable[[bool], None] | None = None
             ) -> tuple[Any, Decision]:
@@ -351,15 +348,11 @@ class PSWorker:
             raise
         except Exception as e:
             raise ApplicationError(e) from e
-        if self.delay:
-            time.sleep(self.delay)
-        if self.kill_at == "compute":
-            raise WorkerLostError(f"worker {self.index} died computing step {c.step_id}")
+        self.faults.after_compute(self.index, c.step_id)
         _check_cancelled(c)  # (a step cancelled while computing: its push refused)
-        self.client.ordered = self.kill_at == "push"
         try:
             if self.return_params and not self.client.token_gated and \
-                    not self.client.ordered:
+                    not self.faults.ordered(self.index):
                 decision, *returned = self.client.push_pull(c.step_id, self.index,
                                                             fetched, grads)
                 self._returned = tuple(returned)

@@ -17,6 +17,7 @@ from jreplicate.context import PerReplica
 from jreplicate.layout import REPLICA_AXIS
 from jreplicate.ps._malloc import keep_freed_blocks
 from jreplicate.ps.client import ShardClient
+from jreplicate.ps.faults import FaultPlan
 from jreplicate.ps.ledger import Ledger
 from jreplicate.ps.per_worker import PerWorkerArg
 from jreplicate.ps.ray import wire
@@ -161,13 +162,15 @@ if ray is not None:
         queued on this worker."""
 
         def __init__(self, index, shards, placement, token_gated, opt_host, g, token_timeout,
-                     skip_stale, guarded=False, axis_name=REPLICA_AXIS):
+                     skip_stale, guarded=False, axis_name=REPLICA_AXIS, faults=None):
             keep_freed_blocks()  # page faults of every step's buffers (ps/_malloc.py)
             proxies = [_ShardProxy(a) for a in shards]
-            client = ShardClient(proxies, placement, token_gated, guarded=guarded)
+            faults = FaultPlan() if faults is None else faults  # (its part of the plan)
+            client = ShardClient(proxies, placement, token_gated, guarded=guarded,
+                                 faults=faults)
             self.worker = PSWorker(index, jax.local_devices()[:g], client, opt_host,
                                    token_timeout=token_timeout, skip_stale_tokens=skip_stale,
-                                   axis_name=axis_name)
+                                   axis_name=axis_name, faults=faults)
             self.fns = {}
             self.input_fns = {}  # PER_WORKER input_fn by key, sent once
             self.value_fns = {}  # PerWorkerValue fn by key, sent once
@@ -260,12 +263,9 @@ if ray is not None:
             self.worker.return_params = True
 
         @ray.method(concurrency_group="control")
-        def set_kill_at(self, when):
-            self.worker.kill_at = when
-
-        @ray.method(concurrency_group="control")
-        def set_delay(self, seconds):
-            self.worker.delay = seconds
+        def set_faults(self, faults):
+            """This worker's part of the carrier's FaultPlan becomes ``faults``."""
+            self.worker.faults.set(self.worker.index, faults)
 
         def ready(self):
             return len(self.worker.layout.first_devices)

@@ -53,6 +53,7 @@ from typing import Any
 
 from jreplicate.ps.client import ShardClient
 from jreplicate.ps.config import PSConfig
+from jreplicate.ps.faults import FaultPlan
 from jreplicate.ps.per_worker import PerWorkerArg
 from jreplicate.ps.placement import Placement
 from jreplicate.ps.ray.options import is_gpu_worker, shard_actor_options, worker_actor_options
@@ -162,8 +163,11 @@ class RayCarrier:
     """Shards and workers as Ray actors (see the module docstring)."""
 
     def __init__(self, s: PSConfig, tx: Any, placement: Placement, pieces: list, opt_host: Any,
-                 restored: list | None):
+                 restored: list | None, *, faults: FaultPlan | None = None):
         ray = ensure_ray()
+        # The faults to inject (tests, benchmarks): each worker actor holds its part,
+        # sent again on every change (set_faults) and after Ray restarts it.
+        self.faults = FaultPlan() if faults is None else faults
         ShardActor, WorkerActor = _actor_classes()
         g = s.num_replicas_in_sync
         self._config, self._tx = s, tx
@@ -179,7 +183,8 @@ class RayCarrier:
         self.workers = [WorkerActor.options(**worker_actor_options(
             _opts(s.ray_worker_options, w), g)).remote(
             w, shards_ref, placement_ref, gated, opt_ref, g, s.token_timeout,
-            s.skip_stale_tokens, guarded, s.layout.replica_axis) for w in range(s.num_workers)]
+            s.skip_stale_tokens, guarded, s.layout.replica_axis,
+            FaultPlan({w: self.faults.get(w)})) for w in range(s.num_workers)]
         self._check_ready(ray.get([w.ready.remote() for w in self.workers], timeout=300))
         self._check_gpus()
         self.client = ShardClient([_ShardProxy(a) for a in self.shards], placement, gated,
@@ -200,7 +205,6 @@ class RayCarrier:
         self._incarnations = ray.get([w.incarnation.remote() for w in self.workers],
                                      timeout=300)
         self._forget: dict[int, Any] = {}  # worker -> forget what its actor held
-        self._delays = [0.0] * len(self.workers)  # set_worker_delay, kept for restarts
         # Per worker, input key -> (generation, elements its completed steps read).
         self._positions: list[dict] = [{} for _ in self.workers]
         #: PER_WORKER inputs whose iterator was closed or collected on the driver, and
@@ -372,11 +376,16 @@ class RayCarrier:
         if when in ("process", "crash"):  # crash: Ray restarts it (max_restarts)
             ray.kill(self.workers[w], no_restart=when == "process")
             return
-        ray.get(self.workers[w].set_kill_at.remote(when), timeout=60)
+        self.faults.kill(w, when)
+        self._send_faults(w)
 
     def set_worker_delay(self, w: int, seconds: float) -> None:
-        self._delays[w] = seconds
-        _ray().get(self.workers[w].set_delay.remote(seconds), timeout=60)
+        self.faults.set_delay(w, seconds)
+        self._send_faults(w)
+
+    def _send_faults(self, w: int) -> None:
+        """Worker ``w``'s actor holds its part of the plan as it is now."""
+        _ray().get(self.workers[w].set_faults.remote(self.faults.get(w)), timeout=60)
 
     def kill_shard(self, i: int) -> None:
         _ray().kill(self.shards[i], no_restart=True)
@@ -445,10 +454,13 @@ class RayCarrier:
     def _refresh(self, w: int) -> None:
         """Worker ``w``'s actor, restarted afresh by Ray, is told what the carrier told
         it before: pushes return parameters (pipelined steps), the shards (restarted
-        ones), its delay; its incarnation is recorded."""
+        ones), its faults (its delay; no kill armed, as a new process); its incarnation
+        is recorded."""
         ray = _ray()
         actor = self.workers[w]
-        refs = [actor.set_shards.remote(self.shards), actor.set_delay.remote(self._delays[w]),
+        self.faults.disarm(w)
+        refs = [actor.set_shards.remote(self.shards),
+                actor.set_faults.remote(self.faults.get(w)),
                 actor.set_input_positions.remote(dict(self._positions[w]))]
         if self.depth > 1:
             refs.append(actor.return_params.remote())
