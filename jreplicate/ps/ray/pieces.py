@@ -5,8 +5,9 @@ Ray copies each out-of-band buffer of a pickled object into its object store; a 
 over 1 MiB is copied by ``parallel_memcopy`` on six threads that Ray starts and joins
 for that one copy (``MEMCOPY_THREADS`` in its ``serialization.pxi``, fixed when Ray is
 built). For the 4 MiB kernel of a 64-1024-1024-10 MLP on a loaded 2-core machine, a
-``ray.put`` then took 2.3 ms of CPU and 3.8 ms of wall time, against 1.5 and 2.3 ms for
-the same bytes in four 1 MiB buffers, which Ray copies with one ``memcpy`` each.
+``ray.put`` then took 2.3 ms of CPU and 3.8 ms of wall time, against 1.5-1.7 and
+2.3-2.4 ms for the same bytes in four 1 MiB buffers, which Ray copies with one
+``memcpy`` each.
 
 :class:`Pieces` wraps such an array: pickled, it is its bytes as views of at most
 :data:`PIECE_BYTES` (no copy); unpickled (:func:`joined`), it is the array again. The
