@@ -21,7 +21,7 @@ from jreplicate.ps.faults import FaultPlan
 from jreplicate.ps.ledger import Ledger
 from jreplicate.ps.per_worker import PerWorkerArg
 from jreplicate.ps.ray import wire
-from jreplicate.ps.ray.pieces import in_pieces
+from jreplicate.ps.ray.pieces import in_pieces, in_pieces_leaf
 from jreplicate.ps.ray.proxy import _Forgotten, _ShardProxy
 from jreplicate.ps.remote import WorkerLostError, to_host
 from jreplicate.ps.shard import PSShard
@@ -247,11 +247,12 @@ if ray is not None:
 
         @ray.method(concurrency_group="control")
         def fetch(self, step_id):
-            """``(True, outputs as numpy)``, or ``(False, why)`` if not held here."""
+            """``(True, outputs as numpy)``, or ``(False, why)`` if not held here (arrays
+            over 1 MiB in pieces: ray/pieces.py)."""
             out = self.held.get(step_id, _MISSING)
             if out is _MISSING:
                 return False, f"worker {self.worker.index} does not hold them"
-            return True, _host(out, to_host)
+            return True, _host(out, lambda x: in_pieces_leaf(to_host(x)))
 
         @ray.method(concurrency_group="control")
         def held_steps(self):

@@ -57,10 +57,16 @@ def _is_big(x: Any) -> bool:
     return isinstance(x, np.ndarray) and x.nbytes > PIECE_BYTES and not x.dtype.hasobject
 
 
+def in_pieces_leaf(x: Any) -> Any:
+    """``x`` wrapped in :class:`Pieces` if it is a NumPy array over :data:`PIECE_BYTES`,
+    else ``x``."""
+    return Pieces(x) if _is_big(x) else x
+
+
 def in_pieces(tree: Mapping[str, Any]) -> dict[str, Any]:
     """``tree`` (a ``{key: array}`` dict) with each NumPy array over
     :data:`PIECE_BYTES` wrapped in :class:`Pieces` (the others as they are)."""
-    return {k: Pieces(v) if _is_big(v) else v for k, v in tree.items()}
+    return {k: in_pieces_leaf(v) for k, v in tree.items()}
 
 
 def joined(dtype: np.dtype, shape: tuple[int, ...], parts: Sequence[np.ndarray]
