@@ -2,23 +2,27 @@
 
 What it stands for. The engine-neutral core of ``ParameterServerStrategy`` is real
 here: :class:`jreplicate.ps.shard.PSShard` objects (their jitted optax updates, their
-:class:`jreplicate.ps.ledger.Ledger`, shard 0's ``sync_replicas`` host driver and token
-queue, staging / decision / commit / ack across shards, the shards' staleness guard) and
-:meth:`jreplicate.ps.client.ShardClient.settle` for a worker lost mid-push. The
-:class:`jreplicate.ps.coordinator.Coordinator` is thread-bound (one thread per worker,
-condition waits), so this file reimplements only its scheduling, in a discrete-event
-simulator: a FIFO of step closures (a lost worker's step back at its front with its id,
-at-least-once execution), bounded-staleness admission exactly as ``Coordinator.
-_may_start`` (a step starts only while every running step has run alongside fewer than
-tau others; idle workers first come, first served), stale-synchronous admission by the
-real :class:`jreplicate.ps.admission.ClockGate` (mode ``"ssp"``: a worker starts a step
-only while its clock is at most ``tau`` ahead of the slowest live worker's; a dead
-worker leaves the minimum, a restarted one rejoins at it), token waits that do not block
-(``take_token`` with a deadline already past, retried whenever shard 0 may have a token),
-``set_live_workers`` on deaths and restarts, the "relax" of one gradient per worker and
-step when every running step waits, and starvation (the waits cancelled). A worker's
-push is the call sequence of ``ShardClient.push`` (async: every shard; token-gated: stage
-on shards 1.., push to shard 0, commit on 1.., ack), which a death can cut anywhere.
+:class:`jreplicate.ps.fate.ledger.Ledger`, shard 0's ``sync_replicas`` host driver and token
+queue, staging / decision / commit / ack across shards, the shards' staleness guard),
+:meth:`jreplicate.ps.client.ShardClient.settle` for a worker lost mid-push, and the
+coordinator's scheduling: the pure :class:`jreplicate.ps.scheduler.Scheduler` that the
+:class:`jreplicate.ps.coordinator.Coordinator`'s worker threads drive in real time is
+driven here from an event heap in virtual time. It owns the FIFO of step closures (a
+lost worker's step back at its front with its id, at-least-once execution), admission
+by the real gates (``"bounded"``: :class:`jreplicate.ps.admission.StalenessGate`, a
+step starts only while every running step has run alongside fewer than tau others;
+``"ssp"``: :class:`jreplicate.ps.admission.ClockGate`, a worker starts a step only while
+its clock is at most ``tau`` ahead of the slowest live worker's, a dead worker leaves
+the minimum and a restarted one rejoins at it; idle workers first come, first served),
+and token-gated training's "relax" of one gradient per worker and step when every
+running step waits and its starvation (the waits cancelled), by the real
+:class:`jreplicate.ps.admission.StarvationDetector`. What this file adds is what the
+threads and carriers do: token waits that do not block (``take_token`` with a deadline
+already past, retried whenever shard 0 may have a token), ``set_live_workers`` on
+deaths, restarts and relaxation (the executor's ``on_worker_lost`` / ``on_relax``), and
+a worker's push as the call sequence of ``ShardClient.push`` (async: every shard;
+token-gated: stage on shards 1.., push to shard 0, commit on 1.., ack), which a death
+can cut anywhere.
 
 What it does not stand for: threads and locks (no contention, no lock convoy), JAX
 dispatch and compile time of the workers' steps (a step is a latency drawn in virtual
@@ -46,7 +50,6 @@ step's accepted gradients).
 from __future__ import annotations
 
 import argparse
-import collections
 import dataclasses
 import heapq
 import os
@@ -63,8 +66,8 @@ import numpy as np  # noqa: E402
 import optax  # noqa: E402
 
 import jreplicate as jr  # noqa: E402
-from jreplicate.ps.admission import ClockGate, StatsRecorder  # noqa: E402
 from jreplicate.ps.client import ShardClient  # noqa: E402
+from jreplicate.ps.scheduler import Scheduler, Step  # noqa: E402
 from jreplicate.ps.shard import PSShard, TokenTimeoutError  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -73,6 +76,7 @@ import _record  # noqa: E402
 MODES = ("async", "bounded", "ssp", "gated")
 LR = 0.5
 DIM = 4
+STARVED_AFTER = 1.0  # virtual seconds (Coordinator.STARVED_AFTER's)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -143,17 +147,18 @@ class Sim:
         self.client = ShardClient(self.shards, None, self.gated)
         self.workers = [_Worker() for _ in range(cfg.workers)]
         self.live = cfg.workers
-        self.queue = list(range(cfg.steps))[::-1]  # a stack: pop() is the front
+        # The coordinator's scheduling: the real Scheduler (queue, admission, starvation).
+        self.sched = Scheduler(cfg.workers, max_staleness=tau,
+                               max_clock_lead=cfg.tau if cfg.mode == "ssp" else None,
+                               starved_after=STARVED_AFTER)
+        self.closures = [Step(i) for i in range(cfg.steps)]
+        for c in self.closures:
+            self.sched.submit(c)
+        for w in range(cfg.workers):  # every worker's thread starts idle, in order
+            self.sched.arrive(w)
         self.attempts = [0] * cfg.steps
         self.events: list = []
         self.seq = 0
-        self.idle = collections.deque(range(cfg.workers))  # FIFO of idle workers
-        self.gate = ClockGate(cfg.tau, cfg.workers, StatsRecorder(1)) \
-            if cfg.mode == "ssp" else None
-        for w in self.idle if self.gate is not None else ():
-            self.gate.arrive(w)
-        self.inflight: dict[int, int] = {}  # worker -> push id
-        self.alongside: dict[int, int] = {}
         self.waiting: list[tuple[int, int]] = []  # token-gated: (worker, push id)
         self.applied: list[dict[int, int]] = [{} for _ in self.shards]  # pid -> attempt
         self.now = 0.0
@@ -178,50 +183,43 @@ class Sim:
                 self._dispatch()
             if not self.waiting or not self._unstick():
                 break
-        self.cancelled = len(self.waiting) + len(self.queue)
+        self.cancelled = len(self.waiting) + self.sched.queued
         return self._result()
 
     def _unstick(self) -> bool:
-        """Every running step waits for a token: relax one gradient per worker and step
-        (the coordinator's on_relax); if still no token, the waits are cancelled
-        (starvation: returns False)."""
-        self.relaxed += 1
-        self.shards[0].set_live_workers(0)
+        """Nothing left to happen but token waits: the coordinator's starvation check
+        (join's), in virtual time. False: the waits are cancelled."""
+        due = self.sched.starvation_due(self.now)
+        if due is None:  # not every running step waits: cannot happen with no events
+            raise RuntimeError(f"simulation stuck at {self.now}: {self.waiting[:5]}")
+        self.now += due
+        due = self.sched.starvation_due(self.now)  # the grace passed without progress
+        progress = self.sched.starvation.progress
+        if due == 0.0 and self.sched.starved(progress, not self.shards[0].takeable()):
+            return False
         self._dispatch()
         return bool(self.events)
 
-    # -- scheduling (Coordinator's rules) --------------------------------------------
-    def _may_start(self, w: int) -> bool:
-        tau = self.cfg.tau if self.cfg.mode == "bounded" else None
-        if tau is None:
-            return True
-        running = [v for v in self.inflight if v != w]
-        return len(running) <= tau and all(self.alongside[v] < tau for v in running)
+    # -- scheduling: the real Scheduler, and what the coordinator's threads do ---------
+    def _relax(self, relax: bool) -> None:
+        """The executor's ``on_relax``: shard 0 counts no live workers while relaxed."""
+        if relax:
+            self.relaxed += 1
+            self.shards[0].set_live_workers(0)
+
+    def _token_wait(self, w: int, waiting: bool) -> None:
+        self._relax(self.sched.token_wait(w, waiting))
 
     def _dispatch(self) -> None:
         if self.gated:
             self._retry_tokens()
-        while self.queue and self.idle:
-            if self.gate is not None:  # the first idle worker within the clock lead
-                w = self.gate.first()
-                if w is None:
-                    break
-                self.gate.leave(w)
-                self.idle.remove(w)
-            else:
-                w = self.idle[0]  # first come, first served
-                if not self._may_start(w):
-                    break
-                self.idle.popleft()
-            pid = self.queue.pop()
-            if self.cfg.mode == "bounded":  # the steps each running step ran alongside
-                for v in self.inflight:
-                    self.alongside[v] += 1
-                self.alongside[w] = len(self.inflight)
-            self.inflight[w] = pid
+        while (took := self.sched.take_next()) is not None:
+            w, c = took
+            pid = c.step_id
             self.attempts[pid] += 1
             if self.gated and self.workers[w].local_step is not None:
                 self.waiting.append((w, pid))
+                self._token_wait(w, True)
                 self._retry_tokens(only_new=True)
             else:
                 self._begin(w, pid, None)
@@ -230,7 +228,7 @@ class Sim:
         """What decides whether a waiter may take a token (a pass over the waiters is
         needed only when it changed, or for a new waiter)."""
         s0 = self.shards[0]
-        return (s0.step, self.returned, min(s0._acked[1:], default=0),
+        return (s0.step, self.returned, min(s0.release.acked[1:], default=0),
                 self._live() >= self.k, self.relaxed)
 
     def _retry_tokens(self, only_new: bool = False) -> None:
@@ -252,6 +250,7 @@ class Sim:
             except TokenTimeoutError:
                 still.append((w, pid))
                 continue
+            self._token_wait(w, False)
             self._begin(w, pid, token)
         self.waiting = still
         self._last_pass = self._token_state()
@@ -337,15 +336,9 @@ class Sim:
             wk.local_step = steps[0] if token is None else token
             wk.min_step = d.step + 1 if d.kind == "applied" else 0
         self.completed += 1
-        self._free(w)
-        self.idle.append(w)
-        if self.gate is not None:
-            self.gate.tick(w)
-            self.gate.arrive(w)
-
-    def _free(self, w: int) -> None:
-        self.inflight.pop(w, None)
-        self.alongside.pop(w, None)
+        self.sched.finish(w, self.closures[pid])  # the coordinator's _finish
+        self.sched.arrive(w)  # its thread takes the next step
+        self._relax(self.sched.maybe_relax())
 
     def _on_death(self, w: int, pid: int, token: int | None, cut: int) -> None:
         self.deaths += 1
@@ -362,12 +355,10 @@ class Sim:
                             raise RuntimeError(f"exactly-once violated: push {pid} "
                                                f"settled twice on shard {i}")
                         self.applied[i][pid] = s.ledger.decisions[pid].attempt
-        self._free(w)
         self.workers[w] = _Worker(alive=False)
         self.live -= 1
-        if self.gate is not None:
-            self.gate.lose(w)
-        self.queue.append(pid)  # back at the front, same id
+        self.sched.worker_lost(w)  # the coordinator's _worker_lost
+        self.sched.put_back(self.closures[pid])  # back at the front, same id
         if self.gated:
             self.shards[0].set_live_workers(self._live())
         self._at(self.now + self.cfg.restart, "restart", w, pid)
@@ -375,10 +366,8 @@ class Sim:
     def _on_restart(self, w: int, pid: int) -> None:
         self.workers[w] = _Worker()
         self.live += 1
-        self.idle.append(w)
-        if self.gate is not None:
-            self.gate.rejoin(w)
-            self.gate.arrive(w)
+        self.sched.worker_back(w)  # the coordinator's _revive
+        self.sched.arrive(w)  # on a new thread
         if self.gated:
             self.shards[0].set_live_workers(self._live())
 

@@ -22,15 +22,18 @@ import optax
 import pytest
 
 import jreplicate as jr
-from jreplicate.ps import admission, step_record
+from jreplicate.ps import admission
 from jreplicate.ps.client import ShardClient
+from jreplicate.ps.closure import Closure
 from jreplicate.ps.coordinator import Coordinator
-from jreplicate.ps.ledger import Ledger
+from jreplicate.ps.fate import record as step_record
+from jreplicate.ps.fate.ledger import Ledger
+from jreplicate.ps.fate.record import StepRecord
+from jreplicate.ps.outcome import Completed, Failed, WorkerLost
 from jreplicate.ps.placement import place_parameters
 from jreplicate.ps.remote import WorkerLostError
 from jreplicate.ps.shard import PSShard
-from jreplicate.ps.step_record import StepRecord
-from jreplicate.ps.worker import ApplicationError, Closure
+from tests._fake_carrier import FakeCarrier
 from tests._ps_helpers import bounded_test  # noqa: F401 (autouse: every test bounded)
 
 BOUND_S = 60.0
@@ -129,6 +132,35 @@ def test_a_malformed_saved_record_is_refused(bad):
 
 # -- 10,000 steps through the coordinator, the client and real shards --------------------
 
+class _JobCarrier(FakeCarrier):
+    """The workers of a :class:`_Job`: each step as planned, through its client."""
+
+    def __init__(self, job: _Job, workers: int):
+        super().__init__(workers, client=job.client, replaces_workers=True)
+        self.job = job
+
+    def settle(self, step_id: int) -> None:
+        """(Every push reaches both shards or none here: nothing to settle.)"""
+
+    def start(self, w: int, c: Closure, on_token_wait):
+        job = self.job
+
+        def wait():
+            kind = job.plan[c.step_id]
+            if kind == "raise":
+                return Failed(ValueError("this step raises"))
+            if kind == "lost_before" and c.attempt == 1:
+                return WorkerLost(WorkerLostError("lost before its push"))
+            fetched = [sh.step for sh in job.shards]
+            if kind == "stale":
+                fetched = [f - (1 << 21) for f in fetched]  # dropped
+            job.client.push(c.step_id, w, fetched, job.grads)
+            if kind == "lost_after" and c.attempt == 1:
+                return WorkerLost(WorkerLostError("lost after its push"))
+            return Completed(c.step_id)
+        return wait
+
+
 class _Job:
     """A coordinator running planned steps on two shards of one scalar each through
     the shard client: each step completes, raises (skipped), pushes a gradient too
@@ -147,28 +179,7 @@ class _Job:
         self.client = ShardClient(self.shards, self.placement, token_gated=False)
         self.plan: dict[int, str] = {}
         self.grads = {"a": np.ones((), np.float32), "b": np.ones((), np.float32)}
-        self.co = Coordinator(
-            [self._runner(w) for w in range(workers)], max_attempts=4,
-            decided=self.client.decided, skip=self.client.skip,
-            forget=self.client.forget, replace=lambda w: True, record=record)
-
-    def _runner(self, w: int):
-        def start(c: Closure, on_token_wait):
-            def wait():
-                kind = self.plan[c.step_id]
-                if kind == "raise":
-                    raise ApplicationError(ValueError("this step raises"))
-                if kind == "lost_before" and c.attempt == 1:
-                    raise WorkerLostError("lost before its push")
-                fetched = [sh.step for sh in self.shards]
-                if kind == "stale":
-                    fetched = [f - (1 << 21) for f in fetched]  # dropped
-                self.client.push(c.step_id, w, fetched, self.grads)
-                if kind == "lost_after" and c.attempt == 1:
-                    raise WorkerLostError("lost after its push")
-                return c.step_id
-            return wait
-        return start
+        self.co = Coordinator(_JobCarrier(self, workers), max_attempts=4, record=record)
 
     def run(self, first: int, n: int, rng) -> None:
         kinds = rng.choice(self.KINDS, n, p=[0.8, 0.1, 0.04, 0.03, 0.03])
@@ -201,7 +212,7 @@ def test_ten_thousand_steps_keep_every_record_bounded(monkeypatch):
             assert len(rec.skipped) <= _bits_bound()
             for sh in job.shards:
                 _check_ledger(sh.ledger, n)
-                assert not sh._staged
+                assert not sh.book.staged
             st = job.co.stats()
             assert all(len(t) <= admission.FINISH_TIMES for t in st.finish_times)
             saved = rec.to_arrays(n)

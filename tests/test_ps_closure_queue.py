@@ -12,10 +12,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from jreplicate.ps.admission import StalenessGate, StarvationDetector, StatsRecorder
+from jreplicate.ps.closure import Closure
 from jreplicate.ps.closure_queue import ClosureQueue
 from jreplicate.ps.coordinator import Coordinator
+from jreplicate.ps.outcome import Cancelled, Completed
 from jreplicate.ps.remote import StepCancelledError
-from jreplicate.ps.worker import Closure
+from jreplicate.ps.scheduler import Scheduler
+from tests._fake_carrier import FakeCarrier
 from tests._ps_helpers import bounded_test  # noqa: F401 (autouse: every test bounded)
 
 BOUND = 10.0  # seconds any wait in these tests may take at most
@@ -25,7 +28,7 @@ def _c(i: int) -> Closure:
     return Closure(i, None, False, None, (), 0, None)
 
 
-def _any(c: Closure) -> bool:
+def _any(w: int, c: Closure) -> bool:
     return True
 
 
@@ -40,7 +43,7 @@ def test_get_takes_in_put_order_and_skips_what_the_taker_cannot_run():
     q = ClosureQueue()
     for i in range(4):
         q.put(_c(i))
-    assert q.get(0, lambda c: c.step_id % 2 == 1).step_id == 1
+    assert q.get(0, lambda w, c: c.step_id % 2 == 1).step_id == 1
     assert [q.get(1, _any).step_id for _ in range(3)] == [0, 2, 3]
     assert q.running() == {1: 0, 0: 1, 2: 1, 3: 1} and q.queued == 0 and q.pending == 4
     assert q.get(0, _any, idle_timeout=0) is None  # nothing queued: no block
@@ -60,10 +63,11 @@ def test_put_back_goes_to_the_front_or_the_given_position_and_leaves_flight():
     assert [q.get(0, _any).step_id for _ in range(3)] == [0, 2, 1]
 
 
-def test_hooks_see_every_closure_enter_and_leave_flight_once():
+def test_the_gate_sees_every_closure_enter_and_leave_flight_once():
     entered, left = [], []
-    q = ClosureQueue(on_start=lambda c: entered.append(c.step_id),
-                     on_stop=lambda c: left.append(c.step_id))
+    sched = Scheduler(1)
+    sched.gate.start, sched.gate.stop = entered.append, left.append
+    q = ClosureQueue(sched)
     for i in range(3):
         q.put(_c(i))
     cs = [q.get(0, _any) for _ in range(3)]
@@ -136,19 +140,10 @@ def test_get_times_out_when_idle():
 def test_a_take_held_back_by_the_gate_wakes_when_a_step_leaves_flight():
     """tau = 0: worker 1 waits (no timeout) until worker 0's step ends."""
     stats = StatsRecorder(2)
-    gate = StalenessGate(0, stats)
-    q = ClosureQueue(on_start=lambda c: gate.start(c.step_id),
-                     on_stop=lambda c: gate.stop(c.step_id))
+    q = ClosureQueue(Scheduler(2, max_staleness=0, stats=stats))
 
     def take(w):
-        with q.lock:
-            gate.arrive(w)
-            try:
-                return q.get(w, _any, idle_timeout=BOUND,
-                             admit=lambda c: gate.admits(w, lambda v: True, q.running()))
-            finally:
-                gate.leave(w)
-                q.notify_takers()
+        return q.get(w, _any, idle_timeout=BOUND)
 
     for i in range(2):
         q.put(_c(i))
@@ -275,30 +270,41 @@ def test_stats_snapshot_is_immutable_and_counts_concurrent_updates_exactly():
         snap.completed = 1
 
 
-def _token_runner(token: threading.Event, interrupted: threading.Event):
-    """A step that waits for ``token`` as a token-gated worker does: counted as waiting
-    (``on_token_wait``) while it blocks; cancelled by ``interrupted``."""
-    def start(c, on_token_wait):
+class _TokenCarrier(FakeCarrier):
+    """Steps that wait for ``token`` as a token-gated worker does: counted as waiting
+    (``on_token_wait``) while they block; cancelled by :meth:`interrupt`; shard 0 has
+    a token to give when ``token_there``."""
+
+    def __init__(self, n: int, token: threading.Event, token_there: bool):
+        super().__init__(n)
+        self.token, self.token_there = token, token_there
+        self.interrupted = threading.Event()
+
+    def interrupt(self) -> None:
+        self.interrupted.set()
+
+    def starved(self) -> bool:
+        return not self.token_there
+
+    def start(self, w, c, on_token_wait):
         def wait():
             on_token_wait(True)
             try:
-                while not token.wait(0.01):
-                    if interrupted.is_set():
-                        raise StepCancelledError("interrupted")
+                while not self.token.wait(0.01):
+                    if self.interrupted.is_set():
+                        return Cancelled(StepCancelledError("interrupted"))
             finally:
                 on_token_wait(False)
-            return c.step_id
+            return Completed(c.step_id)
         return wait
-    return start
 
 
 @pytest.mark.parametrize("token_there", [False, True])
 def test_join_cancels_token_waits_only_when_shard_0_has_no_token(token_there):
     """Every running step waits, none queued: with no token to give, join raises
     StepCancelledError after the grace; with one, it keeps waiting and returns."""
-    token, interrupted = threading.Event(), threading.Event()
-    co = Coordinator([_token_runner(token, interrupted)] * 2, starved=lambda: not token_there,
-                     interrupt=interrupted.set)
+    token = threading.Event()
+    co = Coordinator(_TokenCarrier(2, token, token_there))
     co.STARVED_AFTER = co._starvation.grace = 0.3
     values = [co.schedule(_c(i)) for i in range(2)]
     if token_there:

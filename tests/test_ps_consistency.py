@@ -186,7 +186,7 @@ def _token_gated(num_ps=2, **kw):
 def test_a_slow_first_token_take_does_not_cancel_steps(monkeypatch):
     """The token queue's first use takes 1.5 s (as its compilation did under load):
     steps that take a token are not starving, and join lets them finish."""
-    import jreplicate.ps.shard as shard_mod
+    import jreplicate.ps.shard_update as shard_mod
 
     calls = []
 

@@ -11,7 +11,7 @@ import pytest
 
 import jreplicate as jr
 from jreplicate.ps.client import ShardClient
-from jreplicate.ps.ledger import Ledger
+from jreplicate.ps.fate.ledger import Ledger
 from jreplicate.ps.placement import place_parameters
 from jreplicate.ps.shard import PSShard, ShardClosedError, TokenTimeoutError
 from tests._ps_helpers import bounded_test  # noqa: F401 (autouse: every test bounded)

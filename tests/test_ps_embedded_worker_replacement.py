@@ -62,7 +62,7 @@ def _run_killing(s, rep, w, opt, step, it, kills, steps=N):
         while len(values) < min(after + 2, steps):
             values.append(rep.run(step, it, w, opt))
         until(lambda a=after: s.stats()["completed"] >= min(a, len(values)))
-        until(lambda v=victim: v not in coord._replacing)  # back, or lost for good
+        until(lambda v=victim: v not in coord._ends.replacing)  # back, or lost for good
         if not s.stats()["alive"][victim]:
             continue
         fired = s.stats()["rescheduled"] + 1

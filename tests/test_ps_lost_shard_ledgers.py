@@ -205,3 +205,49 @@ def test_a_fresh_nnx_argument_each_step_is_not_kept_for_the_whole_job():
         assert len(s._ex()._nnx_cache) >= 1
     finally:
         s.shutdown()
+
+
+def test_after_restart_shard_a_step_given_up_half_pushed_no_longer_blocks_state():
+    """A worker dies between its pushes to shard 0 and shard 1 (step 3: on shard 0
+    only); shard 1 is lost before the step runs again, so it ends half applied and
+    training stops. restart_shard(1, saved) names step 3 among the updates shard 1
+    lost and training goes on, but state() kept refusing ("the shards disagree") for
+    the rest of the job: the record's half-applied entry outlived the restart that
+    resolved it."""
+    s = jr.ParameterServerStrategy(num_ps=2, num_workers=2, placement="round_robin",
+                                   max_worker_restarts=0)
+    rep = jr.Replicator(s)
+    with rep.scope():
+        params = {k: jnp.zeros(n) for k, n in SIZES.items()}
+        tx = jr.ps.pushable(optax.sgd(LR))
+        opt = tx.init(params)
+
+    def step(ctx, p, o):
+        u, o = tx.update({k: jnp.ones(n) + 0.0 * p[k] for k, n in SIZES.items()}, o, p)
+        return optax.apply_updates(p, u)
+
+    try:
+        for _ in range(3):
+            rep.run(step, None, params, opt)
+        rep.join()
+        saved = s.state()
+        jrt.set_worker_delay(s, 1, 1.5)
+        jrt.kill_worker(s, 0, when="push")
+        for _ in range(2):  # worker 0 takes one and dies half pushed; worker 1 is slow
+            rep.run(step, None, params, opt)
+        deadline = time.monotonic() + 1.2
+        while s.stats()["alive"][0] and time.monotonic() < deadline:
+            time.sleep(0.01)
+        jrt.kill_shard(s, 1)  # before worker 1 pushes or runs the step again
+        with pytest.raises(ParameterServerError):
+            rep.join()
+        assert s._ex().coordinator.half_applied  # (as the attack needs)
+        report = s.restart_shard(1, saved)
+        assert 3 in report.lost
+        jrt.set_worker_delay(s, 1, 0.0)
+        rep.run(step, None, params, opt)
+        rep.join()
+        state = s.state()  # refused before: "the shards disagree (step 3's push ...)"
+        assert int(state["next_step_id"]) == 6
+    finally:
+        s.shutdown()

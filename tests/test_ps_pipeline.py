@@ -18,45 +18,46 @@ import optax
 import pytest
 
 import jreplicate as jr
+from jreplicate.ps.closure import Closure
 from jreplicate.ps.coordinator import Coordinator
+from jreplicate.ps.outcome import Completed, WorkerLost
 from jreplicate.ps.placement import place_parameters
 from jreplicate.ps.remote import WorkerLostError
-from jreplicate.ps.worker import Closure
+from tests._fake_carrier import FakeCarrier
 from tests._ps_helpers import bounded_test  # noqa: F401 (autouse: every test bounded)
 
 
-class FakeWorkers:
+class FakeWorkers(FakeCarrier):
     """``n`` workers, each step 2 ms; the first worker to start its ``die_at``-th step
     (1-based) dies running it (``victim``, ``fatal``)."""
 
     def __init__(self, n: int, die_at: int):
+        super().__init__(n)
         self.die_at = die_at
         self.ran: dict[int, list[int]] = {}  # step id -> workers that ran it to the end
         self.started = [[] for _ in range(n)]  # per worker: step ids in start order
         self.dead = [False] * n
         self.victim = self.fatal = None
         self.lock = threading.Lock()
-        self.runners = [self._runner(w) for w in range(n)]
 
-    def _runner(self, w: int):
-        def start(c, on_token_wait):
-            with self.lock:
-                self.started[w].append(c.step_id)
-                if self.victim is None and len(self.started[w]) == self.die_at:
-                    self.victim, self.fatal = w, c.step_id
-            return lambda: self._run(w, c)
-        return start
+    def start(self, w: int, c: Closure, on_token_wait):
+        with self.lock:
+            self.started[w].append(c.step_id)
+            if self.victim is None and len(self.started[w]) == self.die_at:
+                self.victim, self.fatal = w, c.step_id
+        return lambda: self._run(w, c)
 
-    def _run(self, w: int, c: Closure) -> int:
+    def _run(self, w: int, c: Closure):
         if self.dead[w]:
-            raise WorkerLostError(f"worker {w} is dead; step {c.step_id} did not run")
+            return WorkerLost(WorkerLostError(f"worker {w} is dead; step {c.step_id} did "
+                                              "not run"))
         time.sleep(0.002)
         if (w, c.step_id) == (self.victim, self.fatal):
             self.dead[w] = True
-            raise WorkerLostError(f"worker {w} died running step {c.step_id}")
+            return WorkerLost(WorkerLostError(f"worker {w} died running step {c.step_id}"))
         with self.lock:
             self.ran.setdefault(c.step_id, []).append(w)
-        return c.step_id
+        return Completed(c.step_id)
 
 
 def _schedule(coordinator: Coordinator, n: int) -> list:
@@ -72,7 +73,7 @@ def _behind(fake: FakeWorkers) -> int:
 @pytest.mark.parametrize("depth", [1, 2])
 def test_every_step_runs_exactly_once_when_a_worker_dies_with_steps_in_flight(depth):
     fake = FakeWorkers(3, die_at=3)
-    c = Coordinator(fake.runners, depth=depth, max_attempts=2)
+    c = Coordinator(fake, depth=depth, max_attempts=2)
     values = _schedule(c, 40)
     c.join(timeout=60)
     assert [v.fetch(timeout=1) for v in values] == list(range(40))
@@ -94,7 +95,7 @@ def test_a_step_that_never_started_does_not_use_up_max_attempts():
     """max_attempts=1: the step the worker died in fails; the one started behind it,
     which never ran, runs elsewhere (it would fail too if its start counted)."""
     fake = FakeWorkers(2, die_at=3)
-    c = Coordinator(fake.runners, depth=2, max_attempts=1)
+    c = Coordinator(fake, depth=2, max_attempts=1)
     values = _schedule(c, 30)
     with pytest.raises(WorkerLostError, match="failed on 1 workers"):
         c.join(timeout=60)
@@ -109,7 +110,7 @@ def test_a_step_that_never_started_does_not_use_up_max_attempts():
 
 def test_bounded_staleness_keeps_one_step_per_worker():
     with pytest.raises(ValueError, match="depth"):
-        Coordinator([lambda c, w: (lambda: None)], depth=2, max_staleness=1)
+        Coordinator(FakeCarrier(1), depth=2, max_staleness=1)
 
 
 def test_default_placement_gives_every_shard_a_share_of_an_mlps_bytes():

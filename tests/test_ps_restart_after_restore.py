@@ -28,7 +28,7 @@ from hypothesis.stateful import (
 
 import jreplicate as jr
 import jreplicate.testing as jrt
-from jreplicate.ps import step_record
+from jreplicate.ps.fate import record as step_record
 from jreplicate.ps.remote import ParameterServerError
 from tests._ps_helpers import bounded_test  # noqa: F401 (autouse: every test bounded)
 

@@ -53,3 +53,29 @@ def test_tensorflow_initial_tokens_keep_the_invariant():
     row = sim.simulate(sim.SimConfig(workers=20, shards=3, mode="gated", steps=80,
                                      num_tokens=None, seed=1))
     assert row["dropped"] > 0 and row["updates"] >= 1
+
+
+@pytest.mark.parametrize("tau", [0, 2])
+def test_bounded_delay_in_the_simulator_never_exceeds_tau(tau):
+    s = sim.Sim(sim.SimConfig(workers=12, shards=2, mode="bounded", steps=60, tau=tau,
+                              death=0.1, seed=5))
+    row = s.run()
+    assert row["steps"] == row["updates"] == 60 and row["deaths"] > 0
+    assert row["staleness_max"] <= tau  # on the shards' ledgers
+    assert s.sched.stats.snapshot().max_alongside <= tau  # as the gate admitted
+
+
+def test_the_simulator_schedules_with_the_real_admission_gate(monkeypatch):
+    """The simulator has no scheduling of its own: a StalenessGate that never holds a
+    worker back shows in its run as steps alongside others and pushes the shards drop
+    as staler than tau (before, it re-implemented the gate and did not notice)."""
+    from jreplicate.ps.admission import StalenessGate
+
+    monkeypatch.setattr(StalenessGate, "admits", lambda self, w, can_run, running: True)
+    monkeypatch.setattr(StalenessGate, "first",
+                        lambda self, can_run=None, running=None: next(iter(self._idle), None),
+                        raising=False)
+    s = sim.Sim(sim.SimConfig(workers=12, shards=1, mode="bounded", steps=60, tau=0,
+                              death=0.0))
+    row = s.run()
+    assert row["dropped"] > 0 and s.shards[0].ledger.summary()["stale"] > 0

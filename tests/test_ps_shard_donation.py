@@ -20,8 +20,8 @@ def _params():
 
 def _copies(shard: PSShard) -> list[str]:
     """The compiled update's copies of arrays (scalar counters aside)."""
-    text = shard._jitted.lower(shard._params, shard._opt_state,
-                               *shard._example()).compile().as_text()
+    text = shard.update.jitted.lower(shard._params, shard._opt_state,
+                                     *shard.update.example(shard._params)).compile().as_text()
     return [line.strip() for line in text.splitlines()
             if " copy(" in line and "[] copy(" not in line]
 

@@ -240,7 +240,8 @@ def test_token_gated_shard_1_raising_for_a_push_shard_0_accepted_is_lost():
     1 whose update raises while feeding a push shard 0 accepted would disagree with
     shard 0: it closes itself as lost (ShardClosedError: a ParameterServerError for
     the job), its state as before."""
-    from jreplicate.ps.shard import Decision, PSShard, ShardClosedError
+    from jreplicate.ps.fate.decision import Decision
+    from jreplicate.ps.shard import PSShard, ShardClosedError
     tx = optax.with_extra_args_support(optax.chain(_check_gradients(), jr.sync_replicas(
         optax.sgd(LR), replicas_to_aggregate=1, total_num_replicas=1)))
     sh = PSShard(1, {"0": np.zeros(2, np.float32)}, tx, num_shards=2)
@@ -315,7 +316,7 @@ def test_on_ray_a_shard_actors_update_error_is_the_steps_error():
 
 
 def test_a_ledger_saved_before_failed_was_counted_loads_with_none_failed():
-    from jreplicate.ps.ledger import Ledger
+    from jreplicate.ps.fate.ledger import Ledger
     led = Ledger()
     led.record(0, "applied", 0)
     led.record(1, "failed")

@@ -99,7 +99,7 @@ def test_the_state_first_update_keeps_every_state_leaf_in_place(tx, dtype):
         shard.push(i, 0, i, g)
         u, ref_o = update(g, ref_o, ref_p)
         ref_p = jax.jit(optax.apply_updates)(ref_p, u)
-    assert shard._jitted._cache_size() == 1  # (compiled at construction only)
+    assert shard.update.jitted._cache_size() == 1  # (compiled at construction only)
     got = shard.state()
     want = jax.tree.leaves(ref_o)
     assert len(jax.tree.leaves(got["opt_state"])) == len(want)

@@ -767,7 +767,7 @@ def test_token_gated_replicas_to_aggregate_above_the_workers_left_after_kills():
 
 
 def test_restart_shard_names_every_lost_update_after_a_step_that_raised(monkeypatch):
-    from jreplicate.ps import ledger
+    from jreplicate.ps.fate import ledger
 
     monkeypatch.setattr(ledger, "WINDOW", 8)
     s, rep, params, opt, step = _sgd_job(num_ps=2, workers=2)

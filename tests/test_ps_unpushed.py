@@ -19,7 +19,7 @@ import pytest
 
 import jreplicate as jr
 import jreplicate.testing as jrt
-from jreplicate.ps.ledger import KINDS, WINDOW, Ledger
+from jreplicate.ps.fate.ledger import KINDS, WINDOW, Ledger
 from jreplicate.ps.remote import ParameterServerError, StepCancelledError
 from tests._ps_helpers import bounded_test  # noqa: F401 (autouse: every test bounded)
 
@@ -114,7 +114,7 @@ def test_the_watermark_moves_past_cancelled_token_waits():
         assert all(v.done() for v in values)
         assert s._ex().coordinator.skipped == {v.step_id for v in values}
         _all_decided(s, 6)
-        assert not any(sh._staged for sh in s._ex()._carrier.shards)
+        assert not any(sh.book.staged for sh in s._ex()._carrier.shards)
     finally:
         s.shutdown()
 

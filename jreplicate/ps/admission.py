@@ -39,7 +39,8 @@ from typing import NamedTuple, Protocol
 class AdmissionGate(Protocol):
     """When an idle worker may start a step (called under the queue's lock).
 
-    ``arrive``/``leave`` bracket a worker's wait for a step; ``admits`` decides;
+    ``arrive``/``leave`` bracket a worker's wait for a step; ``admits`` decides (and
+    ``first`` names the idle worker it would admit);
     ``start``/``stop`` follow a step in and out of flight; ``tick`` ends a step on a
     worker (its clock moves on); ``lose``/``rejoin`` follow a worker's loss and return.
     """
@@ -48,7 +49,9 @@ class AdmissionGate(Protocol):
 
     def arrive(self, worker: int) -> None: ...
     def leave(self, worker: int) -> None: ...
-    def admits(self, worker: int, can_run: Callable[[int], bool],
+    def first(self, can_run: Callable[[int], bool] | None = None,
+              running: dict[int, int] | None = None) -> int | None: ...
+    def admits(self, worker: int, can_run: Callable[[int], bool] | None,
                running: dict[int, int]) -> bool: ...
     def start(self, step_id: int) -> None: ...
     def stop(self, step_id: int) -> None: ...
@@ -73,31 +76,42 @@ class StalenessGate:
         self.tau = tau
         self._stats = stats
         self._alongside: dict[int, int] = {}  # running step id -> steps it ran alongside
-        self._idle: dict[int, int] = {}  # worker waiting for a step -> its ticket
-        self._tickets = 0
+        self._idle: dict[int, None] = {}  # the workers waiting for a step, in arrival order
         self._max = 0  # the most steps one step ran alongside, so far
 
     def arrive(self, worker: int) -> None:
-        """``worker`` starts waiting for a step (takes a ticket)."""
-        self._tickets += 1
-        self._idle[worker] = self._tickets
+        """``worker`` starts waiting for a step (at the end of the idle order, unless it
+        waits already)."""
+        self._idle.setdefault(worker)
 
     def leave(self, worker: int) -> None:
         """``worker`` stopped waiting (took a step, or exits)."""
         self._idle.pop(worker, None)
 
-    def admits(self, worker: int, can_run: Callable[[int], bool],
-               running: dict[int, int]) -> bool:
-        """Whether idle ``worker`` may start a step now: it is the first idle worker
-        (of those ``can_run`` the step) and starting keeps every running step's count
-        at most tau. ``running``: ``{step id: worker}`` in flight."""
+    def first(self, can_run: Callable[[int], bool] | None = None,
+              running: dict[int, int] | None = None) -> int | None:
+        """The first idle worker (of those ``can_run`` the step), if starting a step on
+        it now keeps every running step's count at most tau; else None."""
+        v = next((v for v in self._idle if can_run is None or can_run(v)), None)
+        return v if v is not None and self._room(v, running or {}) else None
+
+    def _room(self, worker: int, running: dict[int, int]) -> bool:
         if self.tau is None:
             return True
-        if self._idle[worker] != min(t for v, t in self._idle.items() if can_run(v)):
-            return False  # first come, first served: a finishing worker does not hog
         others = [i for i, v in running.items() if v != worker]
         return len(others) <= self.tau and all(self._alongside[i] < self.tau
                                                for i in others)
+
+    def admits(self, worker: int, can_run: Callable[[int], bool] | None,
+               running: dict[int, int]) -> bool:
+        """Whether idle ``worker`` may start a step now: it is the first idle worker
+        (of those ``can_run`` the step) and starting keeps every running step's count
+        at most tau (``can_run`` None: every worker can). ``running``: ``{step id:
+        worker}`` in flight."""
+        if self.tau is None:
+            return True
+        # first come, first served: a finishing worker does not hog
+        return self.first(can_run, running) == worker
 
     def start(self, step_id: int) -> None:
         """Step ``step_id`` starts alongside every running one."""
@@ -156,6 +170,10 @@ class ClockGate:
         self._stats = stats
         self.clocks = [0] * workers
         self._live = [True] * workers
+        # How many live workers are at each clock: the slowest one in O(distinct clocks),
+        # which SSP keeps within about lead + 2 values (1,000 workers: no scan of all).
+        self._at: collections.Counter[int] = collections.Counter({0: workers} if workers
+                                                                 else {})
         self._idle: dict[int, int] = {}  # in arrival order: worker -> its ticket
         self._tickets = 0
         self._max = 0
@@ -172,11 +190,16 @@ class ClockGate:
     def slowest(self, can_run: Callable[[int], bool] | None = None) -> int | None:
         """The smallest clock of the live workers that ``can_run`` the step (None: no
         such worker)."""
+        if can_run is None:
+            return min(self._at, default=None)
         return min((c for v, c in enumerate(self.clocks)
                     if self._live[v] and (can_run is None or can_run(v))), default=None)
 
-    def first(self, can_run: Callable[[int], bool] | None = None) -> int | None:
-        """The first idle worker (in arrival order) that may start a step now."""
+    def first(self, can_run: Callable[[int], bool] | None = None,
+              running: dict[int, int] | None = None) -> int | None:
+        """The first idle worker (in arrival order) that may start a step now
+        (``running`` is not needed: clocks say it all)."""
+        del running
         low = self.slowest(can_run)
         for v in self._idle:
             if (can_run is None or can_run(v)) and self._ok(v, low):
@@ -188,7 +211,7 @@ class ClockGate:
         # back by itself: low is None only when no live worker can run the step.
         return low is None or self.clocks[v] - low <= self.lead
 
-    def admits(self, worker: int, can_run: Callable[[int], bool],
+    def admits(self, worker: int, can_run: Callable[[int], bool] | None,
                running: dict[int, int]) -> bool:
         """Whether idle ``worker`` may start a step now: its clock is at most ``lead``
         ahead of the slowest live worker's that can run it, and no idle worker that may
@@ -212,10 +235,20 @@ class ClockGate:
 
     def tick(self, worker: int) -> None:
         """A step ended on ``worker`` (completed, or failed there): its clock moves on."""
+        if self._live[worker]:
+            self._count(self.clocks[worker], -1)
+            self._count(self.clocks[worker] + 1, 1)
         self.clocks[worker] += 1
+
+    def _count(self, clock: int, n: int) -> None:
+        self._at[clock] += n
+        if not self._at[clock]:
+            del self._at[clock]
 
     def lose(self, worker: int) -> None:
         """``worker`` was lost: its clock no longer holds the others back."""
+        if self._live[worker]:
+            self._count(self.clocks[worker], -1)
         self._live[worker] = False
         self._idle.pop(worker, None)
 
@@ -223,10 +256,13 @@ class ClockGate:
         """``worker`` is back (replaced): it rejoins at the slowest live worker's clock
         (or its own, if later), so that the others' leads over it stay within bounds
         and the bound on the staleness of updates holds."""
+        if self._live[worker]:
+            return
         low = self.slowest()
         self._live[worker] = True
         if low is not None:
             self.clocks[worker] = max(self.clocks[worker], low)
+        self._count(self.clocks[worker], 1)
 
 
 class StarvationDetector:
@@ -257,6 +293,11 @@ class StarvationDetector:
     def moved(self) -> None:
         """A step ended (or went back to the queue uncounted)."""
         self.progress += 1
+
+    @property
+    def waits(self) -> bool:
+        """Whether any worker waits for a token."""
+        return bool(self._waiting)
 
     def stuck(self, running: set[int], queued: int) -> bool:
         """Whether every running step waits for a token and none is queued."""

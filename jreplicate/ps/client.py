@@ -23,11 +23,11 @@ from typing import Any, TypeVar
 import jax
 import numpy as np
 
+from jreplicate.ps.fate.decision import FORGET, SKIPPED, Decision, needs_ack
 from jreplicate.ps.faults import FaultPlan
 from jreplicate.ps.handle import RemoteShardHandle, ShardHandle
 from jreplicate.ps.placement import Placement
 from jreplicate.ps.remote import ParameterServerError, ShardUpdateError
-from jreplicate.ps.shard import FORGET, SKIPPED, Decision
 
 _log = logging.getLogger("jreplicate")
 
@@ -171,7 +171,7 @@ class ShardClient:
             if decision is None:
                 return
         steps = self._fan(lambda i, s: s.commit(push_id, decision), first=1)
-        if decision.kind == "applied" and max(steps) > decision.step:
+        if needs_ack(decision, steps):
             self.shards[0].ack(steps)
 
     def decided(self, push_id: int) -> list[bool | None]:

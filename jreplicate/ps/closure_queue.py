@@ -1,9 +1,11 @@
 """The closures waiting to run and those running: TensorFlow's ``_CoordinatedClosureQueue``.
 
-The shape of ``tensorflow/python/distribute/coordinator/cluster_coordinator.py``'s queue:
-``put`` / ``get`` / ``put_back`` / ``mark_finished`` / ``mark_failed`` / ``wait``, with
-one lock and a NAMED condition per predicate a thread waits on, notified exactly where
-that predicate can change, so no wait polls:
+The thread-side shell of the pure :class:`~jreplicate.ps.scheduler.Scheduler` (which
+owns the queue, the closures in flight, the admission gate and starvation): one lock and
+a NAMED condition per predicate a thread waits on, notified exactly where that predicate
+can change, so no wait polls. The shape of
+``tensorflow/python/distribute/coordinator/cluster_coordinator.py``'s queue: ``put`` /
+``get`` / ``put_back`` / ``mark_finished`` / ``mark_failed`` / ``wait``.
 
 * ``_can_take`` (``get``): a closure the taker may run is queued, or it must stop.
   Notified by ``put``, ``put_back``, a closure leaving flight (an admission gate may
@@ -15,39 +17,36 @@ that predicate can change, so no wait polls:
   closures and by ``mark_failed`` / ``stop``.
 
 The lock is reentrant and public (``lock``): the owner (the :class:`Coordinator`) takes
-it to read and change its own state in the same critical section as the queue's, and
-calls the queue's methods while holding it. Each method also takes it itself.
+it to read and change its own state and the scheduler's (``sched``) in the same critical
+section as the queue's, and calls the queue's methods while holding it. Each method also
+takes it itself.
 """
 
 from __future__ import annotations
 
-import collections
 import threading
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
+
+from jreplicate.ps.scheduler import HELD, Scheduler
 
 if TYPE_CHECKING:
-    from jreplicate.ps.worker import Closure
-
-
-def _nothing(c: Closure) -> None:
-    del c
+    from jreplicate.ps.closure import Closure
 
 
 class ClosureQueue:
     """Closures queued and in flight (taken by a worker, not yet finished).
 
     Args:
-      on_start: called (under the lock) with a closure as a worker takes it, before it
-        counts as in flight: an admission gate's bookkeeping.
-      on_stop: called (under the lock) with a closure as it leaves flight.
+      sched: the scheduler whose state this queue guards (default: a new one with no
+        admission bound).
 
-    >>> from jreplicate.ps.worker import Closure
+    >>> from jreplicate.ps.scheduler import Step
     >>> q = ClosureQueue()
     >>> for i in range(2):
-    ...     q.put(Closure(i, None, False, None, (), 0, None))
-    >>> c = q.get(worker=0, runnable=lambda c: True)
+    ...     _ = q.put(Step(i))
+    >>> c = q.get(worker=0)
     >>> c.step_id, q.pending, q.running()
     (0, 2, {0: 0})
     >>> q.mark_finished(c)
@@ -55,128 +54,125 @@ class ClosureQueue:
     (1, False)
     """
 
-    def __init__(self, on_start: Callable[[Closure], None] = _nothing,
-                 on_stop: Callable[[Closure], None] = _nothing):
+    def __init__(self, sched: Scheduler | None = None):
+        self.sched = sched if sched is not None else Scheduler(0)
         self.lock = threading.RLock()
         self._can_take = threading.Condition(self.lock)
         self._settled = threading.Condition(self.lock)
-        self._on_start = on_start
-        self._on_stop = on_stop
-        self._queue: collections.deque[Closure] = collections.deque()
-        self._inflight: dict[int, tuple[int, Closure]] = {}  # step id -> worker, closure
-        self._error: BaseException | None = None
-        self._stopped = False
 
     # -- the state (read under the lock for a consistent view) --------------------------
     @property
     def error(self) -> BaseException | None:
         """The error that stopped the queue (``mark_failed``), after which no closure is
         taken."""
-        return self._error
+        return self.sched.error
 
     @property
     def stopped(self) -> bool:
         """Whether :meth:`stop` was called (for good)."""
-        return self._stopped
+        return self.sched.stopped
 
     @property
     def queued(self) -> int:
-        return len(self._queue)
+        return self.sched.queued
 
     @property
     def inflight(self) -> int:
-        return len(self._inflight)
+        return self.sched.inflight
 
     @property
     def pending(self) -> int:
         """Closures queued or in flight."""
         with self.lock:
-            return len(self._queue) + len(self._inflight)
+            return self.sched.pending
 
     def running(self) -> dict[int, int]:
         """``{step id: worker}`` of the closures in flight."""
         with self.lock:
-            return {i: w for i, (w, _) in self._inflight.items()}
+            return self.sched.running()
 
     def in_flight(self) -> list[Closure]:
         """The closures in flight."""
         with self.lock:
-            return [c for _, c in self._inflight.values()]
+            return self.sched.in_flight()
 
     def running_workers(self) -> set[int]:
         with self.lock:
-            return {w for w, _ in self._inflight.values()}
+            return self.sched.running_workers()
 
     # -- producers ----------------------------------------------------------------------
-    def put(self, c: Closure) -> None:
-        """Queues ``c`` at the back."""
+    def put(self, c: Closure) -> bool:
+        """Queues ``c`` at the back; returns :meth:`Scheduler.submit`'s answer (True:
+        token-gated relaxation is to be undone)."""
         with self.lock:
-            self._queue.append(c)
-            self._can_take.notify_all()
-            self._settled.notify_all()
+            unrelax = self.sched.submit(c)
+            self._changed()
+            return unrelax
 
     def put_back(self, c: Closure, position: int = 0) -> None:
         """``c`` (in flight, or not) goes back into the queue at ``position`` (0: the
         front, to run next)."""
         with self.lock:
-            self._leave_flight(c)
-            self._queue.insert(min(position, len(self._queue)), c)
-            self._can_take.notify_all()
-            self._settled.notify_all()
+            self.sched.put_back(c, position)
+            self._changed()
 
     # -- consumers ----------------------------------------------------------------------
-    def get(self, worker: int, runnable: Callable[[Closure], bool], *,
-            admit: Callable[[Closure], bool] = lambda c: True,
+    def get(self, worker: int, can_run: Callable[[int, Any], bool] | None = None, *,
             stop: Callable[[], bool] = lambda: False,
             idle_timeout: float | None = None) -> Closure | None:
-        """Takes the first queued closure ``runnable`` accepts, once ``admit`` lets
-        ``worker`` start it, and marks it in flight on ``worker``.
+        """Takes the first queued closure ``worker`` can run (``can_run(worker, c)``),
+        once the scheduler's admission gate lets ``worker`` start it
+        (:meth:`Scheduler.take`), and marks it in flight on ``worker``.
 
-        Returns None when the queue is stopped, ``stop()`` is true, or no runnable closure
-        was queued for ``idle_timeout`` seconds (0: do not block). While an error is set
-        nothing is runnable. A closure that is runnable but not admitted is waited for
-        without a timeout: the gate opens only when something notifies ``_can_take``.
+        Returns None when the queue is stopped, ``stop()`` is true, or no closure
+        ``worker`` can run was queued for ``idle_timeout`` seconds (0: do not block).
+        While an error is set nothing is runnable. A closure that is runnable but not
+        admitted is waited for without a timeout: the gate opens only when something
+        notifies ``_can_take``.
         """
         with self.lock:
-            idle_since = time.monotonic()
-            while True:
-                if self._stopped or stop():
-                    return None
-                i = self._first(runnable) if self._error is None else None
-                if i is not None:
-                    idle_since = time.monotonic()
-                    c = self._queue[i]
-                    if admit(c):
-                        del self._queue[i]
-                        self._on_start(c)
-                        self._inflight[c.step_id] = (worker, c)
-                        return c
-                    if idle_timeout is not None and idle_timeout <= 0:
-                        return None
-                    self._can_take.wait()
-                    continue
-                left = None if idle_timeout is None else \
-                    idle_timeout - (time.monotonic() - idle_since)
-                if left is not None and left <= 0:
-                    return None
-                self._can_take.wait(left)
+            self.sched.arrive(worker)
+            try:
+                return self._get(worker, can_run, stop, idle_timeout)
+            finally:
+                self.sched.leave(worker)
+                if self.sched.gate.bounded:
+                    self._can_take.notify_all()  # the next idle worker may be first now
 
-    def _first(self, runnable: Callable[[Closure], bool]) -> int | None:
-        for i, c in enumerate(self._queue):
-            if runnable(c):
-                return i
-        return None
+    def _get(self, worker: int, can_run: Callable[[int, Any], bool] | None,
+             stop: Callable[[], bool], idle_timeout: float | None) -> Closure | None:
+        idle_since = time.monotonic()
+        while True:
+            if stop():
+                return None
+            took = self.sched.take(worker, can_run)
+            if took.closure is not None:
+                return took.closure
+            if took.why == HELD:  # runnable, not admitted: the worker is not idle
+                idle_since = time.monotonic()
+                if idle_timeout is not None and idle_timeout <= 0:
+                    return None
+                self._can_take.wait()
+                continue
+            if self.sched.stopped:
+                return None
+            left = None if idle_timeout is None else \
+                idle_timeout - (time.monotonic() - idle_since)
+            if left is not None and left <= 0:
+                return None
+            self._can_take.wait(left)
 
     def mark_finished(self, c: Closure) -> None:
         """``c`` left flight (done, failed or given up on)."""
         with self.lock:
-            self._leave_flight(c)
-            self._can_take.notify_all()
-            self._settled.notify_all()
+            self.sched.drop(c)
+            self._changed()
 
-    def _leave_flight(self, c: Closure) -> None:
-        if self._inflight.pop(c.step_id, None) is not None:
-            self._on_stop(c)
+    def finish(self, worker: int, c: Closure) -> None:
+        """``c`` ended on ``worker`` (:meth:`Scheduler.finish`: its clock moves on)."""
+        with self.lock:
+            self.sched.finish(worker, c)
+            self._changed()
 
     # -- errors and the end -------------------------------------------------------------
     def mark_failed(self, error: BaseException) -> list[Closure]:
@@ -184,17 +180,16 @@ class ClosureQueue:
         and returns the queued closures, removed (the caller fails them). Closures in
         flight stay: :meth:`wait` and the owner see them end."""
         with self.lock:
-            if self._error is not None:
+            if self.sched.error is not None:
                 return []
-            self._error = error
-            self._can_take.notify_all()  # nothing is runnable now
-            self._settled.notify_all()
-            return self.drain()
+            out = self.sched.fail(error)
+            self._changed()  # nothing is runnable now; join's wait ends
+            return out
 
     def clear_error(self) -> None:
         """The queue takes closures again after :meth:`mark_failed`."""
         with self.lock:
-            self._error = None
+            self.sched.clear_error()
             self._can_take.notify_all()
 
     def drain(self) -> list[Closure]:
@@ -204,9 +199,8 @@ class ClosureQueue:
     def remove_where(self, pred: Callable[[Closure], bool]) -> list[Closure]:
         """Removes and returns the queued closures ``pred`` accepts, in queue order."""
         with self.lock:
-            out = [c for c in self._queue if pred(c)]
+            out = self.sched.remove_where(pred)
             if out:
-                self._queue = collections.deque(c for c in self._queue if not pred(c))
                 self._settled.notify_all()
             return out
 
@@ -214,23 +208,15 @@ class ClosureQueue:
         """Stops the queue for good: every ``get`` returns None. Returns the queued
         closures, removed."""
         with self.lock:
-            self._stopped = True
-            self._can_take.notify_all()
-            self._settled.notify_all()
-            return self.drain()
+            out = self.sched.stop()
+            self._changed()
+            return out
 
     # -- waiting ------------------------------------------------------------------------
     def wait(self, timeout: float | None = None) -> bool:
         """Blocks until nothing is queued or in flight or an error is set (True), or
         ``timeout`` seconds pass (False)."""
-        end = None if timeout is None else time.monotonic() + timeout
-        with self.lock:
-            while not self._settled_now():
-                left = None if end is None else end - time.monotonic()
-                if left is not None and left <= 0:
-                    return False
-                self._settled.wait(left)
-            return True
+        return self._wait_until(lambda: self.sched.settled, timeout)
 
     def wait_for_change(self, timeout: float | None = None) -> bool:
         """One wait on ``_settled``: returns once the queue is settled (True), or on the
@@ -238,23 +224,29 @@ class ClosureQueue:
         (False when still unsettled). For an owner whose wait loop reads state of its
         own (the coordinator's starvation check)."""
         with self.lock:
-            if not self._settled_now():
+            if not self.sched.settled:
                 self._settled.wait(timeout)
-            return self._settled_now()
+            return self.sched.settled
 
     def wait_inflight(self, timeout: float | None) -> bool:
         """Blocks until nothing is in flight (True) or ``timeout`` seconds pass."""
+        return self._wait_until(lambda: not self.sched.inflight, timeout)
+
+    def _wait_until(self, done: Callable[[], bool], timeout: float | None) -> bool:
         end = None if timeout is None else time.monotonic() + timeout
         with self.lock:
-            while self._inflight:
+            while not done():
                 left = None if end is None else end - time.monotonic()
                 if left is not None and left <= 0:
                     return False
                 self._settled.wait(left)
             return True
 
-    def _settled_now(self) -> bool:
-        return self._error is not None or not (self._queue or self._inflight)
+    def _changed(self) -> None:
+        """The queued or in-flight closures (or the error, or the end) changed: both
+        predicates may have turned."""
+        self._can_take.notify_all()
+        self._settled.notify_all()
 
     def notify_takers(self) -> None:
         """The owner's state that ``get``'s predicates read changed."""

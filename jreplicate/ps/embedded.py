@@ -9,14 +9,17 @@ from collections.abc import Callable
 from typing import Any
 
 from jreplicate.ps.client import ShardClient
+from jreplicate.ps.closure import Closure
 from jreplicate.ps.config import PSConfig
 from jreplicate.ps.faults import FaultPlan
+from jreplicate.ps.handle import Carrier
+from jreplicate.ps.outcome import Outcome, outcome_of
 from jreplicate.ps.placement import Placement
 from jreplicate.ps.shard import PSShard
 from jreplicate.ps.worker import PSWorker
 
 
-class EmbeddedCarrier:
+class EmbeddedCarrier(Carrier):
     """Shards and workers as objects of this process; each worker runs on a thread of
     the :class:`Coordinator` with its own devices. ``faults`` (tests, benchmarks; none
     by default) is handed to every worker and its shard client."""
@@ -31,11 +34,9 @@ class EmbeddedCarrier:
         self.workers = [self._new_worker(w) for w in range(s.num_workers)]
         self.client = ShardClient(self.shards, placement, self.shards[0].token_gated,
                                   guarded=self._guarded())
-        # A step runs on its worker's coordinator thread when the thread waits for it;
-        # self.workers[w] is read at each start (a replaced worker takes its place).
-        self.runners = [lambda c, on_wait, w=w: functools.partial(
-            _outputs, self.workers[w], c, on_wait) for w in range(s.num_workers)]
+        self.num_workers = s.num_workers
         self.depth = 1
+        self.replaces_workers = s.max_worker_restarts != 0
         #: Per worker: replacements left (-1: no limit), and those made.
         self._restarts_left = [s.max_worker_restarts] * s.num_workers
         self.restarts = [0] * s.num_workers
@@ -52,8 +53,12 @@ class EmbeddedCarrier:
                         token_timeout=s.token_timeout, skip_stale_tokens=s.skip_stale_tokens,
                         axis_name=s.layout.replica_axis, faults=self.faults)
 
-    def is_shard_failure(self, e: BaseException) -> bool:
-        return False
+    def start(self, w: int, closure: Closure, on_token_wait: Callable[[bool], None]
+              ) -> Callable[[], Outcome]:
+        """The step runs on its worker's coordinator thread when the thread waits for
+        it; ``self.workers[w]`` is read now (a replaced worker takes its place)."""
+        return functools.partial(outcome_of, functools.partial(
+            _outputs, self.workers[w], closure, on_token_wait))
 
     def starved(self) -> bool:
         """Whether shard 0 has no token a waiting worker could take."""
@@ -138,6 +143,10 @@ class EmbeddedCarrier:
         """Every worker lets its per-worker value of ``key`` go."""
         for w in self.workers:
             w.values.release(key)
+
+    def read_value(self, key: int) -> list:
+        """Each worker's per-worker state of ``key`` (NumPy; None where it holds none)."""
+        return [w.values.read(key) for w in self.workers]
 
     def workers_alive(self, n: int) -> None:
         self.shards[0].set_live_workers(n)

@@ -23,27 +23,32 @@ from jreplicate.execution.cache import FunctionMap
 from jreplicate.input.iterator import InputIterator
 from jreplicate.ps import capture
 from jreplicate.ps.client import ShardClient
+from jreplicate.ps.closure import Closure, HostBatch
 from jreplicate.ps.config import PSConfig
 from jreplicate.ps.coordinator import Coordinator
 from jreplicate.ps.embedded import EmbeddedCarrier
+from jreplicate.ps.fate import (
+    StepRecord,
+    check_history,
+    ids_to_ask,
+    judge_live,
+    lost_updates,
+    settle_restart,
+)
 from jreplicate.ps.faults import FaultPlan
 from jreplicate.ps.handle import Carrier
 from jreplicate.ps.nnx_state import NnxArg
-from jreplicate.ps.per_worker import PerWorkerValue
+from jreplicate.ps.per_worker import PerWorkerState, PerWorkerValue
 from jreplicate.ps.placement import Placement, place_parameters
 from jreplicate.ps.remote import ParameterServerError, RemoteValue, is_key, to_host
 from jreplicate.ps.run_arguments import check_run_arguments
-from jreplicate.ps.shard import _is_sync, check_transformation
 from jreplicate.ps.shard_restart import (
     ShardRestart,
-    check_history,
     check_same_aggregation,
     check_shard_state,
     host_shard_state,
-    lost_updates,
 )
-from jreplicate.ps.step_record import StepRecord
-from jreplicate.ps.worker import Closure, HostBatch
+from jreplicate.ps.shard_update import _is_sync, check_transformation
 from jreplicate.ps.worker_input import (
     WorkerInput,
     WorkerInputIterator,
@@ -132,17 +137,8 @@ class ParameterServerExecutor(Executor):
                                             opt_host, restored, faults=FaultPlan())
         self.client = self._carrier.client
         self.coordinator = Coordinator(
-            self._carrier.runners, depth=self._carrier.depth, max_staleness=s.max_staleness,
-            max_clock_lead=s.max_clock_lead, max_attempts=s.max_attempts,
-            is_shard_failure=self._carrier.is_shard_failure,
-            interrupt=self._carrier.interrupt, on_worker_lost=self._carrier.workers_alive,
-            on_relax=lambda relax: self._carrier.workers_alive(
-                0 if relax else sum(self.coordinator.alive)),
-            settle=self.client.settle, starved=self._carrier.starved,
-            replace=self._carrier.replace_worker if s.carrier == "ray"
-            or s.max_worker_restarts != 0 else None,
-            decided=self.client.decided, skip=self.client.skip, forget=self.client.forget,
-            record=record)
+            self._carrier, depth=self._carrier.depth, max_staleness=s.max_staleness,
+            max_clock_lead=s.max_clock_lead, max_attempts=s.max_attempts, record=record)
         self._carrier.set_live_workers(lambda: sum(self.coordinator.alive))
 
     def shard_step(self, i: int) -> int:
@@ -302,17 +298,10 @@ class ParameterServerExecutor(Executor):
         undecided = self._check_live_shards(i, live)
         lost = lost_updates(shards[i]["ledger"], list(live.values()), record, self.next_id)
         for pid in undecided:
-            record.skip(pid)
             self.client.skip(pid)  # (the restarted shard: below, with the skipped)
-        record.ended_below(self.next_id)  # the others: decided by a live shard
-        # No step is pending and every id below next_id has ended: the restarted shard
-        # decides the steps skipped since the save and those whose update it lost (no
-        # push of them will come), so that its ledger's watermark moves on.
-        led = saved["ledger"]
-        gone = set(lost)
-        for pid in range(led.watermark, self.next_id):
-            if pid in gone or record.was_skipped(pid):
-                led.skip(pid)
+        # No step is pending and every id below next_id has ended: the record and the
+        # restarted shard's ledger are brought up to it (see settle_restart).
+        settle_restart(record, saved["ledger"], undecided, lost, self.next_id)
         self._carrier.restart_shard(i, saved)
         self.coordinator.resume()
         return ShardRestart(i, saved["step"], lost)
@@ -333,18 +322,13 @@ class ParameterServerExecutor(Executor):
         hi = self.next_id
         if lo >= hi:
             return []
-        sets = [_decided_ids(led, lo, hi) for led in live.values()]
-        union = set().union(*sets)
-        skipped = self.coordinator.record.was_skipped
-        some = sorted(p for p in union if not skipped(p) and any(p not in d for d in sets))
-        none = [p for p in range(lo, hi)
-                if p not in union and not self.coordinator.completed_ids.seen(p)]
+        record = self.coordinator.record
         undecided = []
-        for pid in some + none:  # (a ledger's saved window may be short: ask the shards)
-            answers = self.client.decided(pid)
-            yes = [j for j in live if answers[j]]
-            no = [j for j in live if answers[j] is False]
-            if yes and no and not skipped(pid):
+        for pid in ids_to_ask(live.values(), lo, hi, record.was_skipped,
+                              record.completed_ids.seen):
+            fate, yes, no = judge_live(self.client.decided(pid), live,
+                                       record.was_skipped(pid), record.completed_ids.seen(pid))
+            if fate == "half":
                 msg = (f"restart_shard({i}, state): step {pid}'s push is on shard(s) {yes} "
                        f"and not on shard(s) {no} (a shard was lost in the middle of it), "
                        "so the live shards' parameters disagree; restarting shard "
@@ -352,7 +336,7 @@ class ParameterServerExecutor(Executor):
                        "with strategy.restore(state).")
                 self.coordinator.half_applied.setdefault(pid, msg)
                 raise ValueError(msg)
-            if not yes and not self.coordinator.completed_ids.seen(pid):
+            if fate == "undecided":
                 undecided.append(pid)
         return undecided
 
@@ -378,6 +362,17 @@ class ParameterServerExecutor(Executor):
     def per_worker_value(self, fn: Callable) -> PerWorkerValue:
         """``strategy.create_per_worker_value(fn)`` (see :mod:`jreplicate.ps.per_worker`)."""
         return PerWorkerValue(fn, self.config.num_workers, self.release_value)
+
+    def per_worker_state(self, fn: Callable) -> PerWorkerState:
+        """``strategy.create_per_worker_state(fn)`` (see :mod:`jreplicate.ps.per_worker`)."""
+        return PerWorkerState(fn, self.config.num_workers, self.release_value,
+                              self.read_value)
+
+    def read_value(self, key: int) -> list:
+        """Each worker's per-worker state of ``key`` (NumPy; None where it holds none)."""
+        if self._carrier is None:
+            return [None] * self.config.num_workers
+        return self._carrier.read_value(key)
 
     def release_value(self, key: int) -> None:
         """The PerWorkerValue of ``key`` was collected: every worker lets its value go
@@ -405,11 +400,11 @@ class ParameterServerExecutor(Executor):
         return ZippedWorkerInputs(owner, self, tuple(iterators))
 
     def sweep_exhausted(self, sweep: tuple) -> bool:
-        return self.coordinator is not None and self.coordinator.sweep_exhausted(sweep)
+        return self.coordinator is not None and self.coordinator.sweeps.exhausted(sweep)
 
     def input_exhausted(self, key: int, generation: int) -> bool:
         return self.coordinator is not None and \
-            self.coordinator.input_exhausted(key, generation)
+            self.coordinator.sweeps.exhausted((key, generation))
 
     def reset_input(self, key: int, generation: int) -> None:
         if self.coordinator is not None:
@@ -580,13 +575,6 @@ class ParameterServerExecutor(Executor):
         if self.coordinator is not None:
             self.coordinator.shutdown()
             self._carrier.close()
-
-
-def _decided_ids(led: dict[str, Any], start: int, stop: int) -> set[int]:
-    """The ids in ``[start, stop)`` a ledger (its arrays) decided."""
-    wm = int(np.asarray(led["watermark"]))
-    window = {int(x) for x in np.asarray(led["window"]).tolist() if start <= x < stop}
-    return set(range(start, min(wm, stop))) | window
 
 
 def _check_device_axis(args: tuple, nnx_pos: dict) -> None:

@@ -76,7 +76,9 @@ def check_nothing_lost(args: list, built: list) -> None:
                     "every step runs on a fresh copy of the rest, so this change would be "
                     "lost after each step. Keep such state fixed in the step (e.g. "
                     "nnx.BatchNorm(use_running_average=True), or model.eval() for those "
-                    "layers), or train with MirroredStrategy, which keeps it.")
+                    "layers), keep it per worker (strategy.create_per_worker_state: the "
+                    "step returns jr.ps.update_worker_state(nnx.state(...))), or train "
+                    "with MirroredStrategy, which keeps it.")
 
 
 def _flat(state: Any) -> dict[tuple, tuple[str, Any]]:

@@ -2,7 +2,7 @@
 
 A shard holds its pieces of the parameters (see :mod:`jreplicate.ps.placement`), the
 optax state of the transformation over them, its step and its ledger
-(:mod:`jreplicate.ps.ledger`). Only numpy pytrees and ints cross its boundary:
+(:mod:`jreplicate.ps.fate.ledger`). Only numpy pytrees and ints cross its boundary:
 :meth:`PSShard.pull` returns numpy copies, :meth:`PSShard.push` takes numpy gradients.
 Each accepted push is applied by one jitted optax update (optimizer state donated;
 parameters not, since pulls hand out snapshots) under the shard's lock, in the same
@@ -16,7 +16,8 @@ Two modes, chosen by the transformation:
   transform's host driver (each push is one replica's push with ``local_step``), owns
   ``global_step`` and the token queue (:meth:`PSShard.take_token` blocks with a
   deadline). A push is two-phase: the worker first *stages* its pieces on the other
-  shards (:meth:`PSShard.stage`), then pushes to shard 0, whose :class:`Decision`
+  shards (:meth:`PSShard.stage`), then pushes to shard 0, whose
+  :class:`jreplicate.ps.fate.decision.Decision`
   (accepted as the ``index``-th gradient of ``step``, stale or backup) is then
   *committed* on the others (:meth:`PSShard.commit`): they feed exactly the pushes
   shard 0 accepted, in shard 0's order, into their own accumulators, so their
@@ -25,7 +26,10 @@ Two modes, chosen by the transformation:
   (:meth:`jreplicate.ps.client.ShardClient.settle`). A token of ``global_step`` is
   handed out only after every shard acknowledged that step (:meth:`PSShard.ack`;
   TensorFlow's "only after all variables have been updated"), so no worker pulls a mix
-  of steps.
+  of steps. What became of each push (the ledger, shard 0's decisions, the staged and
+  accepted pieces waiting for their turn) is kept in a pure
+  :class:`jreplicate.ps.fate.decision.ShardBook`; the shard is its threaded shell
+  (the lock, the jitted updates, the tokens).
 
 With ``max_staleness=tau`` (asynchronous mode) a push whose staleness would exceed tau
 is dropped and counted as ``stale`` (the coordinator's admission keeps this from
@@ -41,20 +45,27 @@ learn that a push fails before any shard applies it.
 
 from __future__ import annotations
 
-import dataclasses
 import threading
 import time
 from collections.abc import Callable
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
-import optax
 
-from jreplicate.ps.ledger import Ledger
+from jreplicate.ps.fate.decision import Decision, ShardBook, TokenRelease, driver_decision
+from jreplicate.ps.fate.ledger import Ledger
 from jreplicate.ps.remote import ShardUpdateError, original_error
-from jreplicate.sync.state import SyncReplicasState, take_token, tokens_available
+from jreplicate.ps.shard_update import (
+    ShardUpdate,
+    _accumulated,
+    _counters,
+    _deleted,
+    _is_sync,
+    _own_buffers,
+    _sync_state,
+    _token_returned,
+)
 
 
 class ShardClosedError(RuntimeError):
@@ -67,153 +78,6 @@ class TokenWaitInterrupted(RuntimeError):
 
 class TokenTimeoutError(TimeoutError):
     """No token of the current step became available before the deadline."""
-
-
-@dataclasses.dataclass(frozen=True)
-class Decision:
-    """What shard 0 decided for a push in token-gated mode.
-
-    Attributes:
-      kind: ``"applied"`` (accepted into step ``step``'s aggregate), ``"stale"``,
-        ``"backup"`` or ``"failed"`` (an update raised: no shard applies it); or
-        ``"skipped"`` (:data:`SKIPPED`, sent to every shard's :meth:`PSShard.record` by
-        the coordinator): the step ended for good without pushing, its id is decided
-        without counting (:meth:`jreplicate.ps.ledger.Ledger.skip`); or ``"forget"``
-        (:data:`FORGET`, to :meth:`PSShard.record` with a push id ``n``): every step
-        with an id below ``n`` ended, so what is kept for their reruns is let go
-        (:meth:`jreplicate.ps.ledger.Ledger.forget`).
-      step: the global step the gradient counts for (accepted), else the step then.
-      index: the push's position among step ``step``'s accepted gradients.
-      completes: the push completed step ``step`` (shard 0 applied the aggregate).
-      attempt: the run of the step whose gradient shard 0 decided on (the other shards
-        feed the pieces that run staged).
-      duplicate: returned for a second push of a decided id (the fields are the
-        original decision's).
-    """
-
-    kind: str
-    step: int
-    index: int = -1
-    completes: bool = False
-    attempt: int = 0
-    duplicate: bool = False
-
-
-#: The decision that marks a push id decided without a push (see :class:`Decision`).
-SKIPPED = Decision("skipped", -1)
-#: The decision that says every step below a push id ended (see :class:`Decision`).
-FORGET = Decision("forget", -1)
-
-
-def _is_sync(state: Any) -> bool:
-    return any(isinstance(s, SyncReplicasState) for s in jax.tree.leaves(
-        state, is_leaf=lambda x: isinstance(x, SyncReplicasState)))
-
-
-def _sync_state(state: Any) -> SyncReplicasState:
-    return next(s for s in jax.tree.leaves(state, is_leaf=lambda x: isinstance(
-        x, SyncReplicasState)) if isinstance(s, SyncReplicasState))
-
-
-def check_transformation(index: int, tx: Any, pieces: dict[str, np.ndarray],
-                         paths: list[str]) -> None:
-    """Traces (abstractly) ``tx``'s ``init`` and ``update`` over shard ``index``'s
-    ``pieces``, as the shard will run them, so that a transformation that cannot take
-    them fails when the strategy is built, naming the shard (both carriers).
-
-    Raises:
-      ValueError: naming the shard, its leaves (``paths``), the original error and the
-        fix.
-    """
-    if not pieces:
-        return
-    try:
-        try:
-            state = jax.eval_shape(tx.init, pieces)
-        except Exception:  # noqa: BLE001 - an init that reads values: run it (as shards do)
-            state = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype),
-                                 tx.init(jax.tree.map(jnp.asarray, pieces)))
-        if _is_sync(state):
-            jax.eval_shape(lambda p, s: _sync_update(tx, p, s, p, -1), pieces, state)
-        else:
-            jax.eval_shape(lambda p, s: _apply_update(tx, p, s, p), pieces, state)
-    except Exception as e:
-        kind, message = original_error(e)
-        raise ValueError(
-            f"ParameterServerStrategy: the optimizer cannot run on parameter-server shard "
-            f"{index}, which holds the leaves {paths} as a flat dict of pieces keyed "
-            f"{sorted(pieces)}: its init or update raised the error below. Each shard "
-            "applies the transformation to its own pieces, not to your parameter tree: a "
-            "transformation given a tree of the parameters' structure or names (a mask or "
-            "labels for optax.masked or optax.multi_transform) cannot run there; give "
-            f"it a function of the leaves (e.g. of their ndim or shape) instead.\n"
-            f"{kind}: {message}") from e
-
-
-def _apply_update(tx: Any, params: Any, opt_state: Any, grads: Any) -> tuple[Any, Any]:
-    updates, opt_state = tx.update(grads, opt_state, params)
-    return optax.apply_updates(params, updates), opt_state
-
-
-def _sync_update(tx: Any, params: Any, opt_state: Any, grads: Any,
-                 local_step: Any) -> tuple[Any, Any]:
-    # Updates are zero until the step completes: params + 0 leaves them unchanged.
-    updates, opt_state = tx.update(grads, opt_state, params, local_step=local_step)
-    return optax.apply_updates(params, updates), opt_state
-
-
-def _state_first(fn: Callable) -> Callable:
-    """``fn`` returning ``(opt_state, params)`` for its ``(params, opt_state)``: see
-    where the shard jits it."""
-    def update(*args: Any) -> tuple[Any, Any]:
-        params, opt_state = fn(*args)
-        return opt_state, params
-
-    return update
-
-
-def _may_raise(fn: Callable, *args: Any) -> bool:
-    """Whether ``fn(*args)`` jitted can raise once it runs: it calls back into Python
-    (``jax.debug.callback``, ``pure_callback``, ``io_callback``), or JAX checks every
-    result for NaNs or Infs."""
-    if jax.config.jax_debug_nans or jax.config.jax_debug_infs:
-        return True
-    return _calls_back(jax.make_jaxpr(fn)(*args).jaxpr)
-
-
-def _calls_back(jaxpr: Any) -> bool:
-    for eqn in jaxpr.eqns:
-        if "callback" in eqn.primitive.name:
-            return True
-        for v in eqn.params.values():
-            for sub in v if isinstance(v, (tuple, list)) else (v,):
-                inner = getattr(sub, "jaxpr", sub)  # a ClosedJaxpr's Jaxpr
-                if hasattr(inner, "eqns") and _calls_back(inner):
-                    return True
-    return False
-
-
-def _own_buffers(state: Any, params: Any) -> Any:
-    """``state`` with each leaf whose buffer is that of a leaf of ``params`` or of an
-    earlier leaf of its own copied: the update donates the state, and XLA donates no
-    buffer that the same call also takes (a transformation whose ``init`` keeps the
-    params themselves, as the same or another array object)."""
-    def buffer(x: Any) -> int:
-        try:
-            return x.unsafe_buffer_pointer()
-        except Exception:  # noqa: BLE001 - not one buffer (or not an array): itself
-            return id(x)
-
-    seen = {buffer(x) for x in jax.tree.leaves(params)}
-
-    def own(x: Any) -> Any:
-        b = buffer(x)
-        if b in seen:
-            return jax.numpy.array(x, copy=True)
-        seen.add(b)
-        return x
-
-    return jax.tree.map(own, state)
 
 
 class PSShard:
@@ -239,11 +103,8 @@ class PSShard:
                  ledger: Ledger | None = None, num_shards: int = 1,
                  max_staleness: int | None = None):
         self.index = index
-        self._tx = tx
-        self._device = device
         put = (lambda t: jax.device_put(t, device)) if device is not None else \
             (lambda t: jax.tree.map(jax.numpy.asarray, t))
-        self._put = put
         self._params = put(params)
         # A shard without parameters (more shards than leaves) keeps only its ledger.
         self.empty = not params
@@ -253,72 +114,19 @@ class PSShard:
         self.token_gated = _is_sync(self._opt_state)
         self._tau = max_staleness
         self._step = int(step)
-        self.ledger = ledger or Ledger()
         self._cond = threading.Condition(threading.Lock())
         self._closed: str | None = None
         self._interrupts = 0
-        self._k: int | None = None  # replicas_to_aggregate, learnt at the first update
-        self._live: int | None = None  # workers alive, as the coordinator last said
-        # Token-gated, shard 0: the step each other shard acknowledged having reached.
-        self._acked = [self._step] * max(int(num_shards), 1)
-        # Token-gated, shards > 0: pieces staged per push id and run (attempt), and the
-        # accepted pushes of a step waiting for their turn (shard 0's order).
-        self._staged: dict[int, dict[int, Any]] = {}
-        self._pending: dict[int, dict[int, Any]] = {}
-        self._need: dict[int, int] = {}
-        # Accepted pushes of the current step fed so far (an empty shard keeps the count
-        # as its whole optimizer state).
-        self._fed = int(_sync_state(self._opt_state).num_accumulated) if self.token_gated \
-            else int(np.asarray(opt_state["accumulated"])) if self.empty and \
-            isinstance(opt_state, dict) and "accumulated" in opt_state else 0
+        # Token-gated, shard 0: when a step's tokens may be handed out.
+        self.release = TokenRelease(self._step, num_shards)
+        # The fate of the pushes (ledger, decisions, staged and accepted pieces).
+        self.book = ShardBook(index, ledger, fed=_accumulated(self._opt_state, opt_state))
         self.apply_seconds = 0.0
-        self._fn = self._sync_fn if self.token_gated else self._apply_fn
-        #: Whether the update can raise once it runs (a host callback in it, or JAX's
-        #: NaN/Inf checks): then it does not donate the optimizer state, which an update
-        #: that raises after it started would leave deleted.
-        self.may_raise = not self.empty and _may_raise(self._fn, self._params,
-                                                       self._opt_state, *self._example())
-        # The jitted update returns the optimizer state first: jax.jit gives each
-        # donated buffer to the first output of its shape and dtype, so with the
-        # parameters first the new parameters took mu's buffers, mu nu's, and XLA
-        # copied every leaf twice to keep the old values readable (adam on a 4.4 MB
-        # model: 12 copies, 1.8 against 1.15 ms of CPU per update).
-        self._jitted = jax.jit(_state_first(self._fn),
-                               donate_argnums=() if self.may_raise else (1,))
-        if self.token_gated:
-            self._take = jax.jit(take_token)
-            self._available = jax.jit(tokens_available)
-        self._compile()
-
-    def _update(self, params: Any, opt_state: Any, *args: Any) -> tuple[Any, Any]:
-        """``(params, opt_state)`` after one jitted update (the state donated unless
-        the update may raise)."""
-        opt_state, params = self._jitted(params, opt_state, *args)
-        return params, opt_state
-
-    def _apply_fn(self, params, opt_state, grads):
-        return _apply_update(self._tx, params, opt_state, grads)
-
-    def _sync_fn(self, params, opt_state, grads, local_step):
-        return _sync_update(self._tx, params, opt_state, grads, local_step)
-
-    def _compile(self) -> None:
-        """Compiles the update (and the token queue's functions) now, on throwaway
-        copies, so that no push or token take compiles while holding the shard's lock."""
-        if self.empty:
-            return
-        copy = lambda t: jax.tree.map(jnp.copy, t)  # noqa: E731
-        self._update(self._params, copy(self._opt_state), *self._example())
-        if self.token_gated:
-            self._take(self._opt_state)
-            self._available(self._opt_state)
-
-    def _example(self) -> tuple:
-        """The update's arguments after the state, as a push passes them: gradients as
-        NumPy (the jitted update transfers them itself: several times cheaper than a
-        device_put of the pytree), so that no push compiles again."""
-        zeros = {k: np.zeros(v.shape, v.dtype) for k, v in self._params.items()}
-        return (zeros, np.int32(-1)) if self.token_gated else (zeros,)
+        #: The jitted update (None: no pieces), compiled now (see :class:`ShardUpdate`).
+        self.update = None if self.empty else ShardUpdate(
+            tx, self._params, self._opt_state, self.token_gated)
+        #: Whether the update can raise once it runs (:attr:`ShardUpdate.may_raise`).
+        self.may_raise = self.update is not None and self.update.may_raise
 
     def _updated(self, push_id: int, *args: Any) -> tuple[Any, Any]:
         """The update of the state by one push (under the lock), not yet applied.
@@ -330,14 +138,12 @@ class PSShard:
             is gone: the shard is lost.
         """
         try:
-            return self._update(self._params, self._opt_state, *args)
-        except Exception as e:
-            if any(getattr(x, "is_deleted", lambda: False)()
-                   for x in jax.tree.leaves(self._opt_state)):
+            return self.update(self._params, self._opt_state, *args)
+        except Exception as e:  # the user's update may raise anything: the push's error
+            if _deleted(self._opt_state):
                 raise self._lose("lost: its update raised ({}: {}) after taking its "
                                  "optimizer state".format(*original_error(e))) from e
-            self.ledger.record(push_id, "failed")
-            self.ledger.decisions[push_id] = Decision("failed", self._step)
+            self.book.failed(push_id, self._step)
             raise ShardUpdateError.of(e, shard=self.index, step_id=push_id) from e
 
     def check(self, push_id: int, fetched_step: int, grads: dict[str, np.ndarray]) -> None:
@@ -356,14 +162,16 @@ class PSShard:
             params, opt = self._params, self._opt_state  # (not donated: may_raise)
         args = (grads, np.int32(fetched_step)) if self.token_gated else (grads,)
         try:
-            if self.may_raise:
-                self._update(params, opt, *args)
-            else:
-                jax.eval_shape(self._fn, params, opt, *args)
-        except Exception as e:
+            self.update.trial(params, opt, *args)
+        except Exception as e:  # the user's update may raise anything: the push's error
             raise ShardUpdateError.of(e, shard=self.index, step_id=push_id) from e
 
     # -- reading ---------------------------------------------------------------------
+    @property
+    def ledger(self) -> Ledger:
+        """The shard's :class:`Ledger` (guarded by its lock)."""
+        return self.book.ledger
+
     @property
     def step(self) -> int:
         """Updates applied (asynchronous) or ``global_step`` (token-gated)."""
@@ -378,7 +186,7 @@ class PSShard:
         return step, {k: np.asarray(v) for k, v in params.items()}
 
     def summary(self) -> dict[str, Any]:
-        """The ledger's summary (:meth:`jreplicate.ps.ledger.Ledger.summary`)."""
+        """The ledger's summary (:meth:`jreplicate.ps.fate.ledger.Ledger.summary`)."""
         with self._cond:
             return self.ledger.summary()
 
@@ -389,7 +197,7 @@ class PSShard:
             ledger = self.ledger.to_arrays()
             params = jax.tree.map(np.asarray, params)
             opt = jax.tree.map(np.asarray, opt) if opt is not None else \
-                {"accumulated": np.array(self._fed, np.int32)}
+                {"accumulated": np.array(self.book.fed, np.int32)}
         return {"params": params, "opt_state": opt, "step": np.array(step, np.int32),
                 "ledger": ledger}
 
@@ -419,10 +227,9 @@ class PSShard:
             return decision
         with self._cond:
             self._check_open()
-            if self.ledger.seen(push_id):
-                self.ledger.record(push_id, "duplicate")
-                d = self.ledger.decisions.get(push_id, Decision("applied", self._step))
-                return dataclasses.replace(d, duplicate=True)
+            d = self.book.duplicate(push_id, self._step)
+            if d is not None:
+                return d
             if self.empty:
                 self.ledger.record(push_id, "applied", 0)
                 self._step += 1
@@ -449,9 +256,8 @@ class PSShard:
 
     def _push_async(self, push_id, fetched_step, grads):
         staleness = self._step - int(fetched_step)
-        if self._tau is not None and staleness > self._tau:
-            self.ledger.record(push_id, "stale")
-            return Decision("stale", self._step)
+        if (d := self.book.too_stale(push_id, self._step, staleness, self._tau)) is not None:
+            return d
         t0 = time.perf_counter()
         self._params, self._opt_state = self._updated(push_id, grads)
         self.apply_seconds += time.perf_counter() - t0
@@ -461,23 +267,13 @@ class PSShard:
         return Decision("applied", self._step - 1)
 
     def _push_driver(self, push_id, local_step, grads, attempt):
-        s = _sync_state(self._opt_state)
-        gs, acc = int(s.global_step), int(s.num_accumulated)
-        stale, backup = int(s.dropped_stale), int(s.dropped_backup)
+        before = _counters(self._opt_state)
         self._params, self._opt_state = self._updated(push_id, grads, np.int32(local_step))
-        new = _sync_state(self._opt_state)
-        new_gs = int(new.global_step)
-        if int(new.dropped_stale) > stale:
-            d = Decision("stale", gs)
-        elif int(new.dropped_backup) > backup:
-            d = Decision("backup", gs)
-        else:
-            d = Decision("applied", gs, acc, completes=new_gs > gs, attempt=attempt)
-        if d.completes:
-            self._k = d.index + 1
-        self._step = new_gs
-        self.ledger.record(push_id, d.kind, 0 if d.kind == "applied" else None)
-        self.ledger.decisions[push_id] = d
+        after = _counters(self._opt_state)
+        d = driver_decision(before, after, attempt)
+        self.release.decided(d)
+        self._step = after.global_step
+        self.book.decided_by_driver(push_id, d)
         if d.completes:
             self._cond.notify_all()  # new tokens (once the other shards acknowledge)
         return d
@@ -493,11 +289,11 @@ class PSShard:
         is committed (ignored for an id already decided)."""
         with self._cond:
             self._check_open()
-            if not self.ledger.seen(push_id):
-                self._staged.setdefault(push_id, {})[int(attempt)] = grads
+            self.book.stage(push_id, attempt, grads)
 
     def commit(self, push_id: int, decision: Decision) -> int:
-        """Applies shard 0's ``decision`` for ``push_id``: an accepted push's staged
+        """Applies shard 0's ``decision`` for ``push_id``
+        (:meth:`jreplicate.ps.fate.decision.ShardBook.commit`): an accepted push's staged
         pieces (of the run shard 0 decided on) are fed to the accumulators in shard 0's
         order; a dropped one is only recorded. Returns this shard's step afterwards.
 
@@ -506,34 +302,9 @@ class PSShard:
         """
         with self._cond:
             self._check_open()
-            if decision.kind == "forget":  # every step below push_id ended
-                self.ledger.forget(push_id)
-                if any(i < push_id for i in self._staged):
-                    self._staged = {i: s for i, s in self._staged.items() if i >= push_id}
-                return self._step
-            staged = self._staged.pop(push_id, {})
-            if decision.kind == "skipped":  # never pushed (a no-op if decided)
-                self.ledger.skip(push_id)
-                return self._step
-            if self.ledger.seen(push_id):
-                self.ledger.record(push_id, "duplicate")
-                return self._step
-            d = decision
-            if d.kind != "applied":
-                self.ledger.record(push_id, d.kind)
-                return self._step
-            if d.attempt not in staged and not self.empty:
-                raise RuntimeError(
-                    f"PSShard {self.index}: push {push_id} (run {d.attempt}) was accepted "
-                    "by shard 0 but its pieces were never staged here; stage() every "
-                    "shard before pushing to shard 0.")
-            self.ledger.record(push_id, "applied", 0)
-            self.ledger.decisions[push_id] = d
-            self._pending.setdefault(d.step, {})[d.index] = staged.get(d.attempt)
-            if d.completes:
-                self._need[d.step] = d.index + 1
-            self._feed()
-            self._cond.notify_all()
+            if self.book.commit(push_id, decision, self.empty):
+                self._feed()
+                self._cond.notify_all()
             return self._step
 
     def record(self, push_id: int, decision: Decision) -> None:
@@ -557,37 +328,28 @@ class PSShard:
             pass
 
     def _feed_step(self) -> bool:
-        gs = self._step
-        got = self._pending.get(gs, {})
+        gs, book = self._step, self.book
         done = False
-        while not done and self._fed in got:
+        while not done:
+            ready, pieces = book.next_piece(gs)
+            if not ready:
+                return False
             if self.empty:  # only the count: the step ends with shard 0's last push
-                got.pop(self._fed)
-                self._fed += 1
-                done = self._need.get(gs) == self._fed
+                book.fed_one(gs)
+                done = book.completes(gs)
                 continue
             try:
-                new = self._update(self._params, self._opt_state, got[self._fed],
-                                   np.int32(gs))
+                new = self.update(self._params, self._opt_state, pieces, np.int32(gs))
             except Exception as e:  # shard 0 applied it: the shards would disagree
                 raise self._lose(
                     "lost: its update raised for a push shard 0 had accepted ({}: {}), so "
                     "its state can no longer agree with shard 0's".format(
                         *original_error(e))) from e
-            got.pop(self._fed)
-            self._fed += 1
+            book.fed_one(gs)
             self._params, self._opt_state = new
             done = int(_sync_state(self._opt_state).global_step) > gs
-        if not done:
-            return False
-        need = self._need.pop(gs, self._fed)
-        if need != self._fed:
-            raise RuntimeError(
-                f"PSShard {self.index}: step {gs} took {need} gradients on shard 0 but "
-                f"{self._fed} here; shards must be built with the same sync_replicas "
-                "transformation.")
-        self._pending.pop(gs, None)
-        self._step, self._fed = gs + 1, 0
+        book.step_done(gs)
+        self._step = gs + 1
         return True
 
     # -- tokens (shard 0) ------------------------------------------------------------
@@ -595,13 +357,8 @@ class PSShard:
         """The other shards' steps as a worker saw them after its commits: tokens of a
         step are handed out once every shard reached it."""
         with self._cond:
-            for i, st in enumerate(steps, 1):
-                if i < len(self._acked):
-                    self._acked[i] = max(self._acked[i], int(st))
+            self.release.ack(steps)
             self._cond.notify_all()
-
-    def _released(self) -> bool:
-        return min(self._acked[1:], default=self._step) >= self._step
 
     def take_token(self, deadline: float, *, skip_stale: bool = True, min_step: int = 0,
                    live_workers: int = 0,
@@ -616,11 +373,9 @@ class PSShard:
           skip_stale: drop tokens older than ``global_step`` (a gradient computed with
             one would be dropped as stale) and take the next one; False keeps
             TensorFlow's FIFO exactly.
-          min_step: with ``skip_stale``, wait until ``global_step >= min_step`` (the
-            caller's last gradient was accepted for step ``min_step - 1``: one gradient
-            per worker and step, so a fast worker does not take a slower worker's token
-            of the same step and turn that worker's gradient into a backup). Applied only
-            while ``live_workers`` is at least ``replicas_to_aggregate``.
+          min_step: with ``skip_stale``, wait until ``global_step >= min_step``, so that
+            a fast worker does not take a slower one's token of the same step and turn
+            its gradient into a backup (:meth:`TokenRelease.holds_back`).
           live_workers: the workers alive (see ``min_step``).
           on_wait: called with True when the caller starts blocking (no token it may
             take) and with False when it stops; never under the shard's lock.
@@ -659,14 +414,11 @@ class PSShard:
         self._check_open()
         if self._interrupts != generation:
             raise TokenWaitInterrupted("the token wait was cancelled")
-        if not self._released():
+        if not self.release.released(self._step) or self.release.holds_back(
+                self._step, min_step, live_workers, skip_stale):
             return None
-        live = live_workers if self._live is None else min(live_workers, self._live)
-        if skip_stale and self._k is not None and live >= self._k and \
-                self._step < min_step:
-            return None
-        while int(self._available(self._opt_state)) > 0:
-            token, self._opt_state = self._take(self._opt_state)
+        while int(self.update.available(self._opt_state)) > 0:
+            token, self._opt_state = self.update.take(self._opt_state)
             token = int(token)
             if not skip_stale or token >= self._step:
                 return token
@@ -676,28 +428,24 @@ class PSShard:
         """Whether a token waiter could take a token now (every shard reached
         ``global_step`` and the queue holds one)."""
         with self._cond:
-            return self.token_gated and self._released() and \
-                int(self._available(self._opt_state)) > 0
+            return self.token_gated and self.release.released(self._step) and \
+                int(self.update.available(self._opt_state)) > 0
 
     def return_token(self, token: int) -> None:
         """Puts back a token a lost worker took but never used (if still current)."""
         with self._cond:
             if not self.token_gated or self._closed:
                 return
-            s = _sync_state(self._opt_state)
-            q = s.tokens
-            if int(q.head_step) == token == int(s.global_step):
-                new_q = q._replace(head_count=q.head_count + 1)
-                self._opt_state = jax.tree.map(
-                    lambda x: s._replace(tokens=new_q) if isinstance(x, SyncReplicasState)
-                    else x, self._opt_state, is_leaf=lambda x: isinstance(x, SyncReplicasState))
+            new = _token_returned(self._opt_state, token)
+            if new is not None:
+                self._opt_state = new
                 self._cond.notify_all()
 
     def set_live_workers(self, n: int) -> None:
         """The coordinator's count of live workers (a worker died): token waits that
         held one gradient per worker and step re-check whether enough workers remain."""
         with self._cond:
-            self._live = int(n)
+            self.release.live = int(n)
             self._cond.notify_all()
 
     def interrupt(self) -> None:
@@ -708,7 +456,7 @@ class PSShard:
 
     def tokens_available(self) -> int:
         with self._cond:
-            return int(self._available(self._opt_state)) if self.token_gated else 0
+            return int(self.update.available(self._opt_state)) if self.token_gated else 0
 
     # -- lifecycle -------------------------------------------------------------------
     def close(self, reason: str = "closed") -> None:

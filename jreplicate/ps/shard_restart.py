@@ -14,7 +14,7 @@ still hold theirs; nothing is re-applied behind the user's back. The
 :class:`ShardRestart` report names them: the ids of the steps that completed since
 (the coordinator's record) or that another shard decided, which the restarted
 shard's ledger has not decided, less the steps that ended without a push (skipped,
-which no shard applied: :class:`jreplicate.ps.step_record.StepRecord`, saved with the
+which no shard applied: :class:`jreplicate.ps.fate.record.StepRecord`, saved with the
 state and restored with it, so a job restored from a later state knows the skipped
 steps before it). Only a lost shard is restarted (a live one rolled back alone would
 fall behind the others: ``strategy.restore(state)`` restores them all), and the saved
@@ -22,10 +22,12 @@ state is checked first, so a refused call changes nothing: its pieces and its
 optimizer state's structure, shapes and dtypes; that it was saved on this job's
 timeline (not on one a ``restore`` went back from, whose shard would bring back
 updates of steps the job ran again under the same ids); and within the history the
-record keeps (the last :data:`jreplicate.ps.step_record.HISTORY` step ids). No step
+record keeps (the last :data:`jreplicate.ps.fate.record.HISTORY` step ids). No step
 is pending then, so no push of an id below the next step's will come: the restarted
-shard's ledger decides (uncounted, :meth:`jreplicate.ps.ledger.Ledger.skip`) the lost
-ids and the ids skipped since the save, so that its watermark moves on.
+shard's ledger decides (uncounted, :meth:`jreplicate.ps.fate.ledger.Ledger.skip`) the lost
+ids and the ids skipped since the save, so that its watermark moves on. Which updates
+are lost, and whether a state may restart a shard at all, is decided by the pure
+functions of :mod:`jreplicate.ps.fate.restart`.
 """
 
 from __future__ import annotations
@@ -36,9 +38,7 @@ import jax
 import numpy as np
 
 from jreplicate._tree import host_copy
-from jreplicate.ps import step_record
-from jreplicate.ps.ledger import Ledger
-from jreplicate.ps.step_record import StepRecord, epoch_token
+from jreplicate.ps.fate.ledger import Ledger
 from jreplicate.sync.state import SyncReplicasState
 
 
@@ -65,72 +65,6 @@ def host_shard_state(sh: dict[str, Any]) -> dict[str, Any]:
             "opt_state": jax.tree.map(host_copy, sh["opt_state"]),
             "step": int(np.asarray(sh["step"])),
             "ledger": Ledger.from_arrays(sh["ledger"])}
-
-
-def _decided(led: dict[str, Any], start: int, stop: int) -> set[int]:
-    """The ids in ``[start, stop)`` a ledger (its arrays) decided, plus its window."""
-    wm = int(np.asarray(led["watermark"]))
-    window = {int(x) for x in np.asarray(led["window"]).tolist() if x >= 0}
-    return set(range(start, min(wm, stop))) | window
-
-
-def lost_updates(restored: dict[str, Any], live: list[dict[str, Any]], record: StepRecord,
-                 stop: int) -> tuple[int, ...]:
-    """The ids below ``stop`` (the next step's; none running) whose update the restarted
-    shard lacks: decided by none of the ids of its ledger ``restored`` (arrays), and
-    completed (``record``) or decided by one of the ``live`` shards (ledger arrays),
-    and not skipped (the ledgers decide a skipped id uncounted). Ascending.
-
-    ``restored``'s watermark is at least ``record.history_start``
-    (:func:`check_history`): whether each id was skipped is known."""
-    start = int(np.asarray(restored["watermark"]))
-    mine = _decided(restored, start, start)
-    theirs = [_decided(o, start, stop) for o in live]
-    seen = record.completed_ids.seen
-    return tuple(p for p in range(start, stop) if p not in mine and not record.was_skipped(p)
-                 and (seen(p) or any(p in d for d in theirs)))
-
-
-def check_history(i: int, state: dict[str, Any], record: StepRecord, next_id: int) -> None:
-    """``restart_shard(i, state)``: ``state`` was saved on this job's timeline (before its
-    next step ``next_id``, in the epoch this job's ``record`` gives that step), within the
-    history ``record`` keeps (so that the updates shard ``i`` loses can all be named).
-
-    Raises:
-      ValueError: naming why, and the fix (``strategy.restore(state)``).
-    """
-    who = f"restart_shard({i}, state)"
-    saved_next = int(np.asarray(state["next_step_id"]))
-    if saved_next > next_id:
-        raise ValueError(
-            f"{who}: the state was saved when step {saved_next} was next, beyond this "
-            f"job's next step {next_id} (it was restored from an older state since): its "
-            "ledger has decided steps the job will run again, whose pushes it would drop. "
-            "Restore every shard from that state with strategy.restore(state), or restart "
-            "from an older one.")
-    if "steps" not in state:
-        raise ValueError(
-            f"{who}: the state has no record of its steps (state['steps']: saved by an "
-            f"earlier jreplicate), so the updates shard {i} would lose cannot be told from "
-            "the steps that were skipped. Restore every shard from it with "
-            "strategy.restore(state) (then a state() saved from there restarts shards).")
-    watermark = int(np.asarray(state["shards"][i]["ledger"]["watermark"]))
-    mine = record.token_at(saved_next - 1) if saved_next else None
-    if min(watermark, saved_next) < record.history_start or (saved_next and mine is None):
-        raise ValueError(
-            f"{who}: the state was saved when step {saved_next} was next, before the "
-            f"history this job keeps (from step {record.history_start}: the last "
-            f"{step_record.HISTORY} step ids and {step_record.EPOCHS} restores), so "
-            f"the updates shard {i} would lose cannot all be named. Restore every shard "
-            "from it with strategy.restore(state), or restart from a later state.")
-    if saved_next and epoch_token(state["steps"], saved_next - 1) != mine:
-        raise ValueError(
-            f"{who}: the state was saved on another timeline of this job: since it was "
-            "saved, strategy.restore went back to an earlier state and new steps ran "
-            f"under the same ids, so its shard {i} holds updates the other shards never "
-            "had. Restart from a state saved on this timeline (since the last restore, or "
-            "before the state it restored), or restore every shard from a state with "
-            "strategy.restore(state).")
 
 
 def check_same_aggregation(i: int, saved_opt: Any, job_opt: Any, who: str) -> None:

@@ -35,89 +35,20 @@ from jreplicate.execution.spmd import SPMDExecutor
 from jreplicate.layout import REPLICA_AXIS, mesh_layout, replica_mesh
 from jreplicate.ps.capture import capturing
 from jreplicate.ps.client import ShardClient
+from jreplicate.ps.closure import Closure, HostBatch, check_cancelled
+from jreplicate.ps.fate.decision import Decision
 from jreplicate.ps.faults import FaultPlan
 from jreplicate.ps.nnx_state import NnxArg, check_nothing_lost
-from jreplicate.ps.per_worker import PerWorkerArg, WorkerValues
+from jreplicate.ps.outcome import ApplicationError
+from jreplicate.ps.per_worker import PerWorkerArg, WorkerValues, has_marker, take_updates
 from jreplicate.ps.remote import ShardUpdateError, StepCancelledError, WorkerLostError
-from jreplicate.ps.shard import Decision, TokenTimeoutError, TokenWaitInterrupted
+from jreplicate.ps.shard import TokenTimeoutError, TokenWaitInterrupted
 from jreplicate.ps.worker_input import (
     InputEnded,
     WorkerInput,
     WorkerInputs,
     WorkerPipelines,
 )
-
-
-@dataclasses.dataclass
-class HostBatch:
-    """One step's input for one sync group, on the host: ``elements[k]`` are the flat
-    leaves of replica ``k``'s element (see ``Executor.assemble``)."""
-
-    elements: list
-    treedef: Any
-
-
-class CancelFlag:
-    """Set by the coordinator when a scheduled step is cancelled because another step
-    raised first (TensorFlow's cancellation of in-flight closures): the worker running
-    it refuses its push (:meth:`PSWorker.run`). It does not cross processes: a copy
-    unpickled on a Ray worker actor is a new flag, never set (those steps run on and
-    push, the documented bound of that carrier)."""
-
-    __slots__ = ("reason",)
-
-    def __init__(self) -> None:
-        self.reason: str | None = None
-
-    def set(self, reason: str) -> None:
-        self.reason = self.reason or reason
-
-    def is_set(self) -> bool:
-        return self.reason is not None
-
-    def __reduce__(self):
-        return (CancelFlag, ())
-
-
-@dataclasses.dataclass
-class Closure:
-    """A scheduled step. ``args[param_index]`` and ``args[opt_index]`` are placeholders
-    (None): the worker puts the pulled parameters and its copy of the state there."""
-
-    step_id: int
-    fn: Callable
-    has_batch: bool
-    batch: Any
-    args: tuple
-    param_index: int
-    opt_index: int | None
-    fn_key: int = -1  # the same function has the same key (Ray sends it once per worker)
-    attempt: int = 0  # the run of the step (set by the coordinator)
-    #: Start from the parameters the worker's previous push returned, if it has them
-    #: (set by the Ray carrier for a step queued behind another on its worker).
-    reuse: bool = False
-    #: The pmap habits the step has on purpose (``Replicator.run(..., allow=...)``).
-    allow: frozenset = frozenset()
-    #: Set when the step is cancelled (another step raised first): its push is refused.
-    cancel: CancelFlag = dataclasses.field(default_factory=CancelFlag, compare=False,
-                                           repr=False)
-
-
-def _check_cancelled(c: Closure) -> None:
-    """Raises StepCancelledError if ``c`` was cancelled (before it pushed)."""
-    if c.cancel.is_set():
-        raise StepCancelledError(c.cancel.reason)
-
-
-class ApplicationError(Exception):
-    """The step function itself raised (not retried: TF's application errors)."""
-
-    def __init__(self, error: BaseException):
-        super().__init__(str(error))
-        self.error = error
-
-    def __reduce__(self):  # crosses Ray with the original error
-        return (ApplicationError, (self.error,))
 
 
 class PSWorker:
@@ -187,7 +118,8 @@ class PSWorker:
         decision. Raises :class:`ApplicationError` for the step's own errors (reading
         its input included, and a shard's update raising for its push),
         :class:`InputEnded` when its input (read here, before any token) is exhausted,
-        and :class:`WorkerLostError` (or any other exception) for worker failures."""
+        and :class:`WorkerLostError` (or any other exception) for worker failures; the
+        carrier turns them into an outcome (:func:`jreplicate.ps.outcome.outcome_of`)."""
         self.lost_read = None
         if isinstance(c.batch, WorkerInputs):
             return self._run_zipped(c, on_token_wait)
@@ -234,7 +166,7 @@ class PSWorker:
     def _run_read(self, c: Closure, on_token_wait: Callable[[bool], None] | None
                   ) -> tuple[Any, Decision]:
         """:meth:`run` once the step's input is read (a :class:`HostBatch`)."""
-        _check_cancelled(c)
+        check_cancelled(c)
         token = None
         if self.client.token_gated and self.local_step is not None:
             # The coordinator counts this worker as waiting only while it blocks on an
@@ -243,7 +175,7 @@ class PSWorker:
             # wakes one cancelled while it waits).
             def on_wait(waiting: bool) -> None:
                 if waiting:
-                    _check_cancelled(c)
+                    check_cancelled(c)
                 if on_token_wait is not None:
                     on_token_wait(waiting)
 
@@ -298,8 +230,12 @@ class PSWorker:
             fetched = [min(token, *steps)]
         else:
             fetched = steps
-        args = [a.build(c.step_id) if isinstance(a, NnxArg) else
-                self._worker_value(a) if isinstance(a, PerWorkerArg) else a for a in c.args]
+        def fresh_args() -> list:  # (NNX nodes and per-worker values: new copies)
+            return [a.build(c.step_id) if isinstance(a, NnxArg) else
+                    self._worker_value(a) if isinstance(a, PerWorkerArg) else a
+                    for a in c.args]
+
+        args = fresh_args()
         nnx_model = isinstance(c.args[c.param_index], NnxArg)
         if nnx_model:  # an NNX model: its params pulled
             from flax import nnx
@@ -333,7 +269,10 @@ class PSWorker:
                 # its gradient would be that stale. Pull again and run the compiled
                 # step on the fresh parameters (asynchronous modes).
                 fetched, params = self.client.pull()
-                args = list(args)
+                # (afresh: the first run wrote its NNX arguments back in place)
+                args = fresh_args()
+                if c.opt_index is not None:
+                    args[c.opt_index] = self._opt
                 args[c.param_index], batch = self._place_inputs(params, c.batch)
                 args = tuple(args)
                 got, _ = self._execute(fn, c.has_batch, batch, args, donate, c.allow)
@@ -343,13 +282,15 @@ class PSWorker:
                 self._nnx_checked.add(c.fn_key)
             if first is not None:
                 out = _unforward(out, args, self._plans, self.layout.replicated)
+            # (checked before the push: a refused new state fails the step unapplied)
+            out, new_states = take_updates(out, c.args, args, fn.marked)
             grads = jax.tree.map(np.asarray, grads)
         except WorkerLostError:
             raise
         except Exception as e:
             raise ApplicationError(e) from e
         self.faults.after_compute(self.index, c.step_id)
-        _check_cancelled(c)  # (a step cancelled while computing: its push refused)
+        check_cancelled(c)  # (a step cancelled while computing: its push refused)
         try:
             if self.return_params and not self.client.token_gated and \
                     not self.faults.ordered(self.index):
@@ -363,6 +304,7 @@ class PSWorker:
             raise ApplicationError(e) from e
         self.local_step = token
         self._min_step = decision.step + 1 if decision.kind == "applied" else 0
+        self.values.commit(new_states)  # the step succeeded: its per-worker states
         return out, decision
 
     def _execute(self, fn: Callable, has_batch: bool, batch: Any, args: tuple,
@@ -420,6 +362,7 @@ class PSWorker:
             def wrapped(ctx, *args):
                 with capturing() as sink:
                     out = step(ctx, *args)
+                wrapped.marked = wrapped.marked or has_marker(out)  # (per-worker states)
                 if first is not None:
                     own = () if donated is None else args[first + donated]
                     out = _forward(out, args[first:], ctx._axis, own, sink.zeros)
@@ -439,6 +382,7 @@ class PSWorker:
                 return out, grads, kept
             # The cache's warning about recompiled code counts the step's code, not
             # this wrapper's (one code object for every step function).
+            wrapped.marked = False
             wrapped.__wrapped__ = step
             wrapped.__qualname__ = step_name(fn)  # (warnings name the step)
             self._wrapped[fn][(first, donated)] = wrapped

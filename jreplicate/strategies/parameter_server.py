@@ -53,7 +53,7 @@ from jreplicate.layout import MODEL_AXIS, REPLICA_AXIS, Layout, check_axis_name,
 from jreplicate.ps.config import PSConfig
 from jreplicate.ps.device_layout import assign_devices
 from jreplicate.ps.executor import ParameterServerExecutor
-from jreplicate.ps.per_worker import PerWorkerValue, WorkerContext
+from jreplicate.ps.per_worker import PerWorkerState, PerWorkerValue, WorkerContext
 from jreplicate.ps.placement import POLICIES, Placement
 from jreplicate.ps.ray.options import resolve as resolve_ray_options
 from jreplicate.ps.ray.options import warn_if_gpus_unused
@@ -323,6 +323,37 @@ class ParameterServerStrategy(Strategy):
                              "(rep = jr.Replicator(strategy)).")
         return self._executor.per_worker_value(fn)
 
+    def create_per_worker_state(self, fn: Callable[[WorkerContext], Any]) -> PerWorkerState:
+        """Per-worker state a step updates, as TensorFlow's per-worker variables: built
+        on each worker by ``fn`` (as :meth:`create_per_worker_value`); passed to
+        ``rep.run(step, ...)``, the step receives its worker's state and returns the
+        new one as ``jr.ps.update_worker_state(new)`` among its outputs. The new state
+        is kept exactly when the step succeeds (a failed, cancelled or lost step leaves
+        it unchanged); ``state.read()`` / ``state.read("sum")`` read it on the driver.
+        Not in :meth:`state` (checkpoints): a replaced or restored worker rebuilds it
+        with ``fn``. The rules: :mod:`jreplicate.ps.per_worker`.
+
+        Args:
+          fn: called on each worker (never on the driver) with a
+            :class:`jreplicate.ps.WorkerContext`; returns the initial state, a pytree of
+            arrays (kept in JAX's dtypes: float64 as float32 unless x64 is enabled).
+
+        Returns:
+          A :class:`jreplicate.ps.PerWorkerState`; the workers let their states go when
+          it is collected (after the last step scheduled with it).
+
+        Raises:
+          TypeError: ``fn`` is not callable.
+          ValueError: the strategy has no Replicator yet (``jr.Replicator(strategy)``).
+        """
+        if not callable(fn):
+            raise TypeError("create_per_worker_state(fn): fn must be callable (called on "
+                            f"each worker with a WorkerContext), got {type(fn).__name__}.")
+        if self._executor is None:
+            raise ValueError("create_per_worker_state: create the Replicator first "
+                             "(rep = jr.Replicator(strategy)).")
+        return self._executor.per_worker_state(fn)
+
     # -- inspection and control ------------------------------------------------------------
     def _ex(self) -> ParameterServerExecutor:
         if self._executor is None or self._executor.client is None:
@@ -380,7 +411,7 @@ class ParameterServerStrategy(Strategy):
         :class:`jreplicate.CheckpointManager`: a consistent snapshot, every shard at the
         step its ledger records, with the record of the job's steps (``"steps"``: which
         of its last step ids were skipped, and the timeline it is on; fixed-size arrays,
-        see :mod:`jreplicate.ps.step_record`).
+        see :mod:`jreplicate.ps.fate.record`).
 
         Raises:
           RuntimeError: steps are scheduled or running; call ``rep.join()`` first.

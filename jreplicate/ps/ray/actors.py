@@ -17,8 +17,8 @@ from jreplicate.context import PerReplica
 from jreplicate.layout import REPLICA_AXIS
 from jreplicate.ps._malloc import keep_freed_blocks
 from jreplicate.ps.client import ShardClient
+from jreplicate.ps.fate.ledger import Ledger
 from jreplicate.ps.faults import FaultPlan
-from jreplicate.ps.ledger import Ledger
 from jreplicate.ps.per_worker import PerWorkerArg
 from jreplicate.ps.ray import wire
 from jreplicate.ps.ray.pieces import in_pieces, in_pieces_leaf
@@ -253,6 +253,11 @@ if ray is not None:
             if out is _MISSING:
                 return False, f"worker {self.worker.index} does not hold them"
             return True, _host(out, lambda x: in_pieces_leaf(to_host(x)))
+
+        @ray.method(concurrency_group="control")
+        def read_value(self, key):
+            """This worker's per-worker state of ``key`` (NumPy), or None."""
+            return self.worker.values.read(key)
 
         @ray.method(concurrency_group="control")
         def held_steps(self):

@@ -49,18 +49,29 @@ import logging
 import os
 import time
 import warnings
+from collections.abc import Callable
 from typing import Any
 
 from jreplicate.ps.client import ShardClient
+from jreplicate.ps.closure import Closure
 from jreplicate.ps.config import PSConfig
 from jreplicate.ps.faults import FaultPlan
+from jreplicate.ps.handle import Carrier
+from jreplicate.ps.outcome import (
+    ApplicationError,
+    Completed,
+    Failed,
+    Outcome,
+    ShardLost,
+    WorkerLost,
+    from_error,
+)
 from jreplicate.ps.per_worker import PerWorkerArg
 from jreplicate.ps.placement import Placement
 from jreplicate.ps.ray.options import is_gpu_worker, shard_actor_options, worker_actor_options
 from jreplicate.ps.ray.proxy import _Forgotten, _ray, _ShardLost, _ShardProxy
 from jreplicate.ps.remote import ParameterServerError, StepCancelledError, WorkerLostError
 from jreplicate.ps.shard import ShardClosedError
-from jreplicate.ps.worker import ApplicationError
 from jreplicate.ps.worker_input import InputEnded, WorkerInput, WorkerInputs, markers
 
 _log = logging.getLogger("jreplicate")
@@ -159,7 +170,7 @@ class HeldOutputs:
         self._drops.append(self.step_id)
 
 
-class RayCarrier:
+class RayCarrier(Carrier):
     """Shards and workers as Ray actors (see the module docstring)."""
 
     def __init__(self, s: PSConfig, tx: Any, placement: Placement, pieces: list, opt_host: Any,
@@ -212,7 +223,15 @@ class RayCarrier:
         self._released: set[int] = set()
         self._release = [collections.deque() for _ in self.workers]
         self._release_values = [collections.deque() for _ in self.workers]  # (the same)
-        self.runners = [self._runner(w) for w in range(len(self.workers))]
+        self.num_workers = len(self.workers)
+        self.replaces_workers = True  # Ray restarts a worker actor (max_restarts)
+        self._starts = [self._runner(w) for w in range(len(self.workers))]
+
+    def start(self, w: int, closure: Closure, on_token_wait: Callable[[bool], None]
+              ) -> Callable[[], Outcome]:
+        """Sends ``closure`` to worker ``w``'s actor; the wait returns its outcome
+        (``on_token_wait`` is not called: live_workers=0 below)."""
+        return self._starts[w](closure, on_token_wait)
 
     def _runner(self, w: int):
         ray = _ray()
@@ -233,7 +252,7 @@ class RayCarrier:
             read = markers(closure.batch)  # the per-worker inputs it reads (if any)
             for m in read:
                 if m.key in self._released:  # closed: not run
-                    raise InputEnded(m.key, w, m.generation)
+                    return functools.partial(from_error, InputEnded(m.key, w, m.generation))
             if any(m.key in sent_inputs for m in read):  # (input_fns sent once)
                 sent_read = [dataclasses.replace(m, input_fn=None) if m.key in sent_inputs
                              else m for m in read]
@@ -262,15 +281,16 @@ class RayCarrier:
                 freed.extend(forget)
                 release.extend(freeing)
                 release_values.extend(values)
-                raise ApplicationError(TypeError(
+                return functools.partial(Failed, TypeError(
                     f"step {closure.step_id} cannot be sent to worker {w}: Ray failed to "
                     f"serialize it ({type(e).__name__}: {e}); its function, arguments and "
-                    "input must be picklable (a lock or an open file is not).")) from e
+                    "input must be picklable (a lock or an open file is not)."))
             running[0] += 1
             keys = [a.key for a in closure.args if isinstance(a, PerWorkerArg)]
             return functools.partial(wait, closure, read, done, keys)
 
-        def wait(closure, read, done, keys=()):
+        def wait(closure, read, done, keys=()) -> Outcome:
+            """The step's outcome: Ray's errors become outcomes here, in one place."""
             try:
                 position = ray.get(done)
                 sent_values.update(keys)
@@ -279,7 +299,8 @@ class RayCarrier:
                     sent_inputs.add(m.key)
                 for key, at in (position or {}).items():
                     self._positions[w][key] = tuple(at)
-                return HeldOutputs(self.workers[w], w, closure.step_id, drops, self._closed)
+                return Completed(HeldOutputs(self.workers[w], w, closure.step_id, drops,
+                                             self._closed))
             except ray.exceptions.RayTaskError as e:
                 cause = getattr(e, "cause", None)
                 if isinstance(cause, _Forgotten):  # restarted while idle: did not run
@@ -290,18 +311,23 @@ class RayCarrier:
                 for m in read:  # the actor built the pipeline (or failed to)
                     sent_inputs.add(m.key)
                 sent_values.update(keys)  # (it holds their fns)
+                if isinstance(cause, _ShardLost):  # a worker found a shard actor dead
+                    return ShardLost(cause)
                 if isinstance(cause, (ApplicationError, StepCancelledError, InputEnded,
-                                      ShardClosedError, _ShardLost, ParameterServerError)):
-                    raise cause from None
-                raise WorkerLostError(f"worker {w}: {type(cause).__name__}: {cause}") from e
-            # RayActorError (the worker's process died) propagates: a worker failure.
+                                      ShardClosedError, ParameterServerError)):
+                    cause.__suppress_context__ = True
+                    return from_error(cause)
+                err = WorkerLostError(f"worker {w}: {type(cause).__name__}: {cause}")
+                err.__cause__ = e
+                return WorkerLost(err)
+            except Exception as e:  # noqa: BLE001 - broad on purpose: RayActorError (the
+                # worker's process died) and any other failure of Ray's call are the
+                # worker's failure: its step runs again elsewhere
+                return WorkerLost(e)
             finally:
                 running[0] -= 1
 
         return start
-
-    def is_shard_failure(self, e: BaseException) -> bool:
-        return isinstance(e, _ShardLost)
 
     def starved(self) -> bool:
         """True: the driver does not see shard 0's token queue (the token deadline,
@@ -337,6 +363,22 @@ class RayCarrier:
         its next step (a finalizer: no Ray call here)."""
         for queue in self._release_values:
             queue.append(key)
+
+    def read_value(self, key: int) -> list:
+        """Each worker actor's per-worker state of ``key`` (NumPy), None where it holds
+        none or cannot be reached now (a lost or restarting actor: logged)."""
+        ray = _ray()
+        refs = [w.read_value.remote(key) for w in self.workers]
+        states = []
+        for w, ref in enumerate(refs):
+            try:
+                states.append(ray.get(ref, timeout=60))
+            except Exception as e:  # noqa: BLE001 - any Ray failure of one actor: that
+                # worker's state is unknown (None), the others are still read
+                _log.warning("worker %d: its per-worker state could not be read (%s: %s)",
+                             w, type(e).__name__, e)
+                states.append(None)
+        return states
 
     def set_live_workers(self, fn) -> None:
         self._live = fn

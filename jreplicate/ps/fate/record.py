@@ -1,4 +1,4 @@
-"""What the coordinator knows of the pushes of the steps that ended (private).
+"""The driver's record: what the coordinator knows of the pushes of the steps that ended.
 
 A step ends with its push decided by every shard (it completed), without a push (its
 function raised, its token wait was cancelled, it was not run): then it is *skipped* on
@@ -11,7 +11,7 @@ an ending step is; the coordinator acts on it under its own lock.
 Every record is bounded, however long the job runs:
 
 * the ended ids: a watermark (every id below it ended) and the ended ids above it, as
-  the shards' ledgers keep them (:class:`jreplicate.ps.ledger.Ledger`);
+  the shards' ledgers keep them (:class:`jreplicate.ps.fate.ledger.Ledger`);
 * which ended ids were skipped: one bit per id for the last :data:`HISTORY` ids (and
   the ids still running), what ``restart_shard`` needs to tell a lost update from a
   skipped step: a state saved further back is refused there;
@@ -32,11 +32,12 @@ knows which steps before it were skipped, and on which timeline.
 from __future__ import annotations
 
 import os
-from typing import Any, NamedTuple
+from typing import Any
 
 import numpy as np
 
-from jreplicate.ps.ledger import Ledger
+from jreplicate.ps.fate.ledger import Ledger
+from jreplicate.ps.fate.reconcile import Fate, half_applied_error, push_fate
 from jreplicate.ps.remote import ParameterServerError
 
 #: Step ids (back from the next one) whose fate the record keeps one bit of.
@@ -46,15 +47,6 @@ EPOCHS = 32
 #: Ended steps between two messages telling the shards which steps ended (they let go
 #: of the decisions they keep for a rerun's push: :meth:`Ledger.forget`).
 FORGET_EVERY = 256
-
-
-class Fate(NamedTuple):
-    """What the shards said of a step's push after its worker was lost in it."""
-
-    kind: str  # "half" (some decided it, some not), "all" (every shard), "unknown"
-    decided: list[int]
-    not_decided: list[int]
-    silent: list[int]  # shards that did not answer
 
 
 def _token() -> int:
@@ -78,7 +70,7 @@ class StepRecord:
       completed_ids: the ids of the ended steps, those that completed (each shard
         decided their pushes) and those skipped, as a watermark and the ids above it:
         what a shard restarted from an older state may have lost (see
-        :mod:`jreplicate.ps.shard_restart`).
+        :mod:`jreplicate.ps.fate.restart`).
       half_applied: ``{step id: message}`` of the steps that ended with their push on
         some shards only (``state()`` refuses to save such shards).
       epochs: ``[(first id, token)]``, ascending: the epochs of the history back to
@@ -177,18 +169,9 @@ class StepRecord:
         """What the shards said of step ``step_id``'s push after its worker was lost in
         it (``answers``: :meth:`jreplicate.ps.client.ShardClient.decided`, or None)."""
         self._fates.pop(step_id, None)
-        if answers is None:
-            self._fates[step_id] = Fate("unknown", [], [], [])
-            return
-        yes = [i for i, a in enumerate(answers) if a]
-        no = [i for i, a in enumerate(answers) if a is False]
-        silent = [i for i, a in enumerate(answers) if a is None]
-        if yes and no:
-            self._fates[step_id] = Fate("half", yes, no, silent)
-        elif silent:
-            self._fates[step_id] = Fate("unknown", yes, no, silent)
-        elif yes:
-            self._fates[step_id] = Fate("all", yes, no, silent)
+        fate = push_fate(answers)
+        if fate is not None:
+            self._fates[step_id] = fate
 
     def ended(self, step_id: int, error: BaseException, resolved: bool = True
               ) -> ParameterServerError | bool:
@@ -215,15 +198,7 @@ class StepRecord:
 
     def _half_applied(self, step_id: int, fate: Fate, error: BaseException
                       ) -> ParameterServerError:
-        silent = f" (shard(s) {fate.silent} did not answer)" if fate.silent else ""
-        err = ParameterServerError(
-            f"step {step_id} ended for good ({type(error).__name__}: {error}) after a "
-            "worker was lost in the middle of its push, and no later run pushed it again: "
-            f"shard(s) {fate.decided} decided its push (applied or dropped it) and "
-            f"shard(s) {fate.not_decided} never received it{silent}, so the shards' "
-            "parameters disagree. Training stops; restore the last checkpoint with "
-            "strategy.restore(state).")
-        err.__cause__ = error
+        err = half_applied_error(step_id, fate, error)
         self.half_applied[step_id] = str(err)
         return err
 
