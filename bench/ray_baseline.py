@@ -203,17 +203,23 @@ class Carrier:
 # -- measurement -------------------------------------------------------------------------
 def session_cpu() -> dict[int, tuple[str, float]]:
     """CPU seconds (user + system) of this process and each of its descendants, with
-    the process's name (Ray names an actor's process ``ray::Class``)."""
+    the process's name (an actor's process ``ray::Class``: :func:`_process_name`)."""
     out = {}
     me = psutil.Process()
     for p in [me, *me.children(recursive=True)]:
         try:
             t = p.cpu_times()
-            name = "driver" if p.pid == me.pid else p.name()
+            name = "driver" if p.pid == me.pid else _process_name(p.name())
             out[p.pid] = (name, t.user + t.system)
         except (psutil.NoSuchProcess, psutil.AccessDenied):
             pass
     return out
+
+
+def _process_name(name: str) -> str:
+    """An actor's process by its class: Ray names it ``ray::Class`` while idle and
+    ``ray::Class.method`` while it runs a method (one process, two names)."""
+    return name.split(".", 1)[0] if name.startswith("ray::") else name
 
 
 def cpu_between(before: dict, after: dict) -> dict[str, float]:

@@ -83,6 +83,8 @@ BENCHES: tuple[Bench, ...] = (
           quick=("--updates", "40", "--rounds", "1", "--hidden", "256", "--num-ps", "1"),
           needs=("ray", "psutil")),
     Bench("ps_scale_sim", "bench/ps_scale_sim.py", quick=("--scale", "0.2")),
+    Bench("ps_driver_cost", "bench/ps_driver_cost.py", quick=("--runs", "100", "--rounds", "3"),
+          json=False),
     Bench("ps_input", "bench/ps_input.py", quick=("--steps", "60", "--rounds", "1"),
           json=False),
     Bench("donation", "bench/donation.py", quick=(), json=False),

@@ -179,9 +179,10 @@ def test_device_axis_state_is_refused_under_parameter_servers():
             w = jnp.zeros(3)
             tx = jr.ps.pushable(optax.sgd(0.1))
             opt = tx.init(w)
-        with pytest.raises(ValueError, match=r"argument \[2\] has a leading device axis"):
-            rep.run(lambda ctx, w, o, extra: (w, o), None, w, opt,
-                    jax_utils.replicate({"scale": jnp.ones(3)}))
+        with pytest.raises(ValueError, match=r"argument \[3\] has a leading device axis"
+                           r".*\(e\.g\. argument \[3\]\['scale'\] of shape \(8, 3\)\)"):
+            rep.run(lambda ctx, w, o, *extra: (w, o), None, w, opt, jnp.ones(2),
+                    jax_utils.replicate({"shift": jnp.ones(2), "scale": jnp.ones(3)}))
     finally:
         s.shutdown()
 

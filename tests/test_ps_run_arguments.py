@@ -108,3 +108,66 @@ def test_good_arguments_still_run_after_refusals(job):
     rep.join()
     rv.fetch()
     assert s.ledger()[0]["applied"] == n + 1
+
+
+# -- the fast path: every leaf plainly fine is not looked at by path --------------------
+def _outcome(fn):
+    try:
+        fn()
+    except Exception as e:  # noqa: BLE001 - compared as (type, message)
+        return type(e), str(e)
+    return None
+
+
+def _leaves():
+    import ml_dtypes
+
+    from jreplicate.context import PerReplica
+    from jreplicate.ps.remote import RemoteValue
+
+    class Fake(RemoteValue):
+        def __init__(self):
+            pass
+
+    dead = jnp.ones(2) + 0
+    dead.delete()
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("replica",))
+    return [jnp.zeros(3), dead, np.zeros(2, np.float32), np.int64(2 ** 40),
+            np.array([2 ** 40]), np.array([1.5]), np.zeros(0, np.int64),
+            np.array([1e300]), np.array(["x"]), np.zeros(2, ml_dtypes.bfloat16),
+            np.zeros(2, ">f4"), np.array([None], object), 3, 2.5, True, 1j, "s", None,
+            object(), Fake(), PerReplica(jnp.zeros(1), mesh, "replica")]
+
+
+@pytest.mark.parametrize("x64", [False, True])
+def test_the_fast_path_refuses_what_the_full_check_refuses(x64):
+    """A property over mixes of leaves of every kind (live, deleted and 64-bit values,
+    non-arrays, a RemoteValue, a PerReplica): ``check_run_arguments`` (which returns
+    early when every leaf is plainly fine) raises exactly what the leaf-by-leaf check
+    raises, with or without 64-bit types."""
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    from jreplicate.ps import run_arguments as ra
+
+    leaves = _leaves()
+    leaf = st.sampled_from(range(len(leaves))).map(lambda i: leaves[i])
+    tree = st.recursive(leaf, lambda t: st.lists(t, max_size=3) | st.dictionaries(
+        st.sampled_from("abc"), t, max_size=2), max_leaves=5)
+
+    @settings(deadline=None, max_examples=150)
+    @given(batch=st.none() | tree, args=st.lists(tree, max_size=3))
+    def agree(batch, args):
+        args = tuple(args)
+        fast = _outcome(lambda: ra.check_run_arguments(batch, args))
+        with pytest.MonkeyPatch.context() as m:
+            m.setattr(ra, "_plainly_fine", lambda x: False)
+            full = _outcome(lambda: ra.check_run_arguments(batch, args))
+        assert fast == full
+
+    saved = jax.config.jax_enable_x64  # (only read by the check: no array is made)
+    jax.config.update("jax_enable_x64", x64)
+    try:
+        agree()
+    finally:
+        jax.config.update("jax_enable_x64", saved)

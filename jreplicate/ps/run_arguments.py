@@ -18,7 +18,15 @@ from typing import Any
 import jax
 import numpy as np
 
-from jreplicate._tree import check_fits, deleted_array_error, is_array_like, path_str, report
+from jreplicate._jax_compat import array_type
+from jreplicate._tree import (
+    check_fits,
+    deleted_array_error,
+    is_array_like,
+    native,
+    path_str,
+    report,
+)
 from jreplicate.context import PerReplica
 from jreplicate.input.iterator import InputIterator
 from jreplicate.ps.remote import RemoteValue
@@ -42,6 +50,13 @@ def check_run_arguments(batch: Any, args: tuple, skip: Collection[int] = ()) -> 
       ValueError: an array was donated to an earlier step, or a 64-bit NumPy value does
         not fit JAX's 32-bit type.
     """
+    trees = ([] if batch is None else [batch]) + \
+        [a for i, a in enumerate(args) if i not in skip]
+    # Every leaf plainly fine (the usual case): no pytree paths, which only the errors
+    # need (they took half of the driver's CPU per run: 70-90 of 175 us, adam on a
+    # 3-layer MLP). Anything else is looked at leaf by leaf, below.
+    if all(_plainly_fine(x) for t in trees for x in jax.tree.leaves(t, is_leaf=_MARKED)):
+        return
     problems: list[Exception] = []
     if batch is not None:
         _check_tree(batch, "the input batch", problems)
@@ -51,9 +66,34 @@ def check_run_arguments(batch: Any, args: tuple, skip: Collection[int] = ()) -> 
     report(problems, _WHAT)
 
 
+def _MARKED(x: Any) -> bool:  # noqa: N802 (a predicate passed as is_leaf)
+    return isinstance(x, (PerReplica, RemoteValue, InputIterator))
+
+
+_ARRAY = array_type() or jax.Array  # concrete arrays (not tracers)
+_PLAIN_DTYPES: dict[tuple[np.dtype, bool], bool] = {}
+
+
+def _plainly_fine(x: Any) -> bool:
+    """True if :func:`_check_leaf` passes ``x`` without reading its values: a live
+    concrete JAX array, a Python number, or a NumPy value of a type JAX holds that
+    :func:`check_fits` does not scan (not 64-bit, or 64-bit types enabled)."""
+    if isinstance(x, PerReplica):
+        x = x.array
+    if type(x) is _ARRAY:
+        return not x.is_deleted()
+    if isinstance(x, (np.ndarray, np.generic)):
+        key = (x.dtype, bool(jax.config.jax_enable_x64))
+        plain = _PLAIN_DTYPES.get(key)
+        if plain is None:
+            wide = native(x.dtype) in (np.int64, np.uint64, np.float64, np.complex128)
+            plain = _PLAIN_DTYPES[key] = _jax_holds(x.dtype) and (key[1] or not wide)
+        return plain
+    return type(x) in (bool, int, float, complex)
+
+
 def _check_tree(tree: Any, head: str, problems: list[Exception]) -> None:
-    pairs = jax.tree_util.tree_flatten_with_path(
-        tree, is_leaf=lambda x: isinstance(x, (PerReplica, RemoteValue, InputIterator)))[0]
+    pairs = jax.tree_util.tree_flatten_with_path(tree, is_leaf=_MARKED)[0]
     for path, x in pairs:
         where = f"{head}{path_str(path)}" if head.startswith("argument") else \
             f"{head} {path_str(path)}".rstrip()

@@ -21,6 +21,7 @@ from jreplicate.ps.fate.ledger import Ledger
 from jreplicate.ps.faults import FaultPlan
 from jreplicate.ps.per_worker import PerWorkerArg
 from jreplicate.ps.ray import wire
+from jreplicate.ps.ray.pieces import in_pieces, in_pieces_leaf
 from jreplicate.ps.ray.proxy import _Forgotten, _ShardProxy
 from jreplicate.ps.remote import WorkerLostError, to_host
 from jreplicate.ps.shard import PSShard
@@ -57,9 +58,11 @@ if ray is not None:
                                  num_shards=num_shards, max_staleness=max_staleness)
 
         # The ShardHandle operations (jreplicate.ps.handle) and the driver's queries.
+        # Parameters go back with each array over 1 MiB in pieces (ray/pieces.py).
         @ray.method(concurrency_group="io")
         def pull(self):
-            return self.shard.pull()
+            step, params = self.shard.pull()
+            return step, in_pieces(params)
 
         @ray.method(concurrency_group="io")
         def push(self, push_id, worker, fetched_step, grads, decision=None, attempt=0):
@@ -67,7 +70,9 @@ if ray is not None:
 
         @ray.method(concurrency_group="io")
         def push_pull(self, push_id, worker, fetched_step, grads):
-            return self.shard.push_pull(push_id, worker, fetched_step, grads)
+            decision, step, params = self.shard.push_pull(push_id, worker, fetched_step,
+                                                          grads)
+            return decision, step, in_pieces(params)
 
         @ray.method(concurrency_group="io")
         def push_pull_packed(self, push_id, worker, fetched_step, meta, *chunks):
@@ -242,11 +247,12 @@ if ray is not None:
 
         @ray.method(concurrency_group="control")
         def fetch(self, step_id):
-            """``(True, outputs as numpy)``, or ``(False, why)`` if not held here."""
+            """``(True, outputs as numpy)``, or ``(False, why)`` if not held here (arrays
+            over 1 MiB in pieces: ray/pieces.py)."""
             out = self.held.get(step_id, _MISSING)
             if out is _MISSING:
                 return False, f"worker {self.worker.index} does not hold them"
-            return True, _host(out, to_host)
+            return True, _host(out, lambda x: in_pieces_leaf(to_host(x)))
 
         @ray.method(concurrency_group="control")
         def read_value(self, key):

@@ -31,7 +31,8 @@ per step (the coordinator does not see their token waits).
 Per step (asynchronous, unbounded): one call to the worker actor (``run``; the
 function and a ``PER_WORKER`` input function are sent once per actor) and one per
 shard (``push_pull``: the push, whose reply carries the shard's parameters after it,
-from which the worker's next step starts when that step was queued behind it). Two
+from which the worker's next step starts when that step was queued behind it; arrays
+over 1 MiB cross the object store in 1 MiB pieces, :mod:`jreplicate.ps.ray.pieces`). Two
 steps are in flight per worker, so a worker never waits for the coordinator. The step's
 outputs stay on the worker until ``RemoteValue.fetch`` asks (as numpy); a dropped
 RemoteValue lets them go (the worker is told with its next step). Bounded staleness

@@ -12,6 +12,7 @@ import time
 from typing import NamedTuple
 
 from jreplicate.ps.ray import wire
+from jreplicate.ps.ray.pieces import in_pieces
 from jreplicate.ps.remote import ShardUpdateError
 
 
@@ -53,15 +54,17 @@ class _ShardCalls:
         return self.actor.pull.remote()
 
     def push(self, push_id, worker, fetched_step, grads, decision=None, attempt=0):
-        return self.actor.push.remote(push_id, worker, fetched_step, grads, decision,
-                                      attempt)
+        return self.actor.push.remote(push_id, worker, fetched_step, in_pieces(grads),
+                                      decision, attempt)
 
     def push_pull(self, push_id, worker, fetched_step, grads):
         # Pieces small enough go as raw bytes in chunks Ray sends inline (ps/wire.py);
         # the reply is its head (decision, step, meta) and the parameters in as many
-        # chunks. Larger ones go as dicts through the object store.
+        # chunks. Larger ones go as dicts through the object store, each array over
+        # 1 MiB in 1 MiB pieces both ways (ray/pieces.py).
         if not wire.fits_inline(grads):
-            return self.actor.push_pull.remote(push_id, worker, fetched_step, grads)
+            return self.actor.push_pull.remote(push_id, worker, fetched_step,
+                                               in_pieces(grads))
         meta, chunks = wire.pack(grads)
         call = self._packed.get(len(chunks))
         if call is None:
@@ -71,10 +74,10 @@ class _ShardCalls:
                                         *wire.to_bytes(chunks)))
 
     def check(self, push_id, fetched_step, grads):
-        return self.actor.check.remote(push_id, fetched_step, grads)
+        return self.actor.check.remote(push_id, fetched_step, in_pieces(grads))
 
     def stage(self, push_id, attempt, grads):
-        return self.actor.stage.remote(push_id, attempt, grads)
+        return self.actor.stage.remote(push_id, attempt, in_pieces(grads))
 
     def commit(self, push_id, decision):
         return self.actor.commit.remote(push_id, decision)
