@@ -13,7 +13,7 @@ from jreplicate.ps.closure import Closure
 from jreplicate.ps.config import PSConfig
 from jreplicate.ps.faults import FaultPlan
 from jreplicate.ps.handle import Carrier
-from jreplicate.ps.outcome import Outcome, outcome_of
+from jreplicate.ps.outcome import Outcome
 from jreplicate.ps.placement import Placement
 from jreplicate.ps.shard import PSShard
 from jreplicate.ps.worker import PSWorker
@@ -57,8 +57,7 @@ class EmbeddedCarrier(Carrier):
               ) -> Callable[[], Outcome]:
         """The step runs on its worker's coordinator thread when the thread waits for
         it; ``self.workers[w]`` is read now (a replaced worker takes its place)."""
-        return functools.partial(outcome_of, functools.partial(
-            _outputs, self.workers[w], closure, on_token_wait))
+        return functools.partial(self.workers[w].run, closure, on_token_wait)
 
     def starved(self) -> bool:
         """Whether shard 0 has no token a waiting worker could take."""
@@ -158,7 +157,3 @@ class EmbeddedCarrier(Carrier):
         """(``why``: the Ray carrier's reason; outputs here stay fetchable.)"""
         for sh in self.shards:
             sh.close("shut down")
-
-
-def _outputs(worker: PSWorker, c: Any, on_wait: Callable[[bool], None]) -> Any:
-    return worker.run(c, on_wait)[0]

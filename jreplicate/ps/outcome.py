@@ -15,9 +15,11 @@ one of these; the :class:`~jreplicate.ps.coordinator.Coordinator` dispatches on 
   closed (as at shutdown) rather than found dead.
 * :class:`WorkerLost`: the worker failed; the step may run again elsewhere.
 
-A worker raises exceptions inside its run (:class:`ApplicationError` and those of
-:mod:`jreplicate.ps.remote`); :func:`from_error` is the one table turning them into
-outcomes, which each carrier applies at its boundary (:func:`outcome_of`).
+A worker's run (:meth:`jreplicate.ps.worker.PSWorker.run`) returns one. Inside, the
+run raises (:class:`ApplicationError` and those of :mod:`jreplicate.ps.remote`);
+:func:`from_error` is the one table turning what it raised into an outcome, applied by
+the worker itself (the embedded carrier) or, for what crossed Ray as a task error, by
+the Ray carrier's wait.
 """
 
 from __future__ import annotations
@@ -42,9 +44,11 @@ class ApplicationError(Exception):
 
 
 class Completed(NamedTuple):
-    """The step ran and pushed; ``value``: its outputs (or what fetches them)."""
+    """The step ran and pushed; ``value``: its outputs (or what fetches them);
+    ``decision``: shard 0's decision of its push, where the worker knows it."""
 
     value: Any
+    decision: Any = None
 
 
 class Failed(NamedTuple):

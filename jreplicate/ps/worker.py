@@ -39,7 +39,7 @@ from jreplicate.ps.closure import Closure, HostBatch, check_cancelled
 from jreplicate.ps.fate.decision import Decision
 from jreplicate.ps.faults import FaultPlan
 from jreplicate.ps.nnx_state import NnxArg, check_nothing_lost
-from jreplicate.ps.outcome import ApplicationError
+from jreplicate.ps.outcome import ApplicationError, Completed, Outcome, from_error
 from jreplicate.ps.per_worker import PerWorkerArg, WorkerValues, has_marker, take_updates
 from jreplicate.ps.remote import ShardUpdateError, StepCancelledError, WorkerLostError
 from jreplicate.ps.shard import TokenTimeoutError, TokenWaitInterrupted
@@ -113,13 +113,29 @@ class PSWorker:
         self._nnx_checked: set = set()  # step functions whose NNX state was checked
 
     def run(self, c: Closure, on_token_wait: Callable[[bool], None] | None = None
-            ) -> tuple[Any, Decision]:
-        """Runs one closure; returns its outputs (on this worker's devices) and shard 0's
-        decision. Raises :class:`ApplicationError` for the step's own errors (reading
-        its input included, and a shard's update raising for its push),
-        :class:`InputEnded` when its input (read here, before any token) is exhausted,
-        and :class:`WorkerLostError` (or any other exception) for worker failures; the
-        carrier turns them into an outcome (:func:`jreplicate.ps.outcome.outcome_of`)."""
+            ) -> Outcome:
+        """Runs one closure; returns its outcome (:mod:`jreplicate.ps.outcome`):
+        ``Completed(outputs on this worker's devices, shard 0's decision)``, or what
+        became of it instead (``Failed``: the step's own error, reading its input
+        included, and a shard's update raising for its push; ``EndOfInput``;
+        ``Cancelled``; ``ShardLost``; ``WorkerLost`` for the worker's failures)."""
+        try:
+            out, decision = self.attempt(c, on_token_wait)
+        except BaseException as e:  # noqa: BLE001 - broad on purpose: whatever the run
+            # raised ends the step as an outcome (a device error, a kill, an interrupt
+            # are the worker's failure); from_error is the one table of them
+            return from_error(e)
+        return Completed(out, decision)
+
+    def attempt(self, c: Closure, on_token_wait: Callable[[bool], None] | None = None
+                ) -> tuple[Any, Decision]:
+        """:meth:`run`, raising instead of returning an outcome other than Completed:
+        :class:`ApplicationError` for the step's own errors, :class:`InputEnded` when
+        its input (read here, before any token) is exhausted, StepCancelledError,
+        ShardClosedError and :class:`WorkerLostError` (or any other exception) for the
+        worker's failures. The Ray actors call it, so that what it raises crosses Ray
+        as Ray's task errors; the carrier turns them into outcomes with the same table
+        (:func:`jreplicate.ps.outcome.from_error`)."""
         self.lost_read = None
         if isinstance(c.batch, WorkerInputs):
             return self._run_zipped(c, on_token_wait)

@@ -219,7 +219,7 @@ if ray is not None:
                     m, WorkerInput) else WorkerInputs(tuple(read)))
             self.worker.live_workers = lambda: live_workers
             try:
-                out, _ = self.worker.run(closure)
+                out, _ = self.worker.attempt(closure)
             except WorkerLostError as e:
                 self.lost = str(e)
                 raise
