@@ -123,7 +123,7 @@ def _call(fn: Callable, args: tuple, kwargs: dict, axis_name: str) -> Any:
     mapped = vmap(body, in_axes=None, out_axes=0, axis_size=1, axis_name=axis_name)
     try:
         out = mapped(operands)
-    except Exception as e:
+    except Exception as e:  # broad: only Flax's TraceContextError is translated
         if nnx is None or type(e).__name__ != "TraceContextError":
             raise
         raise ValueError(

@@ -65,7 +65,7 @@ def quiet_orbax():
         lg.setLevel(logging.CRITICAL)
     try:
         yield
-    except BaseException:
+    except BaseException:  # broad: cleanup whatever ended the block, then re-raised
         gc.collect()  # the abandoned tasks report now, while quiet
         raise
     finally:

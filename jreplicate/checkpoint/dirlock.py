@@ -106,8 +106,8 @@ class DirectoryLock:
                 if self._lock(fd):
                     self._fd = fd
                     break
-            except BaseException:
-                os.close(fd)
+            except BaseException:  # broad: the descriptor is closed however the
+                os.close(fd)  # lock attempt ends (Ctrl-C included), then re-raised
                 raise
             os.close(fd)
         else:

@@ -262,7 +262,8 @@ class CheckpointManager:
                     return None, None
                 try:  # the chief's decision is everybody's: an error too, never a hang
                     found, restored, error = self._read_newest(host)
-                except Exception as e:
+                except Exception as e:  # broad: any read error is shared, not raised
+                    # on the chief alone (the others would hang)
                     return None, (f"reading the checkpoints in {self._dir} failed: "
                                   f"{one_line(e)}")
                 return found, error
@@ -481,7 +482,8 @@ class CheckpointManager:
             logical(tree, views)  # raises ValueError when the record disagrees
         except (_Damaged, MemoryError):  # no memory: not the checkpoint's fault
             raise
-        except Exception as e:
+        except Exception as e:  # broad: whatever the damaged files make the reader
+            # raise, the checkpoint is named damaged (and kept)
             raise _Damaged(f"its files cannot be read: {one_line(e)}") from None
         problem = metadata_problem(tree, table)
         if problem:

@@ -326,7 +326,7 @@ def run_group(cmd: list[str], *, nproc: int, devices_per_proc: int | None, host:
                 return Outcome(False, 124, f"--timeout {timeout:g}s expired with processes "
                                            f"{running} still running; stopped them")
             time.sleep(0.05)
-    except BaseException:
+    except BaseException:  # broad: Ctrl-C or any error stops the group, then re-raised
         group.stop(grace)
         raise
 

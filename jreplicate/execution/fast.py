@@ -151,7 +151,7 @@ class FastPath:
             flat = entry.jitted(*inputs)
         except Retrace:  # a new signature: the full path builds its program
             return MISS
-        except Exception as e:
+        except Exception as e:  # broad: sorted below; what is not a refusal is re-raised
             if _refused(e, inputs, entry.placed):
                 return MISS  # refused before running: the full path's clearer error
             if variables is not None:

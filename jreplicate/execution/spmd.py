@@ -235,7 +235,8 @@ class SPMDExecutor(Executor):
             if not program.habits_checked:
                 self._check_habits(fn, jitted, call, allow)
             flat = jitted(*call.arrays)
-        except Exception as e:
+        except Exception as e:  # broad: any failed step is noted on its NNX
+            # arguments, then re-raised
             if node_pos:
                 nnx_args.note_failed_step(e, jax.tree.leaves(
                     [args[i] for i in node_pos], is_leaf=nnx_args.is_variable))

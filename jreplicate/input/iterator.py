@@ -204,7 +204,7 @@ class InputIterator:
         try:
             for p in self._pipelines:
                 p.reinitialize()
-        except BaseException as e:
+        except BaseException as e:  # broad: however reopening fails, reads then raise
             self._reopen_error, self._exhausted = e, False  # reads raise, not end
             raise
         self._exhausted = False
@@ -254,7 +254,7 @@ class InputIterator:
                     # do: another pipeline's error in this step is raised, not hidden
                     # by this end.
                     got.append(padding.ENDED)  # padded below while others have data
-                except Exception as e:
+                except Exception as e:  # broad: a source's error is the step's
                     if len(self._pipelines) == 1 or isinstance(e, InputClosedError):
                         raise  # the step's elements read before it went with it
                     # Per-replica pipelines all take this step's element, as the

@@ -77,7 +77,7 @@ class Pipeline:
             return True
         except shutdown.InputClosedError:
             raise
-        except Exception as e:
+        except Exception as e:  # broad: a source's error is raised at its read
             self._ahead = (_Raised(e),)
         return False
 

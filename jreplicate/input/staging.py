@@ -285,7 +285,7 @@ class Staging:
                 singles.append((self._produce(), []))
             except StopIteration:
                 return ("end", None)
-            except Exception as e:
+            except Exception as e:  # broad: a source's error, raised at its step
                 return ("error", e)
         return None
 
@@ -321,12 +321,12 @@ class Staging:
                 break
             except prefetch_mod.InputClosedError:
                 raise  # the process exits: the steps read never go on into JAX
-            except Exception as e:
+            except Exception as e:  # broad: a source's error, deferred to its step
                 if not hosts:
                     raise
                 self._deferred = e
                 break
-            except BaseException:
+            except BaseException:  # broad: Ctrl-C too: what was read goes back
                 if hosts and getattr(self._producing, "notes", None) is None:
                     self.put_back(self._assemble_steps(hosts), len(hosts))
                 raise

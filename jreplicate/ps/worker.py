@@ -165,7 +165,8 @@ class PSWorker:
         try:
             for m in c.batch.markers:
                 parts.append((m, self._read_input(m)))
-        except BaseException:
+        except BaseException:  # broad: whatever stops the read (Ctrl-C included), the
+            # elements already read go back, then it propagates
             for m, b in parts:
                 self.inputs.put_back(m, b.elements, b.treedef)
             raise
@@ -206,7 +207,7 @@ class PSWorker:
                 raise ApplicationError(e) from e
         try:
             out, decision = self._run(c, token)
-        except BaseException:
+        except BaseException:  # broad: however the run ends early, its token goes back
             if token is not None:
                 self.client.shards[0].return_token(token)
             raise
@@ -303,7 +304,8 @@ class PSWorker:
             grads = jax.tree.map(np.asarray, grads)
         except WorkerLostError:
             raise
-        except Exception as e:
+        except Exception as e:  # broad on purpose: any error of the user's step function
+            # (or its input's) is the step's own (TF's application errors), not retried
             raise ApplicationError(e) from e
         self.faults.after_compute(self.index, c.step_id)
         check_cancelled(c)  # (a step cancelled while computing: its push refused)

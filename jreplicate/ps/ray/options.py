@@ -161,7 +161,8 @@ def resolve(arg: str, options: dict | Callable[[int], dict] | None, count: int,
         for i in range(count):
             try:
                 opts = options(i)
-            except Exception as e:
+            except Exception as e:  # broad: the user's callable may raise anything;
+                # named with the actor it was called for
                 raise ValueError(f"ParameterServerStrategy({arg}=...) raised for actor {i}: "
                                  f"{type(e).__name__}: {e}") from e
             out.append(_check_one(arg, opts, f" for actor {i}", g))
