@@ -146,3 +146,21 @@ def test_only_the_ray_subpackage_imports_ray():
                if not _under(m, "jreplicate.ps.ray")
                for line, mod, _ in _imports(m) if _under(mod, "ray")]
     assert outside == [], "Ray imported outside jreplicate.ps.ray:\n" + "\n".join(outside)
+
+
+PURE_PS = ("jreplicate.ps.fate", "jreplicate.ps.scheduler")  # thread-free, clock-free cores
+SHELLS = ("threading", "time", "jax", "ray", "jreplicate.ps.worker", "jreplicate.ps.shard",
+          "jreplicate.ps.client", "jreplicate.ps.coordinator", "jreplicate.ps.closure_queue",
+          "jreplicate.ps.step_ends", "jreplicate.ps.embedded", "jreplicate.ps.executor",
+          "jreplicate.ps.ray")
+
+
+def test_the_pure_ps_cores_import_no_threads_clocks_devices_or_carriers():
+    """The fate of a push (``jreplicate.ps.fate``) and the scheduling core
+    (``jreplicate.ps.scheduler``) are pure: they import no threads, clock, JAX or Ray, and
+    none of the threaded shells or carriers that drive them (the simulator and the
+    thread-free tests run them as they are)."""
+    bad = [f"- {m}:{line} imports {mod}" for m in sorted(MODS)
+           if any(_under(m, p) for p in PURE_PS)
+           for line, mod, _ in _imports(m) if any(_under(mod, s) for s in SHELLS)]
+    assert bad == [], "a pure PS core imports a shell:\n" + "\n".join(bad)
