@@ -199,9 +199,9 @@ def test_a_fresh_nnx_argument_each_step_is_not_kept_for_the_whole_job():
         rep.join()
         gc.collect()
         assert sum(x() is not None for x in refs) == 0
-        assert len(s._ex()._nnx_cache) <= 2  # the model and the optimizer
+        assert len(s._ex()._steps.nnx_cache) <= 2  # the model and the optimizer
         assert len({k.tobytes() for k in keys}) == 6  # each step read its own Rngs
         # The model is still read from the cache while unchanged, and as of each run.
-        assert len(s._ex()._nnx_cache) >= 1
+        assert len(s._ex()._steps.nnx_cache) >= 1
     finally:
         s.shutdown()
