@@ -18,7 +18,14 @@ from typing import Any
 import jax
 import numpy as np
 
-from jreplicate._tree import check_fits, deleted_array_error, is_array_like, path_str, report
+from jreplicate._tree import (
+    check_fits,
+    deleted_array_error,
+    is_array_like,
+    jax_can_hold,
+    path_str,
+    report,
+)
 from jreplicate.context import PerReplica
 from jreplicate.input.iterator import InputIterator
 from jreplicate.ps.remote import RemoteValue
@@ -89,18 +96,12 @@ def _check_leaf(x: Any, where: str) -> None:
             "functools.partial(step, name=...)), built once outside the training loop: "
             "a new function object each step compiles each step.")
     if isinstance(x, (np.ndarray, np.generic)):
-        if not _jax_holds(x.dtype):
+        if not jax_can_hold(x.dtype):
             raise TypeError(
                 f"{_WHAT}: {where} is a NumPy array of dtype {x.dtype}, which JAX cannot "
                 "hold. Convert it to a numeric type (e.g. encode strings as integer ids), "
                 "or close over it in fn.")
         check_fits(np.asarray(x), _named(where))
-
-
-def _jax_holds(dtype: np.dtype) -> bool:
-    """Numbers and booleans, ``ml_dtypes``' (bfloat16, float8, int4) included."""
-    return bool(jax.dtypes.issubdtype(dtype, np.number)
-                or jax.dtypes.issubdtype(dtype, np.bool_))
 
 
 def _named(where: str) -> Callable[[], str]:
