@@ -25,15 +25,17 @@ def bounded_test():
     faulthandler.cancel_dump_traceback_later()
 
 
-def sgd_job(sizes: Any, *, lr: float = 0.5, **strategy_kw: Any) -> tuple:
+def sgd_job(sizes: Any, *, lr: float = 0.5, inner: Any = None, **strategy_kw: Any
+            ) -> tuple:
     """A ``ParameterServerStrategy(**strategy_kw)`` whose parameters, zeros of
     ``sizes`` (a length, or a pytree of lengths), are registered with a pushable
-    ``optax.sgd(lr)``. Returns ``(strategy, rep, params, opt_state, tx)``."""
+    ``inner`` (default ``optax.sgd(lr)``). Returns ``(strategy, rep, params,
+    opt_state, tx)``."""
     s = jr.ParameterServerStrategy(**strategy_kw)
     rep = jr.Replicator(s)
     with rep.scope():
         w = jax.tree.map(jnp.zeros, sizes)
-        tx = jr.ps.pushable(optax.sgd(lr))
+        tx = jr.ps.pushable(optax.sgd(lr) if inner is None else inner)
         opt = tx.init(w)
     return s, rep, w, opt, tx
 
@@ -67,3 +69,15 @@ def run_with_a_dead_worker(job: tuple, steps: int = 20, bound_s: float = 30.0
     s._executor.coordinator.join(timeout=bound_s)
     assert time.monotonic() - t0 < bound_s
     return s.stats()
+
+
+def assert_every_step_ends(values: list, timeout: float) -> None:
+    """Each RemoteValue of ``values`` ends within ``timeout`` seconds, with its outputs
+    or a named error (after a shutdown: ``StepCancelledError`` or ``RuntimeError``)."""
+    for v in values:
+        try:
+            v.fetch(timeout=timeout)
+        except TimeoutError:
+            raise AssertionError(f"step {v.step_id} never ended after shutdown") from None
+        except (jr.ps.StepCancelledError, RuntimeError):
+            pass

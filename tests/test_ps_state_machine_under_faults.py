@@ -35,7 +35,11 @@ from hypothesis.stateful import (
 import jreplicate as jr
 import jreplicate.testing as jrt
 from jreplicate.ps.remote import ParameterServerError, StepCancelledError, WorkerLostError
-from tests._ps_helpers import bounded_test  # noqa: F401 (autouse: every test bounded)
+from tests._ps_helpers import (
+    assert_every_step_ends,
+    bounded_test,  # noqa: F401 (autouse: every test bounded)
+    sgd_job,
+)
 
 LR = 0.25
 SIZES = {"a": 2, "b": 3, "c": 2}  # round robin: 3 shards hold one leaf each
@@ -459,13 +463,8 @@ def test_the_machine_takes_a_step_s_error_raised_by_the_next_run(machine):
 # -- targeted attacks ---------------------------------------------------------------------
 
 def _sgd_job(num_ps=1, workers=2, **kw):
-    s = jr.ParameterServerStrategy(num_ps=num_ps, num_workers=workers,
-                                   placement="round_robin", **kw)
-    rep = jr.Replicator(s)
-    with rep.scope():
-        params = {k: jnp.zeros(n) for k, n in SIZES.items()}
-        tx = jr.ps.pushable(optax.sgd(LR))
-        opt = tx.init(params)
+    s, rep, params, opt, tx = sgd_job(SIZES, lr=LR, num_ps=num_ps, num_workers=workers,
+                                      placement="round_robin", **kw)
     return s, rep, params, opt, _step(tx)
 
 
@@ -510,13 +509,7 @@ def test_a_step_whose_worker_dies_during_shutdown_ends_and_join_returns(token_ga
     time.sleep(0.1)  # both running
     s.shutdown()
     t0 = time.monotonic()
-    for v in values:
-        try:
-            v.fetch(timeout=5.0)
-        except TimeoutError:
-            raise AssertionError(f"step {v.step_id} never ended after shutdown") from None
-        except (StepCancelledError, RuntimeError):
-            pass
+    assert_every_step_ends(values, 5.0)
     done = threading.Event()
 
     def join():
@@ -874,13 +867,7 @@ def test_on_ray_kill_at_push_with_one_shard_and_nnx_read_as_of_each_run(review_r
 
 
 def test_on_ray_shutdown_while_a_worker_dies_ends_every_step(review_ray):
-    s = jr.ParameterServerStrategy(num_ps=1, num_workers=2, carrier="ray")
-    rep = jr.Replicator(s)
-    with rep.scope():
-        params = {k: jnp.zeros(n) for k, n in SIZES.items()}
-        tx = jr.ps.pushable(optax.sgd(LR))
-        opt = tx.init(params)
-    step = _step(tx)
+    s, rep, params, opt, step = _sgd_job(num_ps=1, workers=2, carrier="ray")
     try:
         for v in [rep.run(step, _batch(i), params, opt) for i in range(2)]:
             v.fetch(timeout=120)
@@ -891,13 +878,7 @@ def test_on_ray_shutdown_while_a_worker_dies_ends_every_step(review_ray):
         time.sleep(0.2)
     finally:
         s.shutdown()
-    for v in values:
-        try:
-            v.fetch(timeout=20.0)
-        except TimeoutError:
-            raise AssertionError(f"step {v.step_id} never ended after shutdown") from None
-        except (StepCancelledError, RuntimeError):
-            pass
+    assert_every_step_ends(values, 20.0)
 
 
 def test_restore_after_a_lost_shard_restores_as_the_error_says():
@@ -928,14 +909,7 @@ def test_restore_after_a_lost_shard_restores_as_the_error_says():
 
 
 def test_on_ray_restore_after_a_lost_shard_actor(review_ray):
-    s = jr.ParameterServerStrategy(num_ps=2, num_workers=2, carrier="ray",
-                                   placement="round_robin")
-    rep = jr.Replicator(s)
-    with rep.scope():
-        params = {k: jnp.zeros(n) for k, n in SIZES.items()}
-        tx = jr.ps.pushable(optax.sgd(LR))
-        opt = tx.init(params)
-    step = _step(tx)
+    s, rep, params, opt, step = _sgd_job(num_ps=2, workers=2, carrier="ray")
     try:
         for i in range(3):
             rep.run(step, _batch(i), params, opt)
