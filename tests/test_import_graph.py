@@ -137,3 +137,12 @@ def test_no_module_imports_from_a_layer_above_it():
               if any(_under(t, h) for h in highs)]
     assert upward == [], "imports reaching a layer above:\n" + "\n".join(
         f"- {w}" for w in sorted(upward))
+
+
+def test_only_the_ray_subpackage_imports_ray():
+    """Every module that touches Ray lives in ``jreplicate.ps.ray``; the rest of the
+    package (the embedded carrier, the coordinator, the shards) runs without Ray."""
+    outside = [f"- {m}:{line} imports {mod}" for m in sorted(MODS)
+               if not _under(m, "jreplicate.ps.ray")
+               for line, mod, _ in _imports(m) if _under(mod, "ray")]
+    assert outside == [], "Ray imported outside jreplicate.ps.ray:\n" + "\n".join(outside)
