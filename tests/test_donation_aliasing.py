@@ -396,7 +396,8 @@ def test_tpu_strategy_steps_per_run_keeps_a_held_container():
 def test_a_parameter_server_worker_still_donates_its_nested_parameters_without_a_copy():
     """The worker donates the parameters it placed for the step (several devices): a
     fresh pytree that nothing else holds, at any depth."""
-    from jreplicate.ps.worker import Closure, HostBatch, PSWorker
+    from jreplicate.ps.closure import Closure, HostBatch
+    from jreplicate.ps.worker import PSWorker
     from tests.test_ps_forwarding import _Client
 
     params = {"layer": {"w": np.ones((2, 3), np.float32), "b": [np.zeros(3, np.float32)]},

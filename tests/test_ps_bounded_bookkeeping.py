@@ -24,13 +24,14 @@ import pytest
 import jreplicate as jr
 from jreplicate.ps import admission, step_record
 from jreplicate.ps.client import ShardClient
+from jreplicate.ps.closure import Closure
 from jreplicate.ps.coordinator import Coordinator
 from jreplicate.ps.ledger import Ledger
 from jreplicate.ps.placement import place_parameters
 from jreplicate.ps.remote import WorkerLostError
 from jreplicate.ps.shard import PSShard
 from jreplicate.ps.step_record import StepRecord
-from jreplicate.ps.worker import ApplicationError, Closure
+from jreplicate.ps.worker import ApplicationError
 from tests._ps_helpers import bounded_test  # noqa: F401 (autouse: every test bounded)
 
 BOUND_S = 60.0

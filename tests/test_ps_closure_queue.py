@@ -12,10 +12,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from jreplicate.ps.admission import StalenessGate, StarvationDetector, StatsRecorder
+from jreplicate.ps.closure import Closure
 from jreplicate.ps.closure_queue import ClosureQueue
 from jreplicate.ps.coordinator import Coordinator
 from jreplicate.ps.remote import StepCancelledError
-from jreplicate.ps.worker import Closure
 from tests._ps_helpers import bounded_test  # noqa: F401 (autouse: every test bounded)
 
 BOUND = 10.0  # seconds any wait in these tests may take at most

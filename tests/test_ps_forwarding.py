@@ -11,8 +11,9 @@ import pytest
 
 import jreplicate as jr
 from jreplicate._jax_compat import alias_host_arrays
+from jreplicate.ps.closure import Closure, HostBatch
 from jreplicate.ps.shard import Decision
-from jreplicate.ps.worker import Closure, HostBatch, PSWorker
+from jreplicate.ps.worker import PSWorker
 from tests._ps_helpers import bounded_test  # noqa: F401 (autouse: every test bounded)
 
 # Values an update by +0.0 would change (-0.0), or that must survive untouched.

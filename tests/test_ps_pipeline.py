@@ -18,10 +18,10 @@ import optax
 import pytest
 
 import jreplicate as jr
+from jreplicate.ps.closure import Closure
 from jreplicate.ps.coordinator import Coordinator
 from jreplicate.ps.placement import place_parameters
 from jreplicate.ps.remote import WorkerLostError
-from jreplicate.ps.worker import Closure
 from tests._ps_helpers import bounded_test  # noqa: F401 (autouse: every test bounded)
 
 

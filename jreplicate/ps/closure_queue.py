@@ -28,7 +28,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from jreplicate.ps.worker import Closure
+    from jreplicate.ps.closure import Closure
 
 
 def _nothing(c: Closure) -> None:
@@ -43,7 +43,7 @@ class ClosureQueue:
         counts as in flight: an admission gate's bookkeeping.
       on_stop: called (under the lock) with a closure as it leaves flight.
 
-    >>> from jreplicate.ps.worker import Closure
+    >>> from jreplicate.ps.closure import Closure
     >>> q = ClosureQueue()
     >>> for i in range(2):
     ...     q.put(Closure(i, None, False, None, (), 0, None))

@@ -78,6 +78,7 @@ from jreplicate.ps.admission import (
     StarvationDetector,
     StatsRecorder,
 )
+from jreplicate.ps.closure import Closure
 from jreplicate.ps.closure_queue import ClosureQueue
 from jreplicate.ps.ledger import Ledger
 from jreplicate.ps.remote import (
@@ -88,7 +89,7 @@ from jreplicate.ps.remote import (
 )
 from jreplicate.ps.shard import ShardClosedError
 from jreplicate.ps.step_record import StepRecord
-from jreplicate.ps.worker import ApplicationError, Closure
+from jreplicate.ps.worker import ApplicationError
 from jreplicate.ps.worker_input import InputEnded, WorkerInput, WorkerInputs
 
 _log = logging.getLogger("jreplicate")

@@ -19,6 +19,7 @@ from jreplicate.execution.base import Executor
 from jreplicate.input.iterator import InputIterator
 from jreplicate.ps import capture, saved_state
 from jreplicate.ps.client import ShardClient
+from jreplicate.ps.closure import HostBatch
 from jreplicate.ps.config import PSConfig
 from jreplicate.ps.coordinator import Coordinator
 from jreplicate.ps.embedded import EmbeddedCarrier
@@ -36,7 +37,6 @@ from jreplicate.ps.shard_restart import (
 )
 from jreplicate.ps.step_builder import StepBuilder
 from jreplicate.ps.step_record import StepRecord
-from jreplicate.ps.worker import HostBatch
 from jreplicate.ps.worker_input import (
     WorkerInputIterator,
     ZippedWorkerInputs,

@@ -24,11 +24,11 @@ from jreplicate import _porting
 from jreplicate._tree import host_copy, path_str, read_now, report
 from jreplicate.context import PerReplica
 from jreplicate.execution.cache import FunctionMap
+from jreplicate.ps.closure import Closure, HostBatch
 from jreplicate.ps.nnx_state import NnxArg
 from jreplicate.ps.per_worker import PerWorkerValue
 from jreplicate.ps.remote import is_key, to_host
 from jreplicate.ps.run_arguments import check_run_arguments
-from jreplicate.ps.worker import Closure, HostBatch
 from jreplicate.ps.worker_input import WorkerInput, WorkerInputs
 
 #: Batches read on the workers (or assembled by the driver's iterator): passed as they are.

@@ -35,6 +35,7 @@ from jreplicate.execution.spmd import SPMDExecutor
 from jreplicate.layout import REPLICA_AXIS, mesh_layout, replica_mesh
 from jreplicate.ps.capture import capturing
 from jreplicate.ps.client import ShardClient
+from jreplicate.ps.closure import Closure, HostBatch, check_cancelled
 from jreplicate.ps.nnx_state import NnxArg, check_nothing_lost
 from jreplicate.ps.per_worker import PerWorkerArg, WorkerValues
 from jreplicate.ps.remote import ShardUpdateError, StepCancelledError, WorkerLostError
@@ -45,67 +46,6 @@ from jreplicate.ps.worker_input import (
     WorkerInputs,
     WorkerPipelines,
 )
-
-
-@dataclasses.dataclass
-class HostBatch:
-    """One step's input for one sync group, on the host: ``elements[k]`` are the flat
-    leaves of replica ``k``'s element (see ``Executor.assemble``)."""
-
-    elements: list
-    treedef: Any
-
-
-class CancelFlag:
-    """Set by the coordinator when a scheduled step is cancelled because another step
-    raised first (TensorFlow's cancellation of in-flight closures): the worker running
-    it refuses its push (:meth:`PSWorker.run`). It does not cross processes: a copy
-    unpickled on a Ray worker actor is a new flag, never set (those steps run on and
-    push, the documented bound of that carrier)."""
-
-    __slots__ = ("reason",)
-
-    def __init__(self) -> None:
-        self.reason: str | None = None
-
-    def set(self, reason: str) -> None:
-        self.reason = self.reason or reason
-
-    def is_set(self) -> bool:
-        return self.reason is not None
-
-    def __reduce__(self):
-        return (CancelFlag, ())
-
-
-@dataclasses.dataclass
-class Closure:
-    """A scheduled step. ``args[param_index]`` and ``args[opt_index]`` are placeholders
-    (None): the worker puts the pulled parameters and its copy of the state there."""
-
-    step_id: int
-    fn: Callable
-    has_batch: bool
-    batch: Any
-    args: tuple
-    param_index: int
-    opt_index: int | None
-    fn_key: int = -1  # the same function has the same key (Ray sends it once per worker)
-    attempt: int = 0  # the run of the step (set by the coordinator)
-    #: Start from the parameters the worker's previous push returned, if it has them
-    #: (set by the Ray carrier for a step queued behind another on its worker).
-    reuse: bool = False
-    #: The pmap habits the step has on purpose (``Replicator.run(..., allow=...)``).
-    allow: frozenset = frozenset()
-    #: Set when the step is cancelled (another step raised first): its push is refused.
-    cancel: CancelFlag = dataclasses.field(default_factory=CancelFlag, compare=False,
-                                           repr=False)
-
-
-def _check_cancelled(c: Closure) -> None:
-    """Raises StepCancelledError if ``c`` was cancelled (before it pushed)."""
-    if c.cancel.is_set():
-        raise StepCancelledError(c.cancel.reason)
 
 
 class ApplicationError(Exception):
@@ -237,7 +177,7 @@ class PSWorker:
     def _run_read(self, c: Closure, on_token_wait: Callable[[bool], None] | None
                   ) -> tuple[Any, Decision]:
         """:meth:`run` once the step's input is read (a :class:`HostBatch`)."""
-        _check_cancelled(c)
+        check_cancelled(c)
         token = None
         if self.client.token_gated and self.local_step is not None:
             # The coordinator counts this worker as waiting only while it blocks on an
@@ -246,7 +186,7 @@ class PSWorker:
             # wakes one cancelled while it waits).
             def on_wait(waiting: bool) -> None:
                 if waiting:
-                    _check_cancelled(c)
+                    check_cancelled(c)
                 if on_token_wait is not None:
                     on_token_wait(waiting)
 
@@ -355,7 +295,7 @@ class PSWorker:
             time.sleep(self.delay)
         if self.kill_at == "compute":
             raise WorkerLostError(f"worker {self.index} died computing step {c.step_id}")
-        _check_cancelled(c)  # (a step cancelled while computing: its push refused)
+        check_cancelled(c)  # (a step cancelled while computing: its push refused)
         self.client.ordered = self.kill_at == "push"
         try:
             if self.return_params and not self.client.token_gated and \
