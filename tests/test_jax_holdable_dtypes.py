@@ -15,14 +15,16 @@ import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
-import optax
 import pytest
 
 import jreplicate as jr
 from jreplicate._tree import jax_can_hold
 from jreplicate.input.iterator import _flatten
 from jreplicate.ps.run_arguments import check_run_arguments
-from tests._ps_helpers import bounded_test  # noqa: F401 (autouse: every test bounded)
+from tests._ps_helpers import (
+    bounded_test,  # noqa: F401 (autouse: every test bounded)
+    sgd_job,
+)
 
 #: ml_dtypes' 1-bit integers: JAX lists them, but XLA on CPU cannot make an array of
 #: them (jnp.asarray fails at execution), so JAX's answer is not observable here.
@@ -69,12 +71,7 @@ def test_every_check_gives_jax_s_own_answer(dtype):
 def test_a_timedelta_argument_is_refused_at_run_not_on_the_worker():
     """Regression: the driver's check took ``timedelta64`` for a number; the step was
     scheduled and failed on the worker (the error came back from fetch)."""
-    s = jr.ParameterServerStrategy(num_ps=1, num_workers=2)
-    rep = jr.Replicator(s)
-    with rep.scope():
-        p = jnp.zeros(2)
-        tx = jr.ps.pushable(optax.sgd(0.1))
-        o = tx.init(p)
+    s, rep, p, o, _ = sgd_job(2, num_ps=1, num_workers=2)
     try:
         with pytest.raises(TypeError, match=r"argument \[2\] is a NumPy array of dtype "
                                             r"timedelta64\[s\], which JAX cannot hold"):
