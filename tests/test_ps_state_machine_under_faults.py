@@ -159,7 +159,11 @@ class PSMachine(RuleBasedStateMachine):
             self.s.shutdown()
 
     # -- rules ---------------------------------------------------------------------------
-    @precondition(lambda self: not self.dead_all and not self.shut)
+    # (not after raising steps until a join: whether that run would raise their error,
+    # scheduling nothing, depends on the threads' timing, and the machine's state, which
+    # the preconditions read, must not)
+    @precondition(lambda self: not self.dead_all and not self.shut and
+                  not any(sc.bad for sc in self.sched))
     @rule(n=st.integers(1, 8), keep=st.booleans(), bad=st.integers(0, 15))
     def run(self, n, keep, bad):
         for _ in range(n):
@@ -178,7 +182,7 @@ class PSMachine(RuleBasedStateMachine):
                 assert "review: this step raises" in str(e), e
                 assert any(sc.bad for sc in self.sched), "no step here raises"
                 event("run raised a step's error")
-                return
+                continue
             sc = _Sched(rv, g, tag, is_bad)
             self.grads[sc.step_id] = g
             self.sched.append(sc)
@@ -434,10 +438,10 @@ TestTokenMachine.settings = _SETTINGS
 @pytest.mark.parametrize("machine", [AsyncMachine, TauMachine, TokenMachine])
 def test_the_machine_takes_a_step_s_error_raised_by_the_next_run(machine):
     """Regression (the machine was flaky): a "run" rule of raising steps, the first of
-    which had raised before the second ``rep.run`` (TF's semantics: that run raises the
-    step's error, once). The machine failed with the step's own ValueError instead of
-    checking the job on; whether it happened depended on the threads' timing, so here
-    the first step is waited for."""
+    which raised before the second ``rep.run`` (TF's semantics: that run raises the
+    step's error, once, and schedules nothing). The machine failed with the step's own
+    ValueError instead of checking the job on; whether it happened depended on the
+    threads' timing, so here each ``rep.run`` first waits for the steps scheduled."""
 
     @settings(max_examples=1, deadline=None, database=None)
     @given(st.none())
@@ -445,15 +449,22 @@ def test_the_machine_takes_a_step_s_error_raised_by_the_next_run(machine):
         m = machine()
         try:
             m.build(num_ps=2, workers=2, adam=False, tau=1, k=1, backups=0, restarts=0)
-            m.run(n=1, keep=True, bad=0)
-            t0 = time.monotonic()
-            while not m.sched[0].rv.done():
-                assert time.monotonic() - t0 < BOUND_S
-                time.sleep(0.01)
-            m.run(n=3, keep=True, bad=0)  # (raised ValueError here)
+            run = m.rep.run
+
+            def run_after_the_others(*args, **kw):
+                t0 = time.monotonic()
+                while not all(sc.rv.done() for sc in m.sched):
+                    assert time.monotonic() - t0 < BOUND_S
+                    time.sleep(0.01)
+                return run(*args, **kw)
+
+            m.rep.run = run_after_the_others
+            m.run(n=3, keep=True, bad=0)  # (the second raised ValueError here)
+            m.join()
+            assert [sc.bad for sc in m.done] == [True, True]  # (the second: refused)
             m.run(n=2, keep=True, bad=1)
             m.join()
-            assert len(m.done) == 3 and [sc.bad for sc in m.done] == [True, False, False]
+            assert [sc.bad for sc in m.done] == [True, True, False, False]
         finally:
             m.teardown()
 
