@@ -291,10 +291,21 @@ class PSMachine(RuleBasedStateMachine):
                     ParameterServerError, RuntimeError):
                 pass
         assert time.monotonic() - t0 < BOUND_S
-        with pytest.raises(RuntimeError, match="shut down"):
-            self.rep.run(self.step, {**self.grads.get(0, {k_: np.zeros(n, np.float32)
-                                                          for k_, n in SIZES.items()}),
-                                     "tag": np.int32(0)}, self.params, self.opt)
+        batch = {**self.grads.get(0, {k_: np.zeros(n, np.float32) for k_, n in SIZES.items()}),
+                 "tag": np.int32(0)}
+        for attempt in range(2):
+            try:
+                self.rep.run(self.step, batch, self.params, self.opt)
+            except ValueError as e:
+                # A step that raised before the shutdown: its error first, once (TF's
+                # semantics; whether it raised before depends on the threads' timing).
+                assert attempt == 0 and "review: this step raises" in str(e), e
+                assert any(sc.bad for sc in self.sched), "no step here raises"
+                continue
+            except RuntimeError as e:
+                assert "shut down" in str(e), e
+                break
+            raise AssertionError("a run after shutdown scheduled a step")
         self.sched = []
 
     # -- checks --------------------------------------------------------------------------
@@ -465,6 +476,31 @@ def test_the_machine_takes_a_step_s_error_raised_by_the_next_run(machine):
             m.run(n=2, keep=True, bad=1)
             m.join()
             assert [sc.bad for sc in m.done] == [True, True, False, False]
+        finally:
+            m.teardown()
+
+    drive()
+
+
+@pytest.mark.parametrize("machine", [AsyncMachine, TokenMachine])
+def test_the_machine_takes_a_step_s_error_before_shut_down_from_the_next_run(machine):
+    """Regression (flaky too): shutdown after a step raised; the next run raises that
+    step's error first (once), then "shut down". The machine expected "shut down" at
+    once, failing when the step had raised before the shutdown (timing)."""
+
+    @settings(max_examples=1, deadline=None, database=None)
+    @given(st.none())
+    def drive(_):
+        m = machine()
+        try:
+            m.build(num_ps=1, workers=2, adam=False, tau=1, k=1, backups=0, restarts=0)
+            m.run(n=1, keep=True, bad=0)
+            t0 = time.monotonic()
+            while not m.sched[0].rv.done():
+                assert time.monotonic() - t0 < BOUND_S
+                time.sleep(0.01)
+            m.shutdown_pending(dice=0)  # (raised the step's ValueError here)
+            assert m.shut and not m.sched
         finally:
             m.teardown()
 
