@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -150,6 +151,20 @@ def check_fits(x: np.ndarray, where: str | Callable[[], str]) -> None:
         f"it to a type that holds it ({fix}), or enable 64-bit types before any JAX work: "
         "jax.config.update('jax_enable_x64', True)."
     )
+
+
+#: The widest float and complex JAX holds (bytes): not NumPy's 80/128-bit ``longdouble``.
+_WIDEST = {"f": 8, "c": 16}
+
+
+@functools.lru_cache(maxsize=64)
+def jax_can_hold(dtype: np.dtype) -> bool:
+    """Whether a JAX array can hold NumPy ``dtype``: booleans and numbers, ml_dtypes'
+    among them (bfloat16, float8, int4), but not strings, objects, records, datetimes,
+    timedeltas (NumPy files ``timedelta64`` under its signed integers), ``longdouble``
+    (``float128``, ``complex256``) or ``float0`` (which holds no data)."""
+    return dtype.kind not in "mM" and dtype.itemsize <= _WIDEST.get(dtype.kind, 16) and (
+        dtype == np.bool_ or bool(jax.dtypes.issubdtype(dtype, np.number)))
 
 
 def native(dtype: np.dtype) -> np.dtype:

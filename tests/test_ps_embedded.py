@@ -13,24 +13,11 @@ import jreplicate as jr
 import jreplicate.testing as jrt
 from jreplicate.ps.handle import Carrier, RemoteShardHandle, ShardHandle
 from tests._models import init_mlp, mlp, per_example_loss
-from tests._ps_helpers import bounded_test  # noqa: F401 (autouse: every test bounded)
-
-
-def _linear(num_ps=2, **kw):
-    """A strategy with params {"a": 2, "b": 3} and a pushable sgd(0.5)."""
-    s = jr.ParameterServerStrategy(num_ps=num_ps, **kw)
-    rep = jr.Replicator(s)
-    with rep.scope():
-        w = {"a": jnp.zeros(2), "b": jnp.zeros(3)}
-        tx = jr.ps.pushable(optax.sgd(0.5))
-        opt = tx.init(w)
-
-    def step(ctx, w, opt):
-        g = jax.grad(lambda w: jnp.sum(w["a"] - 1.0) + jnp.sum(w["b"]))(w)
-        u, opt = tx.update(g, opt, w)
-        return optax.apply_updates(w, u), opt, jnp.sum(w["a"])
-
-    return s, rep, w, opt, step
+from tests._ps_helpers import (
+    bounded_test,  # noqa: F401 (autouse: every test bounded)
+    run_with_a_dead_worker,
+)
+from tests._ps_helpers import linear_job as _linear
 
 
 def test_run_schedules_and_returns_remote_values_at_once():
@@ -312,16 +299,9 @@ def test_nnx_optimizer_update_becomes_a_push():
 def test_a_dead_worker_leaves_the_bounded_delay_minimum():
     """max_staleness=0 (sequential) with a worker killed mid-training: the others do
     not wait for it, and every step completes."""
-    s, rep, w, opt, step = _linear(num_workers=3, max_staleness=0, max_worker_restarts=0)
-    for k in range(3):
-        jrt.set_worker_delay(s, k, 0.005)
-    jrt.kill_worker(s, 2, when="compute")
-    for _ in range(20):
-        rep.run(step, None, w, opt)
-    t0 = time.monotonic()
-    s._executor.coordinator.join(timeout=30)
-    assert time.monotonic() - t0 < 30
-    st = s.stats()
+    s, rep, w, opt, step = job = _linear(num_workers=3, max_staleness=0,
+                                         max_worker_restarts=0)
+    st = run_with_a_dead_worker(job)
     assert st["alive"] == [True, True, False] and st["completed"] == 20
     assert s.ledger()[0]["applied"] == 20 and st["max_alongside"] == 0
     assert s.staleness_histogram() == {0: 20}

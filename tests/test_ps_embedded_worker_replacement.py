@@ -15,7 +15,10 @@ import pytest
 
 import jreplicate as jr
 import jreplicate.testing as jrt
-from tests._ps_helpers import bounded_test  # noqa: F401 (autouse: every test bounded)
+from tests._ps_helpers import (
+    bounded_test,  # noqa: F401 (autouse: every test bounded)
+    sgd_job,
+)
 
 LR = 0.5
 N = 18  # steps per job
@@ -216,13 +219,9 @@ def test_no_restarts_keeps_todays_loss_for_good():
 def test_token_gated_with_a_backup_worker_replaces_workers_lost_at_compute_and_push():
     """2 of 3 gradients per update: workers killed mid-compute and between their pushes
     to two shards come back, take tokens again, and every update is one step."""
-    s = jr.ParameterServerStrategy(num_ps=2, num_workers=3, token_timeout=30)
-    rep = jr.Replicator(s)
-    with rep.scope():
-        w = jnp.zeros(4)
-        tx = jr.ps.pushable(jr.sync_replicas(optax.sgd(0.1), replicas_to_aggregate=2,
-                                             total_num_replicas=3))
-        opt = tx.init(w)
+    s, rep, w, opt, tx = sgd_job(4, inner=jr.sync_replicas(
+        optax.sgd(0.1), replicas_to_aggregate=2, total_num_replicas=3), num_ps=2,
+        num_workers=3, token_timeout=30)
 
     def step(ctx, w, opt):
         g = jax.grad(lambda w: jnp.sum(w))(w)  # 1 per element

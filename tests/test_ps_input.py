@@ -13,7 +13,10 @@ import pytest
 
 import jreplicate as jr
 import jreplicate.testing as jrt
-from tests._ps_helpers import bounded_test  # noqa: F401 (autouse: every test bounded)
+from tests._ps_helpers import (
+    bounded_test,  # noqa: F401 (autouse: every test bounded)
+    sgd_job,
+)
 
 LR = 0.5
 
@@ -169,13 +172,9 @@ def test_sync_group_reads_one_element_per_replica_and_errors_surface():
 
 @pytest.mark.parametrize("when", ["push", "compute"])
 def test_token_gated_per_worker_input_with_a_killed_worker_keeps_the_ledger_exact(when):
-    s = jr.ParameterServerStrategy(num_ps=2, num_workers=3, token_timeout=30)
-    rep = jr.Replicator(s)
-    with rep.scope():
-        w = jnp.zeros(4)
-        tx = jr.ps.pushable(jr.sync_replicas(optax.sgd(0.1), replicas_to_aggregate=2,
-                                          total_num_replicas=3))
-        opt = tx.init(w)
+    s, rep, w, opt, tx = sgd_job(4, inner=jr.sync_replicas(
+        optax.sgd(0.1), replicas_to_aggregate=2, total_num_replicas=3), num_ps=2,
+        num_workers=3, token_timeout=30)
 
     def step(ctx, x, w, opt):
         u, opt = tx.update(jax.grad(lambda w: jnp.sum(w * x))(w), opt, w)

@@ -18,7 +18,10 @@ from hypothesis import HealthCheck, given, settings
 import jreplicate as jr
 import jreplicate.testing as jrt
 from jreplicate.ps.worker_input import InputEnded, WorkerInput, WorkerPipelines
-from tests._ps_helpers import bounded_test  # noqa: F401 (autouse: every test bounded)
+from tests._ps_helpers import (
+    bounded_test,  # noqa: F401 (autouse: every test bounded)
+    sgd_job,
+)
 
 LR = 0.5
 
@@ -26,12 +29,7 @@ LR = 0.5
 def _job(num_workers=2, **kw):
     """A linear loss sum(w * x): the trained parameters are -LR * (sum of the batches
     applied), whatever the order. Elements are [pipeline id, index, tag, 1]."""
-    s = jr.ParameterServerStrategy(num_ps=1, num_workers=num_workers, **kw)
-    rep = jr.Replicator(s)
-    with rep.scope():
-        w = jnp.zeros(4)
-        tx = jr.ps.pushable(optax.sgd(LR))
-        opt = tx.init(w)
+    s, rep, w, opt, tx = sgd_job(4, lr=LR, num_ps=1, num_workers=num_workers, **kw)
 
     def step(ctx, x, w, opt):
         g_ = jax.grad(lambda w: jr.compute_average_loss(jnp.sum(w * x)[None], 1))(w)

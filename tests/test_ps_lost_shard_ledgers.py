@@ -16,7 +16,10 @@ import pytest
 import jreplicate as jr
 import jreplicate.testing as jrt
 from jreplicate.ps.remote import ParameterServerError
-from tests._ps_helpers import bounded_test  # noqa: F401 (autouse: every test bounded)
+from tests._ps_helpers import (
+    bounded_test,  # noqa: F401 (autouse: every test bounded)
+    sgd_job,
+)
 
 LR = 0.25
 SIZES = {"a": 2, "b": 3, "c": 2}  # round robin: with 3 shards one leaf each
@@ -24,13 +27,8 @@ BOUND_S = 30.0
 
 
 def _job(num_ps=2, workers=2):
-    s = jr.ParameterServerStrategy(num_ps=num_ps, num_workers=workers,
-                                   placement="round_robin")
-    rep = jr.Replicator(s)
-    with rep.scope():
-        params = {k: jnp.zeros(n) for k, n in SIZES.items()}
-        tx = jr.ps.pushable(optax.sgd(LR))
-        opt = tx.init(params)
+    s, rep, params, opt, tx = sgd_job(SIZES, lr=LR, num_ps=num_ps, num_workers=workers,
+                                      placement="round_robin")
 
     def step(ctx, p, o):
         g = {k: jnp.ones(n) + 0.0 * p[k] for k, n in SIZES.items()}
@@ -199,10 +197,10 @@ def test_a_fresh_nnx_argument_each_step_is_not_kept_for_the_whole_job():
         rep.join()
         gc.collect()
         assert sum(x() is not None for x in refs) == 0
-        assert len(s._ex()._nnx_cache) <= 2  # the model and the optimizer
+        assert len(s._ex()._steps.nnx_cache) <= 2  # the model and the optimizer
         assert len({k.tobytes() for k in keys}) == 6  # each step read its own Rngs
         # The model is still read from the cache while unchanged, and as of each run.
-        assert len(s._ex()._nnx_cache) >= 1
+        assert len(s._ex()._steps.nnx_cache) >= 1
     finally:
         s.shutdown()
 

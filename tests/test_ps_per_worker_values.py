@@ -13,7 +13,10 @@ import optax
 import pytest
 
 import jreplicate as jr
-from tests._ps_helpers import bounded_test  # noqa: F401 (autouse: every test bounded)
+from tests._ps_helpers import (
+    bounded_test,  # noqa: F401 (autouse: every test bounded)
+    sgd_job,
+)
 
 LR = 0.5
 
@@ -21,13 +24,8 @@ LR = 0.5
 def _job(num_workers=3, g=1):
     """A linear loss sum(w * v): the gradient is the step's per-worker value v, so the
     trained parameters are -LR * (sum of the values of the workers that ran steps)."""
-    s = jr.ParameterServerStrategy(num_ps=1, num_workers=num_workers,
-                                   num_replicas_in_sync=g)
-    rep = jr.Replicator(s)
-    with rep.scope():
-        w = jnp.zeros(3)
-        tx = jr.ps.pushable(optax.sgd(LR))
-        opt = tx.init(w)
+    s, rep, w, opt, tx = sgd_job(3, lr=LR, num_ps=1, num_workers=num_workers,
+                                 num_replicas_in_sync=g)
 
     def step(ctx, w, opt, v):
         g_ = jax.grad(lambda w: jnp.sum(w * v["x"]))(w)

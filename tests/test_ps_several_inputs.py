@@ -10,19 +10,17 @@ import optax
 import pytest
 
 import jreplicate as jr
-from tests._ps_helpers import bounded_test  # noqa: F401 (autouse: every test bounded)
+from tests._ps_helpers import (
+    bounded_test,  # noqa: F401 (autouse: every test bounded)
+    sgd_job,
+)
 
 LR = 0.5
 
 
 def _job(num_workers=2, g=1):
-    s = jr.ParameterServerStrategy(num_ps=1, num_workers=num_workers,
-                                   num_replicas_in_sync=g)
-    rep = jr.Replicator(s)
-    with rep.scope():
-        w = jnp.zeros(3)
-        tx = jr.ps.pushable(optax.sgd(LR))
-        opt = tx.init(w)
+    s, rep, w, opt, tx = sgd_job(3, lr=LR, num_ps=1, num_workers=num_workers,
+                                 num_replicas_in_sync=g)
 
     def step(ctx, batch, w, opt):
         x, y = batch

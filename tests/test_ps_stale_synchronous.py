@@ -8,8 +8,6 @@ form's bound) and against the workers' own finish times (no worker finished its 
 j before every other live worker finished j - 1 - s steps).
 """
 
-import time
-
 import jax.numpy as jnp
 import numpy as np
 import optax
@@ -21,8 +19,11 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 import jreplicate as jr
 import jreplicate.testing as jrt
 from jreplicate.ps.admission import ClockGate, StatsRecorder
-from tests._ps_helpers import bounded_test  # noqa: F401 (autouse: every test bounded)
-from tests.test_ps_embedded import _linear
+from tests._ps_helpers import (
+    bounded_test,  # noqa: F401 (autouse: every test bounded)
+    run_with_a_dead_worker,
+)
+from tests._ps_helpers import linear_job as _linear
 
 
 # -- the pure policy against a reference model -------------------------------------------
@@ -204,17 +205,9 @@ def test_a_dead_worker_leaves_the_clock_minimum(restarts):
     """max_clock_lead=0 with a worker killed mid-training: the others do not wait for
     its clock, and every step completes (in seconds, not at a timeout). Replaced (the
     default), it rejoins at the slowest live clock and the bound holds."""
-    s, rep, w, opt, step = _linear(num_workers=3, max_clock_lead=0,
-                                   max_worker_restarts=restarts)
-    for k in range(3):
-        jrt.set_worker_delay(s, k, 0.005)
-    jrt.kill_worker(s, 2, when="compute")
-    for _ in range(20):
-        rep.run(step, None, w, opt)
-    t0 = time.monotonic()
-    s._executor.coordinator.join(timeout=30)
-    assert time.monotonic() - t0 < 30
-    st_ = s.stats()
+    s, rep, w, opt, step = job = _linear(num_workers=3, max_clock_lead=0,
+                                         max_worker_restarts=restarts)
+    st_ = run_with_a_dead_worker(job)
     assert st_["alive"] == ([True, True, False] if restarts == 0 else [True] * 3)
     assert st_["replaced"] == (0 if restarts == 0 else 1) and st_["completed"] == 20
     assert s.ledger()[0]["applied"] == 20 and st_["max_clock_lead"] == 0

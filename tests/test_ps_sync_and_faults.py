@@ -12,17 +12,15 @@ import pytest
 import jreplicate as jr
 import jreplicate.testing as jrt
 from jreplicate.ps.shard import _sync_state
-from tests._ps_helpers import bounded_test  # noqa: F401 (autouse: every test bounded)
+from tests._ps_helpers import (
+    bounded_test,  # noqa: F401 (autouse: every test bounded)
+    sgd_job,
+)
 
 
 def _job(tx_fn, *, delay=0.0, **kw):
     """A strategy training w (4 floats) with a constant gradient of 1 per element."""
-    s = jr.ParameterServerStrategy(num_ps=2, **kw)
-    rep = jr.Replicator(s)
-    with rep.scope():
-        w = jnp.zeros(4)
-        tx = jr.ps.pushable(tx_fn())
-        opt = tx.init(w)
+    s, rep, w, opt, tx = sgd_job(4, inner=tx_fn(), num_ps=2, **kw)
 
     def step(ctx, w, opt):
         g = jax.grad(lambda w: jnp.sum(w))(w)

@@ -128,7 +128,7 @@ def test_equal_but_distinct_steps_under_a_parameter_server():
     got = [float(np.asarray(o.fetch())[0]) for o in outs]
     assert got == [0.0, 10.0, 11.0, 120.0]  # w before each step, times its k
     np.testing.assert_array_equal(np.asarray(s.parameters()), np.full(3, 22.0))
-    keys = s._executor._fn_keys  # (a Ray worker actor keeps the functions it was sent by key)
+    keys = s._executor._steps.fn_keys  # (a Ray worker actor keeps the functions it was sent by key)
     assert keys.get(a) is not None and keys.get(b) not in (None, keys.get(a))
     s.shutdown()
 

@@ -10,7 +10,7 @@ import jax
 import numpy as np
 
 from jreplicate import _porting, _wire
-from jreplicate._tree import check_fits, is_array_like, native, path_str, report
+from jreplicate._tree import check_fits, is_array_like, jax_can_hold, native, path_str, report
 from jreplicate.input import padding, partial
 from jreplicate.input.context import InputContext, InputReplicationMode
 from jreplicate.input.prefetch import ReaderPool
@@ -603,7 +603,7 @@ def _flatten(element: Any, replica_id: int) -> tuple[list[np.ndarray], Any, tupl
             continue
         x = np.array(x)
         x = x if x.dtype.isnative else x.astype(native(x.dtype))  # (same values)
-        if not _numeric(x.dtype):
+        if not jax_can_hold(x.dtype):
             problems.append(TypeError(
                 f"input element of replica {replica_id} at {path_str(path) or 'the root'} "
                 f"has dtype {x.dtype}, which JAX arrays cannot hold (only numbers and "
@@ -620,12 +620,6 @@ def _flatten(element: Any, replica_id: int) -> tuple[list[np.ndarray], Any, tupl
     return out, treedef, paths
 
 
-@functools.lru_cache(maxsize=64)
-def _numeric(dtype: np.dtype) -> bool:
-    """Whether JAX arrays can hold ``dtype``: booleans and numbers, ml_dtypes' among
-    them (bfloat16, float8, int4), but not strings, objects, records or datetimes."""
-    return dtype.kind not in "mM" and (
-        dtype == np.bool_ or bool(jax.dtypes.issubdtype(dtype, np.number)))
 
 
 @functools.lru_cache(maxsize=256)

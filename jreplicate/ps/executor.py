@@ -7,23 +7,19 @@ from __future__ import annotations
 import contextlib
 import logging
 import sys
-import warnings
-import weakref
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import jax
 import numpy as np
 
-from jreplicate import _porting
-from jreplicate._tree import host_copy, path_str, read_now, report
+from jreplicate._tree import host_copy, read_now
 from jreplicate.context import PerReplica
 from jreplicate.execution.base import Executor
-from jreplicate.execution.cache import FunctionMap
 from jreplicate.input.iterator import InputIterator
-from jreplicate.ps import capture
+from jreplicate.ps import capture, saved_state
 from jreplicate.ps.client import ShardClient
-from jreplicate.ps.closure import Closure, HostBatch
+from jreplicate.ps.closure import HostBatch
 from jreplicate.ps.config import PSConfig
 from jreplicate.ps.coordinator import Coordinator
 from jreplicate.ps.embedded import EmbeddedCarrier
@@ -37,22 +33,18 @@ from jreplicate.ps.fate import (
 )
 from jreplicate.ps.faults import FaultPlan
 from jreplicate.ps.handle import Carrier
-from jreplicate.ps.nnx_state import NnxArg
 from jreplicate.ps.per_worker import PerWorkerState, PerWorkerValue
 from jreplicate.ps.placement import Placement, place_parameters
-from jreplicate.ps.remote import ParameterServerError, RemoteValue, is_key, to_host
-from jreplicate.ps.run_arguments import check_run_arguments
+from jreplicate.ps.remote import ParameterServerError, RemoteValue
 from jreplicate.ps.shard_restart import (
     ShardRestart,
-    check_same_aggregation,
     check_shard_state,
     host_shard_state,
 )
 from jreplicate.ps.shard_update import _is_sync, check_transformation
+from jreplicate.ps.step_builder import StepBuilder
 from jreplicate.ps.worker_input import (
-    WorkerInput,
     WorkerInputIterator,
-    WorkerInputs,
     ZippedWorkerInputs,
 )
 
@@ -70,14 +62,9 @@ class ParameterServerExecutor(Executor):
         self.placement: Placement | None = None
         self.coordinator: Coordinator | None = None
         self.next_id = 0
-        self._param_ids: tuple | None = None
-        self._opt_ids: tuple | None = None
         self._tx = None
         self._carrier: Carrier | None = None
-        self._fn_keys = FunctionMap(on_drop=self._function_freed)
-        self._nnx_cache: dict[int, tuple] = {}  # id -> (weakref to node, treedef, leaves, NnxArg)
-        self._next_key = 0
-        self._warned_donation = False
+        self._steps = StepBuilder(on_function_freed=self._function_freed)
 
     # -- registration (tx.init inside scope) -------------------------------------------
     @contextlib.contextmanager
@@ -114,8 +101,7 @@ class ParameterServerExecutor(Executor):
         self.placement = place_parameters(host, s.num_ps, s.placement_policy,
                                           min_slice_bytes=s.min_slice_bytes)
         self._tx = tx
-        self._param_ids = tuple(id(x) for x in jax.tree.leaves(params))
-        self._opt_ids = tuple(id(x) for x in jax.tree.leaves(opt_state))
+        self._steps.register(params, opt_state)
         self._opt_keep = (params, opt_state)  # ids stay valid while held
         pieces = self.placement.split(host)
         for i, piece in enumerate(pieces):  # here, before any shard (or actor) is made
@@ -180,72 +166,29 @@ class ParameterServerExecutor(Executor):
         self._carrier.kill_shard(i)
 
     def snapshot(self) -> dict[str, Any]:
-        """Every shard's state and ledger, taken while no step is scheduled or running
-        (so no push moves a shard between two shards' reads).
+        """Every shard's state and ledger (see :func:`jreplicate.ps.saved_state.snapshot`).
 
         Raises:
           RuntimeError: steps are scheduled or running (call ``rep.join()`` first), or
-            the shards are not at one step (token-gated).
+            the shards are not at one step.
         """
-        c = self.coordinator
-        pending = c.pending
-        if pending:
-            raise RuntimeError(
-                f"ParameterServerStrategy.state(): {pending} steps are scheduled or running, "
-                "so the shards may be at different steps. Call rep.join() first, then "
-                "state().")
-        shards = [self._carrier.shard_state(i) for i in range(self.config.num_ps)]
-        if c.pending:
-            raise RuntimeError(
-                "ParameterServerStrategy.state(): steps were scheduled while the shards "
-                "were read; call rep.join() first and schedule no steps meanwhile.")
-        if c.half_applied:
-            sid, why = next(iter(c.half_applied.items()))
-            raise RuntimeError(
-                f"ParameterServerStrategy.state(): the shards disagree (step {sid}'s push "
-                f"is on some shards only: {why}); saving them would keep it. Restore the "
-                "last checkpoint with strategy.restore(state).")
-        steps = [int(sh["step"]) for sh in shards]
-        if self.client.token_gated and len(set(steps)) > 1:
-            raise RuntimeError(
-                f"ParameterServerStrategy.state(): the shards are at global steps {steps}; "
-                "a push is half committed (a worker lost mid-push whose step never ran "
-                "again). Restore the last checkpoint.")
-        return {"shards": shards, "next_step_id": np.array(self.next_id, np.int32),
-                "steps": c.record.to_arrays(self.next_id)}
+        return saved_state.snapshot(self.coordinator, self._carrier, self.config.num_ps,
+                                    self.client.token_gated, self.next_id)
 
     def restore(self, state: dict[str, Any]) -> None:
         if self.coordinator is None:
             raise ValueError("restore: create the optimizer state inside rep.scope() first.")
         try:
             self.coordinator.join()
-        except ParameterServerError:
+        except ParameterServerError as e:
             # A lost shard stopped training, and restoring every shard is the fix its
             # error names: join ended the steps (their RemoteValues hold the error).
-            pass
-        try:
-            shards, next_id = state["shards"], int(np.asarray(state["next_step_id"]))
-            if len(shards) != self.config.num_ps:
-                raise ValueError(f"restore: the state has {len(shards)} shards, this "
-                                 f"strategy {self.config.num_ps}; restore with the same "
-                                 "num_ps.")
-            restored = [host_shard_state(sh) for sh in shards]
-            # (a state saved before the record was: the ids before it are all ended,
-            # which of them were skipped is unknown)
-            record = StepRecord.from_arrays(state["steps"], next_id) if "steps" in state \
-                else StepRecord(next_id)
-        except (KeyError, TypeError, IndexError) as e:
-            raise ValueError(
-                f"restore(state): the state is not a strategy.state() ({type(e).__name__}: "
-                f"{e}); pass what ParameterServerStrategy.state() returned (e.g. restored "
-                "by a CheckpointManager).") from None
+            _log.debug("restore: the steps ended with %s; restoring every shard", e)
+        restored, next_id, record = saved_state.read_state(state, self.config.num_ps)
         # Checked before anything is replaced: a refused state leaves the shards as they are.
-        here = self.placement.split(jax.tree.map(np.asarray, self._opt_keep[0]))
-        for i, r in enumerate(restored):
-            check_shard_state(i, r, here[i], jax.eval_shape(self._tx.init, here[i])
-                              if here[i] else None, caller="restore(state)")
-            if here[i]:
-                check_same_aggregation(i, r["opt_state"], self._opt_host, "restore(state)")
+        saved_state.check_restorable(
+            restored, self.placement.split(jax.tree.map(np.asarray, self._opt_keep[0])),
+            self._tx, self._opt_host)
         self.coordinator.shutdown()
         self._carrier.close(why="strategy.restore replaced the worker actors; fetch the "
                                 "outputs you need before restoring")
@@ -429,54 +372,8 @@ class ParameterServerExecutor(Executor):
                 "ParameterServerStrategy: the parameters are not on the parameter servers "
                 "yet. Create them and the optimizer inside rep.scope(): tx = "
                 "jr.ps.pushable(optax.adam(...)); opt_state = tx.init(params).")
-        if donate_argnums and not self._warned_donation:
-            self._warned_donation = True
-            warnings.warn(
-                f"Replicator.run(..., donate_argnums={tuple(donate_argnums)}) has no effect "
-                "under ParameterServerStrategy: the step runs later on a worker, with the "
-                "parameters pulled from the shards and copies of the other arguments, so "
-                "nothing of the caller's is donated (the worker reuses its own buffers). "
-                "The step is run as given; drop donate_argnums here to silence this.",
-                UserWarning, stacklevel=3)  # the caller of Replicator.run
-        p_idx = o_idx = None
-        nnx_pos = self._nnx_positions(args)
-        _check_device_axis(args, nnx_pos)
-        check_run_arguments(
-            None if isinstance(batch, (HostBatch, WorkerInput, WorkerInputs)) else batch,
-            args, {*nnx_pos, *(i for i, a in enumerate(args) if isinstance(a, PerWorkerValue))})
-        for i, a in enumerate(args):
-            if i in nnx_pos:
-                if nnx_pos[i] == "model":
-                    p_idx = i
-                continue
-            ids = tuple(id(x) for x in jax.tree.leaves(a))
-            if ids == self._param_ids and p_idx is None:
-                p_idx = i
-            elif ids == self._opt_ids and o_idx is None:
-                o_idx = i
-        if p_idx is None:
-            raise ValueError(
-                "Replicator.run under ParameterServerStrategy: none of the step's arguments "
-                "is the params passed to tx.init inside rep.scope(). Pass those params "
-                "(the shards hold their current values; the worker substitutes them).")
-        # The step runs later, on a worker: NumPy values are read now (copied), so that
-        # refilling the caller's arrays after run returns never changes the step.
-        # (a PerWorkerValue: each worker substitutes its own value)
-        args = tuple(self._nnx_arg(a) if i in nnx_pos else None if i in (p_idx, o_idx)
-                     else a._arg() if isinstance(a, PerWorkerValue)
-                     else jax.tree.map(read_now, a) for i, a in enumerate(args))
-        if isinstance(batch, (HostBatch, WorkerInput, WorkerInputs)) or batch is None:
-            pass
-        else:
-            # (a PerReplica's array too: it may be the caller's NumPy array)
-            batch = jax.tree.map(lambda x: host_copy(x.array if isinstance(
-                x, PerReplica) else x), batch, is_leaf=lambda x: isinstance(x, PerReplica))
-        key = self._fn_keys.get(fn)
-        if key is None:
-            key = self._fn_keys[fn] = self._next_key
-            self._next_key += 1
-        c = Closure(self.next_id, fn, has_batch, batch, args, p_idx, o_idx, key,
-                    allow=allow)
+        c = self._steps.closure(self.next_id, fn, has_batch, batch, args, donate_argnums,
+                                allow)
         rv = self.coordinator.schedule(c)
         # The id is taken only once the step is scheduled: a refused one (a lost shard's
         # error, the end of input, shut down) would be decided by no shard, and every
@@ -489,66 +386,6 @@ class ParameterServerExecutor(Executor):
         (a Ray worker actor keeps the function it was sent, by key)."""
         if self._carrier is not None:
             self._carrier.forget_function(key)
-
-    def _nnx_positions(self, args: tuple) -> dict[int, str]:
-        """Flax NNX arguments: ``{index: "model"}`` for the module whose parameters the
-        shards hold (found by identity), ``"other"`` for the rest (an ``nnx.Optimizer``)."""
-        if "flax.nnx" not in sys.modules:
-            return {}
-        from flax import nnx
-        out: dict[int, str] = {}
-        wrt = nnx.Param
-        for a in args:
-            if isinstance(a, nnx.Optimizer):
-                wrt = a.wrt
-        for i, a in enumerate(args):
-            if not nnx.graph.is_graph_node(a):
-                continue
-            out[i] = "other"
-            if not isinstance(a, nnx.Optimizer):
-                ids = tuple(id(x) for x in jax.tree.leaves(nnx.as_pure(nnx.state(a, wrt))))
-                if ids == self._param_ids:
-                    out[i] = "model"
-        return out
-
-    def _nnx_arg(self, node: Any) -> NnxArg:
-        """The node's graph and numpy state as of this call, as every strategy reads its
-        arguments when ``run`` is called: the caller may have changed the node since
-        the last step (``model.eval()``, a variable set anew), and the scheduled step
-        sees that (the parameters are the shards' all the same).
-
-        The last call's result is reused while the node flattens (flax modules are
-        pytrees: several times cheaper than ``nnx.split``) to the same structure and
-        the same leaf objects, none of them a NumPy array (which may be refilled in
-        place)."""
-        leaves, treedef = jax.tree_util.tree_flatten(node)
-        hit = self._nnx_cache.get(id(node))
-        if hit is not None and hit[0]() is node and hit[1] == treedef and \
-                len(hit[2]) == len(leaves) and all(a is b for a, b in zip(hit[2], leaves)):
-            return hit[3]
-        from flax import nnx
-        graphdef, state = nnx.split(node)
-        # (a NumPy value copied: the caller may refill it before the step runs; a
-        # typed PRNG key, as an nnx.Rngs holds, which NumPy cannot, as a HostKey)
-        arg = NnxArg(graphdef, jax.tree.map(
-            lambda x: to_host(x) if is_key(x) else host_copy(x), state))
-        reusable = not (len(leaves) == 1 and leaves[0] is node) and not any(
-            isinstance(x, np.ndarray) for x in leaves)
-        ref = None
-        if reusable:
-            # Held weakly: a node the caller lets go (a fresh nnx.Rngs each step) takes
-            # its entry, and the state copied from it, with it.
-            cache, key = self._nnx_cache, id(node)
-            try:
-                ref = weakref.ref(node, lambda r: cache.pop(key, None)
-                                  if cache.get(key, (None,))[0] is r else None)
-            except TypeError:  # (not weakly referable: not kept)
-                ref = None
-        if ref is not None:
-            self._nnx_cache[id(node)] = (ref, treedef, leaves, arg)
-        else:
-            self._nnx_cache.pop(id(node), None)
-        return arg
 
     def reduce(self, reduce_op: str, value: Any) -> Any:
         if isinstance(value, RemoteValue):
@@ -577,23 +414,3 @@ class ParameterServerExecutor(Executor):
             self._carrier.close()
 
 
-def _check_device_axis(args: tuple, nnx_pos: dict) -> None:
-    """Refuses a plain argument holding state with a leading device axis
-    (``flax.jax_utils.replicate``'s; see :func:`jreplicate._porting.device_axis_errors`)."""
-    groups, leaves, owners = [], [], []
-    for i, a in enumerate(args):
-        if i in nnx_pos:
-            continue
-        xs = jax.tree.leaves(a)
-        groups.append((f"argument [{i}]", range(len(leaves), len(leaves) + len(xs))))
-        leaves += xs
-        owners.append(i)
-
-    def name(k: int) -> str:  # (pytree paths only for an error's message: 20-30 us a run)
-        for (label, idx), i in zip(groups, owners):
-            if k in idx:
-                path = jax.tree_util.tree_flatten_with_path(args[i])[0][k - idx.start][0]
-                return f"{label}{path_str(path)}"
-        raise IndexError(k)
-
-    report(_porting.device_axis_errors(groups, leaves, name), "Replicator.run")

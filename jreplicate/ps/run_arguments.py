@@ -23,6 +23,7 @@ from jreplicate._tree import (
     check_fits,
     deleted_array_error,
     is_array_like,
+    jax_can_hold,
     native,
     path_str,
     report,
@@ -87,7 +88,7 @@ def _plainly_fine(x: Any) -> bool:
         plain = _PLAIN_DTYPES.get(key)
         if plain is None:
             wide = native(x.dtype) in (np.int64, np.uint64, np.float64, np.complex128)
-            plain = _PLAIN_DTYPES[key] = _jax_holds(x.dtype) and (key[1] or not wide)
+            plain = _PLAIN_DTYPES[key] = jax_can_hold(x.dtype) and (key[1] or not wide)
         return plain
     return type(x) in (bool, int, float, complex)
 
@@ -129,18 +130,12 @@ def _check_leaf(x: Any, where: str) -> None:
             "functools.partial(step, name=...)), built once outside the training loop: "
             "a new function object each step compiles each step.")
     if isinstance(x, (np.ndarray, np.generic)):
-        if not _jax_holds(x.dtype):
+        if not jax_can_hold(x.dtype):
             raise TypeError(
                 f"{_WHAT}: {where} is a NumPy array of dtype {x.dtype}, which JAX cannot "
                 "hold. Convert it to a numeric type (e.g. encode strings as integer ids), "
                 "or close over it in fn.")
         check_fits(np.asarray(x), _named(where))
-
-
-def _jax_holds(dtype: np.dtype) -> bool:
-    """Numbers and booleans, ``ml_dtypes``' (bfloat16, float8, int4) included."""
-    return bool(jax.dtypes.issubdtype(dtype, np.number)
-                or jax.dtypes.issubdtype(dtype, np.bool_))
 
 
 def _named(where: str) -> Callable[[], str]:

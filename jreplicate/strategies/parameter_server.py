@@ -47,38 +47,18 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
-import numpy as np
 
-from jreplicate.layout import MODEL_AXIS, REPLICA_AXIS, Layout, check_axis_name, replica_mesh
+from jreplicate.layout import MODEL_AXIS, REPLICA_AXIS, Layout, replica_mesh
 from jreplicate.ps.config import PSConfig
 from jreplicate.ps.device_layout import assign_devices
 from jreplicate.ps.executor import ParameterServerExecutor
 from jreplicate.ps.per_worker import PerWorkerState, PerWorkerValue, WorkerContext
-from jreplicate.ps.placement import POLICIES, Placement
+from jreplicate.ps.placement import Placement
 from jreplicate.ps.ray.options import resolve as resolve_ray_options
 from jreplicate.ps.ray.options import warn_if_gpus_unused
 from jreplicate.ps.shard_restart import ShardRestart
 from jreplicate.strategies.base import Strategy
-
-
-def _worker_restarts(value: Any, carrier: str) -> int:
-    """``max_worker_restarts`` checked: an int >= -1 (None: -1, every time)."""
-    if value is None:
-        return -1
-    if carrier == "ray":
-        raise ValueError(
-            f"ParameterServerStrategy(max_worker_restarts={value!r}, carrier='ray'): Ray "
-            "restarts worker actors itself; pass ray_worker_options={'max_restarts': "
-            f"{value!r}}} instead.")
-    return _count("max_worker_restarts", value, -1,
-                  "times each lost worker is replaced (-1: every time, 0: never)")
-
-
-def _count(name: str, value: Any, minimum: int, what: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < minimum:
-        raise ValueError(f"ParameterServerStrategy({name}={value!r}) must be an int >= "
-                         f"{minimum}: {what}.")
-    return int(value)
+from jreplicate.strategies.ps_arguments import check_arguments
 
 
 class ParameterServerStrategy(Strategy):
@@ -188,53 +168,26 @@ class ParameterServerStrategy(Strategy):
                  ray_worker_options: dict | Callable[[int], dict] | None = None,
                  ray_shard_options: dict | Callable[[int], dict] | None = None,
                  axis_name: str = REPLICA_AXIS, max_worker_restarts: int | None = None):
-        num_ps = _count("num_ps", num_ps, 1, "the parameter-server shards")
-        axis = check_axis_name(axis_name, "ParameterServerStrategy")
-        g = _count("num_replicas_in_sync", num_replicas_in_sync, 1,
-                   "the devices of one worker's sync group")
-        devs = list(jax.local_devices() if devices is None else devices)
-        if not devs:
-            raise ValueError("ParameterServerStrategy(devices=[]) has no devices; pass "
-                             "some, or devices=None for all local devices.")
-        if g > len(devs) and carrier != "ray":  # Ray's workers bring their own devices
-            raise ValueError(
-                f"ParameterServerStrategy(num_replicas_in_sync={g}) needs {g} devices per "
-                f"worker but {len(devs)} are available; use at most {len(devs)}.")
-        if num_workers is not None:
-            num_workers = _count("num_workers", num_workers, 1, "the workers (sync groups)")
-        if placement not in POLICIES:
-            raise ValueError(f"ParameterServerStrategy(placement={placement!r}) must be one "
-                             f"of {POLICIES}.")
-        if max_staleness is not None:
-            max_staleness = _count("max_staleness", max_staleness, 0,
-                                   "the bounded delay tau, or None for none")
-        if max_clock_lead is not None:
-            max_clock_lead = _count("max_clock_lead", max_clock_lead, 0,
-                                    "the clocks a worker may lead the slowest by, or None")
-            if max_staleness is not None:
-                raise ValueError(
-                    f"ParameterServerStrategy(max_staleness={max_staleness}, "
-                    f"max_clock_lead={max_clock_lead}): choose one form of bounded "
-                    "staleness: max_staleness (bounded delay: at most tau updates stale) "
-                    "or max_clock_lead (stale-synchronous: at most s clocks ahead).")
-        if carrier not in ("embedded", "ray"):
-            raise ValueError(f"ParameterServerStrategy(carrier={carrier!r}) must be "
-                             "'embedded' (threads in this process) or 'ray'.")
-        if not isinstance(token_timeout, (int, float)) or token_timeout <= 0:
-            raise ValueError(f"ParameterServerStrategy(token_timeout={token_timeout!r}) must "
-                             "be a positive number of seconds.")
+        a = check_arguments(
+            num_ps=num_ps, num_workers=num_workers, num_replicas_in_sync=num_replicas_in_sync,
+            devices=devices, placement=placement, max_staleness=max_staleness,
+            max_clock_lead=max_clock_lead, token_timeout=token_timeout,
+            max_attempts=max_attempts, carrier=carrier, axis_name=axis_name,
+            max_worker_restarts=max_worker_restarts)
+        num_ps, g, devs, axis = a.num_ps, a.num_replicas_in_sync, a.devices, a.axis_name
+        num_workers = a.num_workers
         self.shard_devices, self.worker_devices = assign_devices(
             devs, num_ps, num_workers, g, carrier)
         self._ray_options = self._check_ray_options(ray_worker_options, ray_shard_options,
                                                     carrier, num_ps, g)
         warn_if_gpus_unused(self._ray_options[0], devs[0].platform, g)
         self.num_ps = num_ps
-        self.max_staleness = max_staleness
-        self.max_clock_lead = max_clock_lead
-        self.token_timeout = float(token_timeout)
+        self.max_staleness = a.max_staleness
+        self.max_clock_lead = a.max_clock_lead
+        self.token_timeout = a.token_timeout
         self.skip_stale_tokens = bool(skip_stale_tokens)
-        self.max_attempts = _count("max_attempts", max_attempts, 1, "tries of a step")
-        self.max_worker_restarts = _worker_restarts(max_worker_restarts, carrier)
+        self.max_attempts = a.max_attempts
+        self.max_worker_restarts = a.max_worker_restarts
         self.carrier = carrier
         self.placement_policy = placement
         self.min_slice_bytes = int(min_slice_bytes)

@@ -1,0 +1,103 @@
+"""``ParameterServerStrategy.state()`` and ``restore(state)``: what a saved state
+holds, read back and checked before anything is replaced.
+
+A state is ``{"shards": [each shard's state and ledger], "next_step_id": int32,
+"steps": the record of the job's steps}`` (:mod:`jreplicate.ps.fate.record`), all
+NumPy, for :class:`jreplicate.CheckpointManager`. It is taken only while no step is
+scheduled or running and every shard is at one step, so a restore never keeps a push
+that reached some shards only.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import numpy as np
+
+from jreplicate.ps.coordinator import Coordinator
+from jreplicate.ps.fate.record import StepRecord
+from jreplicate.ps.handle import Carrier
+from jreplicate.ps.shard_restart import (
+    check_same_aggregation,
+    check_shard_state,
+    host_shard_state,
+)
+
+
+def snapshot(coordinator: Coordinator, carrier: Carrier, num_ps: int, token_gated: bool,
+             next_id: int) -> dict[str, Any]:
+    """Every shard's state and ledger, taken while no step is scheduled or running
+    (so no push moves a shard between two shards' reads).
+
+    Raises:
+      RuntimeError: steps are scheduled or running (call ``rep.join()`` first), a
+        step's push is on some shards only, or the shards are not at one step
+        (token-gated).
+    """
+    c = coordinator
+    pending = c.pending
+    if pending:
+        raise RuntimeError(
+            f"ParameterServerStrategy.state(): {pending} steps are scheduled or running, "
+            "so the shards may be at different steps. Call rep.join() first, then "
+            "state().")
+    shards = [carrier.shard_state(i) for i in range(num_ps)]
+    if c.pending:
+        raise RuntimeError(
+            "ParameterServerStrategy.state(): steps were scheduled while the shards "
+            "were read; call rep.join() first and schedule no steps meanwhile.")
+    if c.half_applied:
+        sid, why = next(iter(c.half_applied.items()))
+        raise RuntimeError(
+            f"ParameterServerStrategy.state(): the shards disagree (step {sid}'s push "
+            f"is on some shards only: {why}); saving them would keep it. Restore the "
+            "last checkpoint with strategy.restore(state).")
+    steps = [int(sh["step"]) for sh in shards]
+    if token_gated and len(set(steps)) > 1:
+        raise RuntimeError(
+            f"ParameterServerStrategy.state(): the shards are at global steps {steps}; "
+            "a push is half committed (a worker lost mid-push whose step never ran "
+            "again). Restore the last checkpoint.")
+    return {"shards": shards, "next_step_id": np.array(next_id, np.int32),
+            "steps": c.record.to_arrays(next_id)}
+
+
+def read_state(state: dict[str, Any], num_ps: int) -> tuple[list[dict], int, StepRecord]:
+    """``restore(state)``'s state read back: each shard's state on the host, the next
+    step id and the record of the steps.
+
+    Raises:
+      ValueError: ``state`` is not a ``strategy.state()``, or has another number of
+        shards.
+    """
+    try:
+        shards, next_id = state["shards"], int(np.asarray(state["next_step_id"]))
+        if len(shards) != num_ps:
+            raise ValueError(f"restore: the state has {len(shards)} shards, this "
+                             f"strategy {num_ps}; restore with the same num_ps.")
+        restored = [host_shard_state(sh) for sh in shards]
+        # (a state saved before the record was: the ids before it are all ended,
+        # which of them were skipped is unknown)
+        record = StepRecord.from_arrays(state["steps"], next_id) if "steps" in state \
+            else StepRecord(next_id)
+    except (KeyError, TypeError, IndexError) as e:
+        raise ValueError(
+            f"restore(state): the state is not a strategy.state() ({type(e).__name__}: "
+            f"{e}); pass what ParameterServerStrategy.state() returned (e.g. restored "
+            "by a CheckpointManager).") from None
+    return restored, next_id, record
+
+
+def check_restorable(restored: list[dict], here: list, tx: Any, opt_host: Any) -> None:
+    """Each restored shard matches this job's piece of the parameters (``here``) and
+    optimizer (``tx``, the registered state ``opt_host``).
+
+    Raises:
+      ValueError: a shard's state does not match, naming the piece or the leaf.
+    """
+    for i, r in enumerate(restored):
+        check_shard_state(i, r, here[i], jax.eval_shape(tx.init, here[i])
+                          if here[i] else None, caller="restore(state)")
+        if here[i]:
+            check_same_aggregation(i, r["opt_state"], opt_host, "restore(state)")
