@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from jreplicate.ps.ledger import Ledger
-from jreplicate.ps.step_record import StepRecord
+from jreplicate.ps.fate.ledger import Ledger
+from jreplicate.ps.fate.record import StepRecord
 
 from jreplicate.ps import saved_state
 
