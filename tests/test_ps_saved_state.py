@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from jreplicate.ps.fate.ledger import Ledger
-from jreplicate.ps.fate.record import StepRecord
 
 from jreplicate.ps import saved_state
+from jreplicate.ps.fate.ledger import Ledger
+from jreplicate.ps.fate.record import StepRecord
 
 
 def _shard(step: int) -> dict:
