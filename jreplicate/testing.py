@@ -3,7 +3,7 @@
 These functions kill workers and shards and slow workers down, to test what a
 training job does when that happens in production. They are not part of training:
 they live here, not on the strategy: each updates the fault plan the strategy's carrier
-was built with (:class:`jreplicate.ps.faults.FaultPlan`, which the workers consult at
+was built with (``jreplicate.ps.faults.FaultPlan``, which the workers consult at
 named points; on Ray each worker actor is sent its part), or kills a shard or a Ray
 actor at once.
 

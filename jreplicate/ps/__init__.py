@@ -13,7 +13,7 @@
 * :mod:`jreplicate.ps.worker`: a worker running scheduled steps on its devices.
 * :mod:`jreplicate.ps.outcome`: what became of a step's run, as a value.
 * :mod:`jreplicate.ps.coordinator`: TF2 ``ClusterCoordinator`` scheduling and faults
-  over one carrier (:class:`jreplicate.ps.handle.StepCarrier`), composed of
+  over one carrier (``jreplicate.ps.handle.StepCarrier``), composed of
   :mod:`jreplicate.ps.scheduler` (the pure, thread-free scheduling core: queued and
   running steps, admission, starvation; ``bench/ps_scale_sim.py`` drives it in virtual
   time), :mod:`jreplicate.ps.closure_queue` (its lock and waits, TF's

@@ -220,7 +220,14 @@ def aggregate(states: list, reduce: str) -> Any:
 @jax.tree_util.register_pytree_node_class
 class WorkerStateUpdate:
     """A step's output marking the new value of a :class:`PerWorkerState` (made by
-    :func:`update_worker_state`). A pytree node: it passes through ``jax.jit``."""
+    :func:`update_worker_state`). A pytree node: it passes through ``jax.jit``.
+
+    Example:
+      >>> import jax, jax.numpy as jnp, jreplicate as jr
+      >>> marker = jr.ps.update_worker_state({"count": jnp.int32(1)})
+      >>> isinstance(marker, jr.ps.WorkerStateUpdate), jax.tree.leaves(marker)
+      (True, [Array(1, dtype=int32)])
+    """
 
     __slots__ = ("value",)
 

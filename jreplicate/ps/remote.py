@@ -50,6 +50,22 @@ class StepOutputsLostError(WorkerLostError):
     ``applied = scheduled - failed - cancelled``, where ``failed`` does not count it.
     Read the parameters from the shards (``strategy.parameters()``) rather than from
     the step's outputs.
+
+    Example (counting the steps whose update is in):
+      >>> import jreplicate as jr
+      >>> issubclass(jr.ps.StepOutputsLostError, jr.ps.WorkerLostError)
+      True
+      >>> def applied(values):
+      ...     n = 0
+      ...     for v in values:
+      ...         try:
+      ...             v.fetch()
+      ...         except jr.ps.StepOutputsLostError:
+      ...             pass  # applied; its outputs are gone
+      ...         except Exception:  # noqa: BLE001 - failed or cancelled: not applied
+      ...             continue
+      ...         n += 1
+      ...     return n
     """
 
 

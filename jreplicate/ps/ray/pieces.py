@@ -15,14 +15,17 @@ pieces of one array lie back to back in the object (each but the last a multiple
 bytes, Ray's alignment), so the joined array is a read-only view of them, as Ray's own
 arrays are; where they do not (another transport), it is their copy.
 
-Example:
-  >>> import pickle
+Example (what Ray's serializer does with a piece: ``__reduce__``, then the call it names):
   >>> import numpy as np
   >>> from jreplicate.ps.ray import pieces
   >>> tree = {"w": np.ones((1024, 1024), np.float32), "b": np.zeros(3, np.float32)}
-  >>> back = pickle.loads(pickle.dumps(pieces.in_pieces(tree)))
-  >>> back["w"].shape, back["w"].dtype, bool((back["w"] == 1).all()), back["b"].tolist()
-  ((1024, 1024), dtype('float32'), True, [0.0, 0.0, 0.0])
+  >>> sent = pieces.in_pieces(tree)
+  >>> rebuild, (dtype, shape, parts) = sent["w"].__reduce__()
+  >>> len(parts), max(p.nbytes for p in parts) <= pieces.PIECE_BYTES
+  (4, True)
+  >>> w = rebuild(dtype, shape, parts)
+  >>> w.shape, w.dtype, bool((w == 1).all()), sent["b"] is tree["b"]
+  ((1024, 1024), dtype('float32'), True, True)
 """
 
 from __future__ import annotations
