@@ -268,13 +268,7 @@ class ParameterServerStrategy(Strategy):
           TypeError: ``fn`` is not callable.
           ValueError: the strategy has no Replicator yet (``jr.Replicator(strategy)``).
         """
-        if not callable(fn):
-            raise TypeError("create_per_worker_value(fn): fn must be callable (called on "
-                            f"each worker with a WorkerContext), got {type(fn).__name__}.")
-        if self._executor is None:
-            raise ValueError("create_per_worker_value: create the Replicator first "
-                             "(rep = jr.Replicator(strategy)).")
-        return self._executor.per_worker_value(fn)
+        return self._per_worker_executor("create_per_worker_value", fn).per_worker_value(fn)
 
     def create_per_worker_state(self, fn: Callable[[WorkerContext], Any]) -> PerWorkerState:
         """Per-worker state a step updates, as TensorFlow's per-worker variables: built
@@ -299,13 +293,18 @@ class ParameterServerStrategy(Strategy):
           TypeError: ``fn`` is not callable.
           ValueError: the strategy has no Replicator yet (``jr.Replicator(strategy)``).
         """
+        return self._per_worker_executor("create_per_worker_state", fn).per_worker_state(fn)
+
+    def _per_worker_executor(self, name: str, fn: Any) -> Any:
+        """The executor that builds a per-worker value or state of ``fn``, after the
+        checks both share."""
         if not callable(fn):
-            raise TypeError("create_per_worker_state(fn): fn must be callable (called on "
-                            f"each worker with a WorkerContext), got {type(fn).__name__}.")
+            raise TypeError(f"{name}(fn): fn must be callable (called on each worker with "
+                            f"a WorkerContext), got {type(fn).__name__}.")
         if self._executor is None:
-            raise ValueError("create_per_worker_state: create the Replicator first "
+            raise ValueError(f"{name}: create the Replicator first "
                              "(rep = jr.Replicator(strategy)).")
-        return self._executor.per_worker_state(fn)
+        return self._executor
 
     # -- inspection and control ------------------------------------------------------------
     def _ex(self) -> ParameterServerExecutor:
