@@ -298,12 +298,6 @@ class Coordinator:
         for t in threads:
             t.join(max(0.0, end - time.monotonic()))
 
-    def kill(self, worker: int) -> None:
-        with self._queue.lock:
-            self._alive[worker] = False
-            self._gate.lose(worker)
-            self._ends.notify_all()
-
     @property
     def alive(self) -> list[bool]:
         return list(self._alive)

@@ -136,9 +136,7 @@ class StepEnds:
                 raw, error = error, self.ended(c, error, resolved, own=stops)
                 if stops and error is raw and self.queue.error is None:
                     interrupt = self.cancel_behind(c, error)
-            self._gate.tick(w)  # before mark_finished wakes the takers
-            self.queue.mark_finished(c)
-            self._starvation.moved()
+            self.queue.finish(w, c)  # its clock ticks before the takers are woken
             rv = self.values.pop(c.step_id)
             if error is None:
                 self.record.completed(c.step_id)  # pushed by this run to every shard
