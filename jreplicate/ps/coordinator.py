@@ -266,25 +266,23 @@ class Coordinator:
         """Cancels the running steps if every one of them waits for a token, none is
         queued, nothing progressed for ``STARVED_AFTER`` seconds and shard 0 has no
         token to give. Returns when to look again (None: not waiting on tokens)."""
-        q, det = self._queue, self._starvation
-        due = det.due(det.stuck(q.running_workers(), q.queued))
+        q, sched = self._queue, self._sched
+        due = sched.starvation_due(time.monotonic())
         if due is None or due > 0:
             return due
-        progress = det.progress
+        progress = sched.starvation.progress
         q.lock.release()  # shard 0 is asked outside the coordinator's lock
         try:
             none_to_give = self._carrier.starved()
         finally:
             q.lock.acquire()
-        if none_to_give and progress == det.progress and \
-                det.stuck(q.running_workers(), q.queued):
+        if sched.starved(progress, none_to_give):
             q.mark_failed(StepCancelledError(
                 f"token-gated training cannot go on: steps {sorted(q.running())} wait "
                 "for a token of the next global step, but no other step is scheduled or "
                 "running to push the gradients that step needs. Schedule steps in "
                 "multiples of the number of workers, or lower replicas_to_aggregate."))
-        det.asked()
-        return det.grace
+        return sched.starvation.grace
 
     def shutdown(self, wait: float = 0.0) -> None:
         """Cancels queued steps and stops the threads (waiting up to ``wait`` seconds
