@@ -22,6 +22,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 import jreplicate as jr
 
@@ -34,8 +35,8 @@ def _has_option() -> bool:
     return True
 
 
-pytestmark = pytest.mark.skipif(not _has_option(),
-                                reason="weight_update_sharding is not built yet")
+_needs_option = pytest.mark.skipif(not _has_option(),
+                                   reason="weight_update_sharding is not built yet")
 
 LEVELS = ["optimizer", "parameters"]
 GB = 32  # global batch: 4 rows per replica on 8 replicas
@@ -180,6 +181,7 @@ def _train(rep, tx, xs, ys, *, steps=None, level=None, **input_kw):
 
 # -- device loops ---------------------------------------------------------------------
 
+@_needs_option
 @pytest.mark.parametrize("level", LEVELS)
 def test_device_loop_equals_separate_runs_and_reference(level):
     tx = optax.adamw(1e-2, weight_decay=0.1)
@@ -193,6 +195,7 @@ def test_device_loop_equals_separate_runs_and_reference(level):
     _close(looped, _train(jr.Replicator(_strategy(None)), tx, xs, ys, steps=4))
 
 
+@_needs_option
 @pytest.mark.parametrize("level", LEVELS)
 def test_tpu_steps_per_run(level):
     tx = optax.adam(1e-2)
@@ -205,6 +208,7 @@ def test_tpu_steps_per_run(level):
 
 # -- donation -------------------------------------------------------------------------
 
+@_needs_option
 @pytest.mark.parametrize("level", LEVELS)
 def test_donated_state_is_deleted_and_a_snapshot_survives(level):
     tx = optax.adam(1e-2)
@@ -278,6 +282,7 @@ def _values(tree):
     return [np.asarray(x, np.float32) for x in jax.tree.leaves(nnx.state(tree))]
 
 
+@_needs_option
 @pytest.mark.parametrize("level", LEVELS)
 @pytest.mark.parametrize("steps", [None, 2])
 def test_nnx_optimizer_in_place(level, steps):
@@ -298,6 +303,7 @@ def test_nnx_optimizer_in_place(level, steps):
 
 # -- logical devices (replica x model) --------------------------------------------------
 
+@_needs_option
 @pytest.mark.parametrize("level", LEVELS)
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_model_sharded_state_keeps_its_model_axis(level, dtype):
@@ -319,6 +325,7 @@ def test_model_sharded_state_keeps_its_model_axis(level, dtype):
 
 # -- padded input, axis_name, prefetch ---------------------------------------------------
 
+@_needs_option
 @pytest.mark.parametrize("level", LEVELS)
 def test_padded_final_batch_counts_real_rows_only(level):
     tx = optax.adam(1e-2)
@@ -351,6 +358,7 @@ def test_padded_final_batch_counts_real_rows_only(level):
     _close((p, o), _reference(tx, _init(), xs, ys, masks))
 
 
+@_needs_option
 @pytest.mark.parametrize("level", LEVELS)
 def test_axis_name_batch(level):
     tx = optax.sgd(0.1, momentum=0.9)
@@ -363,6 +371,7 @@ def test_axis_name_batch(level):
     _close((p, o), _reference(tx, _init(), xs, ys))
 
 
+@_needs_option
 @pytest.mark.parametrize("level", LEVELS)
 def test_prefetched_input(level):
     tx = optax.adam(1e-2)
@@ -375,6 +384,7 @@ def test_prefetched_input(level):
 
 # -- optax wrappers ---------------------------------------------------------------------
 
+@_needs_option
 @pytest.mark.parametrize("level", LEVELS)
 def test_multi_steps(level):
     tx = optax.MultiSteps(optax.chain(optax.clip_by_global_norm(1.0), optax.adam(1e-2)), 2)
@@ -385,6 +395,7 @@ def test_multi_steps(level):
     assert _sharded(acc["w1"]) and not _sharded(acc["b2"])
 
 
+@_needs_option
 @pytest.mark.parametrize("level", LEVELS)
 def test_sync_replicas_spmd(level):
     inner = optax.adam(1e-2)
@@ -414,8 +425,64 @@ def test_sync_replicas_spmd(level):
     assert _sharded(o.accumulators["w1"]), o.accumulators["w1"].sharding
 
 
+def _reads_of(jaxpr, roots):
+    """The equations of ``jaxpr`` reading ``roots`` or values computed from them."""
+    from jax._src import core
+
+    tainted, out = set(roots), []
+    for eqn in jaxpr.eqns:
+        if any(not isinstance(v, core.Literal) and v in tainted for v in eqn.invars):
+            out.append(eqn)
+            tainted.update(eqn.outvars)
+    return out
+
+
+def _has_collective(eqn, axis):
+    from jax._src import core
+
+    names = set()
+    for key in ("axes", "axis_name"):
+        v = eqn.params.get(key)
+        names.update(v if isinstance(v, (tuple, list, frozenset, set)) else (v,))
+    if axis in names:
+        return True
+    return any(_has_collective(e, axis) for j in core.jaxprs_in_params(eqn.params)
+               for e in j.eqns)
+
+
+@pytest.mark.parametrize("k", [8, 4])
+def test_sync_replicas_reads_accumulators_after_the_sum_only(k):
+    """What weight-update sharding needs of sync_replicas: no equation that reads the
+    accumulators (or a value computed from them) holds a collective over the replicas
+    or gives a value that differs across them, so the accumulators can stay sharded."""
+    mesh = jax.make_mesh((8,), ("replica",))
+    tx = jr.sync_replicas(optax.adam(0.1), k)
+    p = jax.device_put({"w": jnp.ones((8, 4))}, NamedSharding(mesh, P()))
+    s = jax.device_put(tx.init(p), NamedSharding(mesh, P()))
+    x = jax.device_put(jnp.ones((8, 8, 4)), NamedSharding(mesh, P("replica")))
+
+    def step(p, s, x):
+        g = jr.sync.replica_grad(lambda p: jnp.sum(p["w"] * x[0]))(p)
+        u, s = tx.update(g, s, p)
+        return optax.apply_updates(p, u), s
+
+    f = jax.shard_map(step, mesh=mesh, in_specs=(P(), P(), P("replica")),
+                      out_specs=(P(), P()))
+    closed = jax.make_jaxpr(f)(p, s, x)
+    (sm,) = [e for e in closed.jaxpr.eqns if e.primitive.name == "shard_map"]
+    body = sm.params["jaxpr"]
+    leaves = jax.tree.leaves((p, s))
+    acc = [body.invars[i] for i, x in enumerate(leaves)
+           if any(x is a for a in jax.tree.leaves(s.accumulators))]
+    assert acc
+    for eqn in _reads_of(body, acc):
+        assert not _has_collective(eqn, "replica"), eqn
+        assert all(not getattr(v.aval, "vma", ()) for v in eqn.outvars), eqn
+
+
 # -- checkpoints ------------------------------------------------------------------------
 
+@_needs_option
 @pytest.mark.parametrize("level", LEVELS)
 def test_checkpoint_restores_sharded_and_training_continues(level, tmp_path):
     tx = optax.adam(1e-2)
@@ -453,6 +520,7 @@ def test_checkpoint_restores_sharded_and_training_continues(level, tmp_path):
 
 # -- the old replicated copy passed again -----------------------------------------------
 
+@_needs_option
 @pytest.mark.parametrize("level", LEVELS)
 def test_old_replicated_copy_again_one_program(level):
     tx = optax.adam(1e-2)
@@ -554,7 +622,7 @@ class WeightUpdateMachine(RuleBasedStateMachine):
             _close(self.state, self.ref, rtol=5e-5, atol=5e-6)
 
 
-TestWeightUpdateMachine = WeightUpdateMachine.TestCase
+TestWeightUpdateMachine = _needs_option(WeightUpdateMachine.TestCase)
 TestWeightUpdateMachine.settings = settings(
     max_examples=4, stateful_step_count=6, deadline=None,
     suppress_health_check=list(HealthCheck))
