@@ -102,7 +102,7 @@ class Program:
         if layout.weight_update_sharding is not None:
             self.split = sharded_program.SplitJit(
                 call, lambda: _roles(sig, self), layout, sig.donate, options, manual,
-                getattr(fn, "__qualname__", repr(fn)))
+                _step_name(fn))
             self.jitted = self.split
             self.jitted_nested = _nested_refused(layout.weight_update_sharding)
             return
@@ -123,8 +123,7 @@ def _roles(sig: Signature, program: Program) -> tuple:
     NNX state's to the state outputs."""
     batch_t, plain_t, state_t = sig.treedef.children()
     nb, np_ = batch_t.num_leaves, plain_t.num_leaves
-    dummy = jax.tree.unflatten(sig.treedef, list(range(sig.treedef.num_leaves)))
-    names = [path_str(p) for p, _ in jax.tree_util.tree_flatten_with_path(dummy)[0]]
+    names = _leaf_names(sig)
     out = []
     for k, kind in enumerate(sig.kinds):
         spec = kind.spec if kind.kind is ArgKind.MODEL_SHARDED else None
@@ -138,6 +137,27 @@ def _roles(sig: Signature, program: Program) -> tuple:
             to = program.num_out + k - nb - np_
         out.append(weight_update.InputRole(True, to, spec, names[k]))
     return tuple(out)
+
+
+def _leaf_names(sig: Signature) -> list[str]:
+    """Each flat input's name as the user passed it (``argument [1].mu['w']``)."""
+    dummy = jax.tree.unflatten(sig.treedef, list(range(sig.treedef.num_leaves)))
+    out = []
+    for path, _ in jax.tree_util.tree_flatten_with_path(dummy)[0]:
+        head = path[0].idx if path else 0
+        if head == 1 and len(path) > 1:
+            k = path[1].idx  # among the plain arguments; NNX arguments were taken out
+            i = [j for j in range(k + len(sig.node_pos) + 1) if j not in sig.node_pos][k]
+            out.append(f"argument [{i}]{path_str(path[2:])}")
+        else:
+            out.append(("NNX state " if head == 2 else "batch ") + path_str(path[1:]))
+    return out
+
+
+def _step_name(fn: Callable) -> str:
+    inner = getattr(fn, "_ref", None)  # the cache's weak call: the user's function
+    fn = inner() if callable(inner) else fn
+    return getattr(fn, "__qualname__", type(fn).__name__)
 
 
 def _nested_refused(level: str) -> Callable:
