@@ -83,6 +83,7 @@ class Program:
         self.per_replica: tuple[bool, ...] | None = None  # per flat output, after a call
         self.returns_args = False  # the outputs begin with the plain arguments' new values
         self.habits_checked = False  # its trace was read for pmap habits (execution.habits)
+        self.kinds = sig.kinds  # per flat input
         axis = layout.replica_axis
         in_specs = tuple(P(axis) if k.kind is ArgKind.PER_REPLICA else P()
                          for k in sig.kinds)
