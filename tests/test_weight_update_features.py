@@ -99,6 +99,19 @@ def _train_step(tx):
     return step
 
 
+ADAM = optax.adam(1e-2)
+ADAMW = optax.adamw(1e-2, weight_decay=0.1)
+_REPLICATORS: dict = {}
+
+
+def _rep(level, cls=jr.MirroredStrategy, **kw):
+    """One Replicator per configuration for the whole file (its programs are reused)."""
+    key = (level, cls, tuple(sorted(kw.items())))
+    if key not in _REPLICATORS:
+        _REPLICATORS[key] = jr.Replicator(_strategy(level, cls, **kw))
+    return _REPLICATORS[key]
+
+
 def _strategy(level, cls=jr.MirroredStrategy, **kw):
     kw.setdefault("min_weight_shard_size", 0)
     if cls is jr.TPUStrategy:
@@ -183,11 +196,11 @@ def _train(rep, tx, xs, ys, *, steps=None, level=None, **input_kw):
 
 @_needs_option
 @pytest.mark.parametrize("level", LEVELS)
-@pytest.mark.parametrize("decay", [0.0, 0.1])
+@pytest.mark.parametrize("decay", [False, True])
 def test_device_loop_equals_separate_runs_and_reference(level, decay):
-    tx = optax.adam(1e-2) if not decay else optax.adamw(1e-2, weight_decay=decay)
+    tx = ADAMW if decay else ADAM
     xs, ys = _data(4)
-    rep = jr.Replicator(_strategy(level))
+    rep = _rep(level)
     looped = _train(rep, tx, xs, ys, steps=4)
     single = _train(rep, tx, xs, ys)
     if decay and level == "optimizer":
@@ -198,15 +211,15 @@ def test_device_loop_equals_separate_runs_and_reference(level, decay):
         _exact(looped, single)
     _check_layout(level, *looped)
     _close(looped, _reference(tx, _init(), xs, ys))
-    _close(looped, _train(jr.Replicator(_strategy(None)), tx, xs, ys, steps=4))
+    _close(looped, _train(_rep(None), tx, xs, ys, steps=4))
 
 
 @_needs_option
 @pytest.mark.parametrize("level", LEVELS)
 def test_tpu_steps_per_run(level):
-    tx = optax.adam(1e-2)
+    tx = ADAM
     xs, ys = _data(4)
-    rep = jr.Replicator(_strategy(level, jr.TPUStrategy, steps_per_run=2))
+    rep = _rep(level, jr.TPUStrategy, steps_per_run=2)
     p, o = _train(rep, tx, xs, ys, steps=2)
     _check_layout(level, p, o)
     _close((p, o), _reference(tx, _init(), xs, ys))
@@ -217,9 +230,9 @@ def test_tpu_steps_per_run(level):
 @_needs_option
 @pytest.mark.parametrize("level", LEVELS)
 def test_donated_state_is_deleted_and_a_snapshot_survives(level):
-    tx = optax.adam(1e-2)
+    tx = ADAM
     xs, ys = _data(3)
-    rep = jr.Replicator(_strategy(level))
+    rep = _rep(level)
     step = _train_step(tx)
     inputs = _input(rep, xs, ys)
     with rep.scope():
@@ -263,7 +276,9 @@ def _nnx_step(ctx, batch, model, opt):
     return ctx.all_sum(loss)
 
 
-def _nnx_reference(xs, ys, tx, dtype=jnp.float32):
+@functools.cache
+def _nnx_reference(steps, tx, dtype=jnp.float32):
+    xs, ys = _data(steps)
     model = _Net(nnx.Rngs(0), dtype=dtype)
     opt = nnx.Optimizer(model, tx, wrt=nnx.Param)
     for s in range(len(xs)):
@@ -291,13 +306,13 @@ def _values(tree):
 @pytest.mark.parametrize("level", LEVELS)
 @pytest.mark.parametrize("steps", [None, 2])
 def test_nnx_optimizer_in_place(level, steps):
-    tx = optax.adamw(1e-2, weight_decay=0.1)
+    tx = ADAMW
     xs, ys = _data(4)
-    model, opt = _nnx_train(jr.Replicator(_strategy(level)), xs, ys, tx, steps=steps)
-    ref_model, ref_opt = _nnx_reference(xs, ys, tx)
+    model, opt = _nnx_train(_rep(level), xs, ys, tx, steps=steps)
+    ref_model, ref_opt = _nnx_reference(len(xs), tx)
     _close(_values(model), _values(ref_model))
     _close(_values(opt), _values(ref_opt))
-    plain_model, _ = _nnx_train(jr.Replicator(_strategy(None)), xs, ys, tx, steps=steps)
+    plain_model, _ = _nnx_train(_rep(None), xs, ys, tx, steps=steps)
     _close(_values(model), _values(plain_model))
     m = _adam_moments(opt.opt_state)
     assert _sharded(m.mu["l1"]["kernel"][...])
@@ -312,11 +327,11 @@ def test_nnx_optimizer_in_place(level, steps):
 @pytest.mark.parametrize("level", LEVELS)
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_model_sharded_state_keeps_its_model_axis(level, dtype):
-    tx = optax.adam(1e-2)
+    tx = ADAM
     xs, ys = _data(3)
-    rep = jr.Replicator(_strategy(level, logical_devices_per_replica=2))
+    rep = _rep(level, logical_devices_per_replica=2)
     model, opt = _nnx_train(rep, xs, ys, tx, partition=(None, "model"), dtype=dtype)
-    ref_model, ref_opt = _nnx_reference(xs, ys, tx, dtype)
+    ref_model, ref_opt = _nnx_reference(len(xs), tx, dtype)
     tol = dict(rtol=2e-2, atol=2e-2) if dtype == jnp.bfloat16 else {}
     _close(_values(model), _values(ref_model), **tol)
     _close(_values(opt), _values(ref_opt), **tol)
@@ -333,11 +348,11 @@ def test_model_sharded_state_keeps_its_model_axis(level, dtype):
 @_needs_option
 @pytest.mark.parametrize("level", LEVELS)
 def test_padded_final_batch_counts_real_rows_only(level):
-    tx = optax.adam(1e-2)
+    tx = ADAM
     xs, ys = _data(3)
     rows = GB * 3 - 10  # the final global batch has 22 real rows of 32
     flat_x, flat_y = xs.reshape(-1, 16)[:rows], ys.reshape(-1, 5)[:rows]
-    rep = jr.Replicator(_strategy(level))
+    rep = _rep(level)
 
     def input_fn(ctx):
         b = ctx.get_per_replica_batch_size(GB)
@@ -368,7 +383,7 @@ def test_padded_final_batch_counts_real_rows_only(level):
 def test_axis_name_batch(level):
     tx = optax.sgd(0.1, momentum=0.9)
     xs, ys = _data(3)
-    rep = jr.Replicator(_strategy(level, axis_name="batch"))
+    rep = _rep(level, axis_name="batch")
     p, o = _train(rep, tx, xs, ys)
     mom = jax.tree.leaves(o, is_leaf=lambda s: hasattr(s, "trace"))[0].trace
     assert _sharded(mom["w1"], "batch") and not _sharded(mom["b2"], "batch")
@@ -379,9 +394,9 @@ def test_axis_name_batch(level):
 @_needs_option
 @pytest.mark.parametrize("level", LEVELS)
 def test_prefetched_input(level):
-    tx = optax.adam(1e-2)
+    tx = ADAM
     xs, ys = _data(4)
-    rep = jr.Replicator(_strategy(level))
+    rep = _rep(level)
     p, o = _train(rep, tx, xs, ys, steps=2, prefetch_on_device=True)
     _check_layout(level, p, o)
     _close((p, o), _reference(tx, _init(), xs, ys))
@@ -394,7 +409,7 @@ def test_prefetched_input(level):
 def test_multi_steps(level):
     tx = optax.MultiSteps(optax.chain(optax.clip_by_global_norm(1.0), optax.adam(1e-2)), 2)
     xs, ys = _data(4)
-    p, o = _train(jr.Replicator(_strategy(level)), tx, xs, ys)
+    p, o = _train(_rep(level), tx, xs, ys)
     _close((p, o), _reference(tx, _init(), xs, ys))
     acc = o.acc_grads
     assert _sharded(acc["w1"]) and not _sharded(acc["b2"])
@@ -403,10 +418,10 @@ def test_multi_steps(level):
 @_needs_option
 @pytest.mark.parametrize("level", LEVELS)
 def test_sync_replicas_spmd(level):
-    inner = optax.adam(1e-2)
+    inner = ADAM
     tx = jr.sync_replicas(inner, 8)
     xs, ys = _data(3)
-    rep = jr.Replicator(_strategy(level))
+    rep = _rep(level)
 
     def step(ctx, batch, p, o):  # each replica's own gradient: sync_replicas averages
         x, y = batch
@@ -490,9 +505,9 @@ def test_sync_replicas_reads_accumulators_after_the_sum_only(k):
 @_needs_option
 @pytest.mark.parametrize("level", LEVELS)
 def test_checkpoint_restores_sharded_and_training_continues(level, tmp_path):
-    tx = optax.adam(1e-2)
+    tx = ADAM
     xs, ys = _data(4)
-    rep = jr.Replicator(_strategy(level))
+    rep = _rep(level)
     step = _train_step(tx)
     p, o = _train(rep, tx, xs[:2], ys[:2])
     with jr.CheckpointManager(tmp_path, rep) as m:
@@ -528,9 +543,9 @@ def test_checkpoint_restores_sharded_and_training_continues(level, tmp_path):
 @_needs_option
 @pytest.mark.parametrize("level", LEVELS)
 def test_old_replicated_copy_again_one_program(level):
-    tx = optax.adam(1e-2)
+    tx = ADAM
     xs, ys = _data(2)
-    rep = jr.Replicator(_strategy(level))
+    rep = _rep(level)
     traces = []
 
     def step(ctx, batch, p, o):
@@ -560,15 +575,8 @@ def test_old_replicated_copy_again_one_program(level):
 
 # -- features mixed at random: a stateful machine against the reference ---------------
 
-_TX = optax.adamw(1e-2, weight_decay=0.1)
+_TX = ADAMW
 _XS, _YS = _data(16, seed=3)
-_REPS: dict = {}
-
-
-def _machine_rep(level):
-    if level not in _REPS:
-        _REPS[level] = jr.Replicator(_strategy(level))
-    return _REPS[level]
 
 
 class WeightUpdateMachine(RuleBasedStateMachine):
@@ -578,7 +586,7 @@ class WeightUpdateMachine(RuleBasedStateMachine):
     @initialize(level=st.sampled_from(LEVELS))
     def start(self, level):
         self.level = level
-        self.rep = _machine_rep(level)
+        self.rep = _rep(level)
         with self.rep.scope():
             p = jax.tree.map(jnp.asarray, _init())
             self.state = (p, _TX.init(p))
