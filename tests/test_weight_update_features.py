@@ -240,10 +240,15 @@ def test_donated_state_is_deleted_and_a_snapshot_survives(level):
         o = tx.init(p)
     snapshot = {"w1": p["w1"], "mu": _adam_moments(o).mu}  # shares sub-trees
     want = jax.tree.map(np.asarray, snapshot)
-    for t in range(len(xs)):
+    for t in range(len(xs) + 1):
+        if t == 2:  # a snapshot of sharded state, taken from the program's own output
+            snapshot["sharded"] = {"w1": p["w1"], "nu": _adam_moments(o).nu}
+            want["sharded"] = jax.tree.map(np.asarray, snapshot["sharded"])
+        if t == len(xs):
+            break
         out = rep.run(step, inputs, p, o, donate_argnums=(0, 1))
         assert not any(x.is_deleted() for x in jax.tree.leaves(snapshot))
-        if t:  # the program's own (sharded) state: donated, nothing copied
+        if t == 1:  # the program's own (sharded) state: donated, nothing copied
             assert all(x.is_deleted() for x in jax.tree.leaves((p, o)))
         p, o, _ = out
         del out  # (else it holds the state passed next: copied, not donated)
@@ -536,6 +541,24 @@ def test_checkpoint_restores_sharded_and_training_continues(level, tmp_path):
         state = (p, o)
     assert len(rep._executor._cache) == traced  # restored sharded: the same program
     _close(state, _reference(tx, _init(), xs, ys))
+
+
+@_needs_option
+@pytest.mark.parametrize("level", LEVELS)
+def test_state_moves_between_sharded_and_replicated_strategies(level):
+    """Sharded state passed to a replicated strategy on the same devices, and back."""
+    tx = ADAM
+    xs, ys = _data(3)
+    sharded, plain = _rep(level), _rep(None)
+    step = _train_step(tx)
+    with sharded.scope():
+        p = jax.tree.map(jnp.asarray, _init())
+        o = tx.init(p)
+    for rep, t in ((sharded, 0), (plain, 1), (sharded, 2)):
+        p, o, _ = rep.run(step, (xs[t], ys[t]), p, o)
+        if rep is sharded:
+            _check_layout(level, p, o)
+    _close((p, o), _reference(tx, _init(), xs, ys))
 
 
 # -- the old replicated copy passed again -----------------------------------------------
