@@ -100,11 +100,16 @@ def _make_step(tx):
 
 
 def _reference(tx, params, data, steps):
+    """One device, the whole global batch, plain optax (one jitted step)."""
+    @jax.jit
+    def one(params, opt_state, x, y):
+        grads = jax.grad(_loss)(params, x, y)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state
+
     opt_state = tx.init(params)
     for t in range(steps):
-        grads = jax.grad(_loss)(params, data[0][t], data[1][t])
-        updates, opt_state = tx.update(grads, opt_state, params)
-        params = optax.apply_updates(params, updates)
+        params, opt_state = one(params, opt_state, data[0][t], data[1][t])
     return params, opt_state
 
 
@@ -113,8 +118,9 @@ def _close(a, b):
         np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("opt", sorted(OPTIMIZERS))
-@pytest.mark.parametrize("level", ["optimizer", "parameters"])
+@pytest.mark.parametrize("opt, level", [
+    (opt, "optimizer") for opt in sorted(OPTIMIZERS)] + [
+    (opt, "parameters") for opt in ("adamw", "multisteps", "clip_adam", "sgd")])
 def test_training_equals_one_device_reference(opt, level):
     tx = OPTIMIZERS[opt]()
     params0 = init_mlp(jax.random.key(0))
@@ -214,3 +220,112 @@ def test_none_keeps_todays_program():
     program = next(iter(rep._executor._cache._programs_for_tests()), None) \
         if hasattr(rep._executor._cache, "_programs_for_tests") else None
     assert program is None or program.split is None
+
+
+# -- device loops, NNX, inspection, errors ---------------------------------------------
+
+def _per_replica_input(rep, data, steps):
+    def input_fn(ctx):
+        bs = ctx.get_per_replica_batch_size(GLOBAL_BATCH)
+        r = ctx.input_pipeline_id
+        for t in range(steps):
+            yield data[0][t][r * bs:(r + 1) * bs], data[1][t][r * bs:(r + 1) * bs]
+
+    return rep.prepare_input(input_fn, replication_mode=jr.InputReplicationMode.PER_REPLICA)
+
+
+@pytest.mark.parametrize("level", ["optimizer", "parameters"])
+def test_device_loop_equals_separate_runs(level):
+    tx = optax.adam(1e-2)
+    rep = jr.Replicator(jr.MirroredStrategy(weight_update_sharding=level,
+                                            min_weight_shard_size=0))
+    data = make_data(4, GLOBAL_BATCH)
+    params0 = init_mlp(jax.random.key(0))
+
+    def step(ctx, batch, params, opt_state):
+        params, opt_state, loss = _make_step(tx)(ctx, batch, params, opt_state)
+        return params, opt_state, loss, ctx.replica_id
+
+    looped = rep.run(step, _per_replica_input(rep, data, 4), params0, tx.init(params0),
+                     steps=4)
+    it = _per_replica_input(rep, data, 4)
+    state = (params0, tx.init(params0))
+    losses = []
+    for _ in range(4):
+        *state, loss, _ = rep.run(step, it, *state)
+        losses.append(loss)
+    _close(looped[:2], state)
+    _close(looped[:2], _reference(tx, params0, data, 4))
+    np.testing.assert_allclose(looped[2].array, np.stack([x.array for x in losses], 1),
+                               rtol=1e-6)
+    assert looped[3].array.shape == (8, 4)  # per-replica outputs: [replicas, K]
+    assert looped[1][0].mu[0]["w"].sharding.spec == P(None, "replica")
+
+
+def test_nnx_optimizer_state_is_written_back_sharded():
+    from flax import nnx
+
+    from tests._models import NnxMLP
+
+    data = make_data(3, GLOBAL_BATCH)
+
+    def train(level):
+        rep = jr.Replicator(jr.MirroredStrategy(weight_update_sharding=level,
+                                                min_weight_shard_size=0))
+        with rep.scope():
+            model = NnxMLP(rngs=nnx.Rngs(0))
+            opt = nnx.Optimizer(model, optax.adamw(1e-2, weight_decay=0.1), wrt=nnx.Param)
+
+        def step(ctx, batch, model, opt):
+            def loss_fn(m):
+                return jnp.sum(per_example_loss(m(batch[0]), batch[1])) / GLOBAL_BATCH
+            loss, grads = nnx.value_and_grad(loss_fn)(model)
+            opt.update(model, grads)
+            return loss
+
+        for t in range(3):
+            rep.run(step, (data[0][t], data[1][t]), model, opt)
+        return model, opt
+
+    ref_model, _ = train(None)
+    model, opt = train("parameters")
+    _close(nnx.state(model), nnx.state(ref_model))
+    assert model.l1.kernel.get_value().sharding.spec == P(None, "replica")
+    mu = [x for x in jax.tree.leaves(nnx.state(opt)) if x.shape == (16, 32)]
+    assert mu and all(x.sharding.spec == P(None, "replica") for x in mu)
+
+
+def test_state_shardings_from_abstract_arguments_match_run():
+    tx = optax.adam(1e-2)
+    rep = jr.Replicator(jr.MirroredStrategy(weight_update_sharding="parameters",
+                                            min_weight_shard_size=0))
+    step = _make_step(tx)
+    params0 = init_mlp(jax.random.key(0))
+    abstract = jax.eval_shape(lambda p: (p, tx.init(p)), params0)
+    batch = (jax.ShapeDtypeStruct((GLOBAL_BATCH, 16), jnp.float32),
+             jax.ShapeDtypeStruct((GLOBAL_BATCH,), jnp.int32))
+    shardings = rep.state_shardings(step, batch, *abstract)
+    # init placed where run keeps the state: no replicated copy, and no resharding
+    params, opt_state = jax.jit(lambda p: (p, tx.init(p)), out_shardings=shardings)(params0)
+    data = make_data(1, GLOBAL_BATCH)
+    new = rep.run(step, (data[0][0], data[1][0]), params, opt_state)[:2]
+    got = jax.tree.map(lambda x: x.sharding, new)
+    assert jax.tree.leaves(got) == jax.tree.leaves(shardings)
+
+
+def test_run_under_jit_names_the_fix():
+    tx = optax.sgd(0.1)
+    rep = jr.Replicator(jr.MirroredStrategy(weight_update_sharding="optimizer"))
+    step = _make_step(tx)
+    params = init_mlp(jax.random.key(0))
+    data = make_data(1, GLOBAL_BATCH)
+    with pytest.raises(TypeError, match="outside jax.jit.*without weight_update_sharding"):
+        jax.jit(lambda p, s: rep.run(step, (data[0][0], data[1][0]), p, s))(
+            params, tx.init(params))
+
+
+def test_a_step_returning_no_state_warns(caplog):
+    rep = jr.Replicator(jr.MirroredStrategy(weight_update_sharding="optimizer"))
+    with caplog.at_level("WARNING", logger="jreplicate"):
+        rep.run(lambda ctx, x: ctx.all_sum(x.sum()), jnp.ones((8, 2)))
+    assert "found no state" in caplog.text and "return params, opt_state, loss" in caplog.text
