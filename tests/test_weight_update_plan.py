@@ -117,7 +117,7 @@ def _check_plan(closed, roles, level, n, min_size):
     return plan, index
 
 
-@settings(deadline=None, max_examples=25)
+@settings(deadline=None, max_examples=20)
 @given(tx=st.sampled_from(sorted(TXS)), shapes=SHAPES, n=st.sampled_from([1, 2, 4, 8]),
        level=st.sampled_from(["optimizer", "parameters"]),
        min_size=st.sampled_from([0, 16]))
@@ -126,7 +126,7 @@ def test_plan_partitions_the_body(tx, shapes, n, level, min_size):
     _check_plan(closed, roles, level, n, min_size)
 
 
-@settings(deadline=None, max_examples=5)
+@settings(deadline=None, max_examples=4)
 @given(tx=st.sampled_from(sorted(TXS)), shapes=SHAPES, n=st.sampled_from([2, 4, 8]),
        level=st.sampled_from(["optimizer", "parameters"]))
 def test_split_program_computes_the_body(tx, shapes, n, level):
