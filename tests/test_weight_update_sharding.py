@@ -373,3 +373,16 @@ def test_model_sharded_state_keeps_model_axis_in_bfloat16():
     for a, b in zip(jax.tree.leaves((p, s)), jax.tree.leaves(want), strict=True):
         np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32),
                                    rtol=1e-2)
+
+
+def test_tpu_strategy_steps_per_run_and_axis_name():
+    tx = optax.adam(1e-2)
+    rep = jr.Replicator(jr.TPUStrategy(
+        devices=jax.devices(), steps_per_run=2, axis_name="batch",
+        weight_update_sharding="optimizer", min_weight_shard_size=0))
+    data = make_data(2, GLOBAL_BATCH)
+    params0 = init_mlp(jax.random.key(0))
+    params, opt_state, _ = rep.run(_make_step(tx), _per_replica_input(rep, data, 2),
+                                   params0, tx.init(params0))  # one loop of 2 steps
+    _close((params, opt_state), _reference(tx, params0, data, 2))
+    assert opt_state[0].mu[0]["w"].sharding.spec == P(None, "batch")
