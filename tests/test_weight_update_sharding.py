@@ -16,6 +16,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import jreplicate as jr
+from jreplicate.execution import sharded_program
 from tests._models import init_mlp, make_data, mlp, per_example_loss
 
 STRATEGIES = {
@@ -210,7 +211,7 @@ def test_replicated_then_sharded_arguments_share_one_program(m):
         logging.getLogger("jax").removeHandler(handler)
     compiled = [r.getMessage() for r in records if "Compiling" in r.getMessage()]
     assert not compiled, compiled
-    assert len(rep._executor._cache._recent) == 1  # one program of this step
+    assert len(rep._executor._cache) == 1  # one program of this step
 
 
 def test_none_keeps_todays_program():
@@ -221,9 +222,10 @@ def test_none_keeps_todays_program():
     step = _make_step(tx)
     new, opt_state, _ = rep.run(step, (data[0][0], data[1][0]), params, tx.init(params))
     assert all(x.sharding.is_fully_replicated for x in jax.tree.leaves((new, opt_state)))
-    program = next(iter(rep._executor._cache._programs_for_tests()), None) \
-        if hasattr(rep._executor._cache, "_programs_for_tests") else None
-    assert program is None or program.split is None
+    (entry,) = rep._executor._cache.entries()
+    (program,) = entry.programs.values()
+    assert program.split is None  # the split code is not entered
+    assert not isinstance(program.jitted, sharded_program.SplitJit)
 
 
 # -- device loops, NNX, inspection, errors ---------------------------------------------
