@@ -329,10 +329,22 @@ def test_run_under_jit_names_the_fix():
             params, tx.init(params))
 
 
-def test_a_step_returning_no_state_warns(caplog):
+def test_a_training_step_returning_no_state_warns(caplog):
     rep = jr.Replicator(jr.MirroredStrategy(weight_update_sharding="optimizer"))
+    tx = optax.sgd(0.1)
+    params = init_mlp(jax.random.key(0))
+    data = (make_data(1, GLOBAL_BATCH)[0][0], make_data(1, GLOBAL_BATCH)[1][0])
+
+    def forgot_to_return_state(ctx, batch, params, opt_state):
+        return _make_step(tx)(ctx, batch, params, opt_state)[2]  # the loss only
+
+    def evaluate(ctx, batch, params):
+        return ctx.all_sum(_loss(params, *batch))
+
     with caplog.at_level("WARNING", logger="jreplicate"):
-        rep.run(lambda ctx, x: ctx.all_sum(x.sum()), jnp.ones((8, 2)))
+        rep.run(evaluate, data, params)
+        assert not caplog.text  # an evaluation step has no state to shard
+        rep.run(forgot_to_return_state, data, params, tx.init(params))
     assert "found no state" in caplog.text and "return params, opt_state, loss" in caplog.text
 
 

@@ -221,12 +221,15 @@ def _input_sharding(outer: Any, eqn: Any, plan: UpdatePlan, roles: tuple, k: int
 
 def _report(plan: UpdatePlan, roles: tuple, layout: Layout, name: str) -> None:
     sharded = sum(d is not None for d in plan.in_dims)
-    if not sharded and not any(r.carried_to is not None for r in roles):
+    carried = any(r.carried_to is not None for r in roles)
+    if not sharded and not carried and plan.sums_state_gradients:
         _log.warning(
             "jreplicate: weight_update_sharding=%r found no state the step %s updates: "
             "return the new state first (`return params, opt_state, loss`) or update an "
             "NNX Optimizer in place; nothing is sharded.",
             layout.weight_update_sharding, name)
+        return
+    if not carried:  # an evaluation step: nothing to report
         return
     kept = weight_update.report(plan, roles)
     _log.info(
