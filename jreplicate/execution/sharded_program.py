@@ -21,7 +21,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jreplicate import _jax_compat as jc
-from jreplicate.execution import split, weight_update
+from jreplicate.execution import fast, split, weight_update
 from jreplicate.execution.weight_update import InputRole, UpdatePlan
 from jreplicate.layout import Layout
 
@@ -109,7 +109,7 @@ class SplitJit:
         if loop is not None:
             num_out, per_replica = self._outputs()
             program = _scanned(program, loop, num_out, per_replica)
-        self._jitted = jax.jit(program, donate_argnums=self._donate,
+        self._jitted = jax.jit(_guarded(program), donate_argnums=self._donate,
                                compiler_options=self._options)
         self.plan = plan
         _report(plan, roles, layout, self._name)
@@ -127,6 +127,18 @@ class SplitJit:
     def lower(self, *arrays):
         self.ensure(list(arrays))
         return self._jitted.lower(*arrays)
+
+
+def _guarded(program: Callable) -> Callable:
+    """``program``, refusing to be traced again by a steady-state call (jax.jit traces
+    again only for inputs of other shapes or types, which the program's fixed jaxpr
+    does not describe): the full path then builds the program of that signature."""
+    def traced_once(*flat):
+        if fast.retrace_guarded():
+            raise fast.Retrace
+        return program(*flat)
+
+    return traced_once
 
 
 def _scanned(one_step: Callable, loop: Loop, num_out: int, per_replica: tuple) -> Callable:
@@ -209,12 +221,15 @@ def _input_sharding(outer: Any, eqn: Any, plan: UpdatePlan, roles: tuple, k: int
 
 def _report(plan: UpdatePlan, roles: tuple, layout: Layout, name: str) -> None:
     sharded = sum(d is not None for d in plan.in_dims)
-    if not sharded and not any(r.carried_to is not None for r in roles):
+    carried = any(r.carried_to is not None for r in roles)
+    if not sharded and not carried and plan.sums_state_gradients:
         _log.warning(
             "jreplicate: weight_update_sharding=%r found no state the step %s updates: "
             "return the new state first (`return params, opt_state, loss`) or update an "
             "NNX Optimizer in place; nothing is sharded.",
             layout.weight_update_sharding, name)
+        return
+    if not carried:  # an evaluation step: nothing to report
         return
     kept = weight_update.report(plan, roles)
     _log.info(
