@@ -326,6 +326,53 @@ def test_nnx_optimizer_in_place(level, steps):
     assert _sharded(model.l1.kernel[...]) == (level == "parameters")
 
 
+class _NormNet(nnx.Module):
+    def __init__(self, rngs):
+        # (no bias before the norm: its gradient is zero but for rounding, which adam
+        # would turn into updates that differ with the order of summation)
+        self.l1 = nnx.Linear(16, 32, use_bias=False, rngs=rngs)
+        self.bn = nnx.BatchNorm(32, axis_name="replica", rngs=rngs)
+        self.drop = nnx.Dropout(0.2, rngs=rngs)
+        self.l2 = nnx.Linear(32, 5, rngs=rngs)
+
+    def __call__(self, x):
+        return self.l2(self.drop(jax.nn.relu(self.bn(self.l1(x)))))
+
+
+@functools.cache
+def _norm_net_run(level):
+    """Losses and state of 2 steps, then a device loop of 2, of a model with batch
+    statistics (updated in the step, read only in evaluation) and dropout."""
+    xs, ys = _data(4)
+    rep = _rep(level)
+    with rep.scope():
+        model = _NormNet(nnx.Rngs(0, dropout=1))
+        opt = nnx.Optimizer(model, ADAM, wrt=nnx.Param)
+    inputs = _input(rep, xs, ys)
+    losses = [rep.run(_nnx_step, inputs, model, opt) for _ in range(2)]
+    losses += list(rep.run(_nnx_step, inputs, model, opt, steps=2))
+    return np.asarray(losses), model, opt
+
+
+@_needs_option
+@pytest.mark.parametrize("level", LEVELS)
+def test_nnx_batch_statistics_and_dropout(level):
+    losses, model, opt = _norm_net_run(level)
+    want_losses, want_model, want_opt = _norm_net_run(None)
+    np.testing.assert_allclose(losses, want_losses, rtol=1e-5)
+    keep = nnx.Not(nnx.RngState)  # (the keys: the same streams, advanced alike)
+    _close(jax.tree.leaves(nnx.state((model, opt), keep)),
+           jax.tree.leaves(nnx.state((want_model, want_opt), keep)))
+    def raw(x):
+        return jax.random.key_data(x) if jnp.issubdtype(x.dtype, jax.dtypes.prng_key) else x
+
+    _exact(jax.tree.map(raw, jax.tree.leaves(nnx.state(model, nnx.RngState))),
+           jax.tree.map(raw, jax.tree.leaves(nnx.state(want_model, nnx.RngState))))
+    # The running statistics are only updated, never read, by a training step.
+    assert _sharded(model.bn.mean[...])
+    assert _sharded(_adam_moments(opt.opt_state).mu["l1"]["kernel"][...])
+
+
 # -- logical devices (replica x model) --------------------------------------------------
 
 @_needs_option
