@@ -395,6 +395,29 @@ def test_model_sharded_state_keeps_its_model_axis(level, dtype):
     assert kernel.dtype == dtype
 
 
+@_needs_option
+@pytest.mark.parametrize("level", LEVELS)
+@pytest.mark.parametrize("model_sharded", [False, True])
+def test_device_loop_keeps_the_planned_layout_with_logical_devices(level, model_sharded):
+    """A device loop's carried state comes back as the plan stores it (a parameter kept
+    whole at "optimizer" must not come back split over the replicas, to be gathered
+    again before the next call), with and without a "model" split."""
+    tx = ADAM
+    xs, ys = _data(2)
+    rep = _rep(level, logical_devices_per_replica=2)
+    with rep.scope():
+        p = jax.tree.map(jnp.asarray, _init())
+        if model_sharded:
+            p["w1"] = jax.device_put(p["w1"], NamedSharding(rep.mesh, P(None, "model")))
+        o = tx.init(p)
+    p, o, _ = rep.run(_train_step(tx), _input(rep, xs, ys), p, o, steps=2)
+    _check_layout(level, p, o)
+    if model_sharded:
+        assert "model" in _spec_axes(p["w1"]) and "model" in _spec_axes(
+            _adam_moments(o).mu["w1"]), (p["w1"].sharding, _adam_moments(o).mu["w1"].sharding)
+    _close((p, o), _reference(tx, _init(), xs, ys))
+
+
 # -- padded input, axis_name, prefetch ---------------------------------------------------
 
 @_needs_option
