@@ -109,7 +109,8 @@ class Program:
                 sig.steps, sig.has_batch, *[c.num_leaves for c in sig.treedef.children()])
             self.split = sharded_program.SplitJit(
                 call, lambda: sharded_program.roles(
-                    sig.treedef, sig.kinds, sig.node_pos, self.returns_args, self.num_out),
+                    sig.treedef, sig.kinds, sig.node_pos, self.returns_args, self.num_out,
+                    sig.graphdef),
                 layout, sig.donate, options, manual, sharded_program.step_name(fn), loop,
                 lambda: (self.num_out, self.outputs_per_replica()))
             self.jitted = self.split
