@@ -294,8 +294,14 @@ def test_nnx_optimizer_state_is_written_back_sharded():
             opt.update(model, grads)
             return loss
 
+        abstract = (jax.ShapeDtypeStruct((GLOBAL_BATCH, 16), jnp.float32),
+                    jax.ShapeDtypeStruct((GLOBAL_BATCH,), jnp.int32))
+        expected = rep.state_shardings(step, abstract, model, opt)  # nnx.States
         for t in range(3):
             rep.run(step, (data[0][t], data[1][t]), model, opt)
+        for node, want in zip((model, opt), expected, strict=True):
+            got = jax.tree.map(lambda x: x.sharding, nnx.state(node))
+            assert jax.tree.leaves(got) == jax.tree.leaves(want)
         return model, opt
 
     ref_model, _ = train(None)
