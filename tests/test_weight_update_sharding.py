@@ -152,7 +152,7 @@ def _adam_run(level, steps=2, **strategy):
     return rep, step, (data[0][0], data[1][0]), params, opt_state
 
 
-def test_layout_per_leaf_and_bytes_per_device():
+def test_layout_per_leaf_and_bytes_per_device(caplog):
     # sizes (16, 32, 10): w1 [16, 32] -> dim 1, b1 [32] -> dim 0, w2 [32, 10] -> dim 0,
     # b2 [10] (no dimension divisible by 8) and count (a scalar) replicated
     _, _, _, params, opt_state = _adam_run("parameters", min_weight_shard_size=0)
@@ -169,8 +169,14 @@ def test_layout_per_leaf_and_bytes_per_device():
     kept = sum(x.nbytes for x in jax.tree.leaves((params, opt_state))
                if x.sharding.is_fully_replicated)
     assert per_device((params, opt_state)) == kept + (whole - kept) // 8
-    # "optimizer": the parameters, which the forward pass reads, stay replicated
-    _, _, _, params, opt_state = _adam_run("optimizer", min_weight_shard_size=0)
+    # "optimizer": the parameters, which the forward pass reads, stay replicated (the
+    # program's one INFO line says which leaves stay replicated, and why)
+    with caplog.at_level("INFO", logger="jreplicate"):
+        _, _, _, params, opt_state = _adam_run("optimizer", min_weight_shard_size=0)
+    (line,) = [r.getMessage() for r in caplog.records if "kept replicated" in r.getMessage()]
+    assert "argument [0][0]['w']: read by the forward pass" in line
+    assert "argument [1][0].mu[1]['b']: no dimension divisible by 8" in line
+    assert "argument [1][0].count: a scalar" in line
     assert all(x.sharding.is_fully_replicated for x in jax.tree.leaves(params))
     assert opt_state[0].mu[0]["w"].sharding.spec == P(None, "replica")
 
@@ -288,8 +294,14 @@ def test_nnx_optimizer_state_is_written_back_sharded():
             opt.update(model, grads)
             return loss
 
+        abstract = (jax.ShapeDtypeStruct((GLOBAL_BATCH, 16), jnp.float32),
+                    jax.ShapeDtypeStruct((GLOBAL_BATCH,), jnp.int32))
+        expected = rep.state_shardings(step, abstract, model, opt)  # nnx.States
         for t in range(3):
             rep.run(step, (data[0][t], data[1][t]), model, opt)
+        for node, want in zip((model, opt), expected, strict=True):
+            got = jax.tree.map(lambda x: x.sharding, nnx.state(node))
+            assert jax.tree.leaves(got) == jax.tree.leaves(want)
         return model, opt
 
     ref_model, _ = train(None)
