@@ -672,9 +672,15 @@ _TX = ADAMW
 _XS, _YS = _data(16, seed=3)
 
 
+def _eval_step(ctx, batch, p):
+    x, y = batch
+    return ctx.all_sum(jr.compute_average_loss(_per_example(p, x, y), GB))
+
+
 class WeightUpdateMachine(RuleBasedStateMachine):
-    """Runs one step, K steps, donated steps, a checkpoint round trip and a switch to a
-    replicated copy in any order; after each, the state equals the reference's."""
+    """Runs one step, K steps, donated steps, an evaluation step, a checkpoint round trip
+    and a switch to a replicated copy in any order; after each, the state equals the
+    reference's."""
 
     @initialize(level=st.sampled_from(LEVELS))
     def start(self, level):
@@ -704,6 +710,14 @@ class WeightUpdateMachine(RuleBasedStateMachine):
                                donate_argnums=(0, 1) if donate else ())
         self.state = (p, o)
         self._advance(n)
+
+    @rule(t=st.integers(0, len(_XS) - 1))
+    def evaluate(self, t):
+        """An evaluation step reads the state (sharded or not) and returns no state."""
+        loss = self.rep.run(_eval_step, (_XS[t], _YS[t]), self.state[0])
+        want = jnp.mean(_per_example(self.ref[0], _XS[t], _YS[t]))
+        np.testing.assert_allclose(float(loss), float(want), rtol=5e-5)
+        assert not any(x.is_deleted() for x in jax.tree.leaves(self.state))
 
     @rule()
     def replicated_copy(self):
