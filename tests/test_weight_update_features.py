@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import logging
 
 import jax
 import jax.numpy as jnp
@@ -653,17 +654,34 @@ def test_old_replicated_copy_again_one_program(level):
     _check_layout(level, p1, o1)
     p2, o2, _ = rep.run(step, batch, p1, o1)  # sharded in
     n_traces, n_programs = len(traces), len(rep._executor._cache)
-    for _ in range(2):  # the old replicated copy again, then the sharded state again
-        again_p, again_o, _ = rep.run(step, batch, p0, o0)
-        _exact((again_p, again_o), (p1, o1))
-        _check_layout(level, again_p, again_o)
-        assert all(not x.is_deleted() for x in jax.tree.leaves((p0, o0)))
-        got = rep.run(step, batch, p1, o1)
-        _exact(got[:2], (p2, o2))
+    compiles = _Compiles()
+    logging.getLogger("jax").addHandler(compiles)
+    try:
+        with jax.log_compiles(True):
+            for _ in range(2):  # the old replicated copy again, then the sharded state
+                again_p, again_o, _ = rep.run(step, batch, p0, o0)
+                _exact((again_p, again_o), (p1, o1))
+                _check_layout(level, again_p, again_o)
+                assert all(not x.is_deleted() for x in jax.tree.leaves((p0, o0)))
+                got = rep.run(step, batch, p1, o1)
+                _exact(got[:2], (p2, o2))
+    finally:
+        logging.getLogger("jax").removeHandler(compiles)
     assert (len(traces), len(rep._executor._cache)) == (n_traces, n_programs)
-    with jax.log_compiles(True):  # (nothing compiles: the count above is the proof)
-        rep.run(step, batch, p0, o0)
+    assert not compiles.seen, compiles.seen  # (the resharding copies too are compiled once)
     _close((p1, o1), _reference(tx, _init(), xs[:1], ys[:1]))
+
+
+class _Compiles(logging.Handler):
+    """The compilations ``jax.log_compiles`` reports."""
+
+    def __init__(self):
+        super().__init__(logging.DEBUG)
+        self.seen = []
+
+    def emit(self, record):
+        if record.getMessage().startswith("Compiling"):
+            self.seen.append(record.getMessage()[:120])
 
 
 # -- features mixed at random: a stateful machine against the reference ---------------
