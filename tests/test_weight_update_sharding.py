@@ -411,3 +411,25 @@ def test_tpu_strategy_steps_per_run_and_axis_name():
                                    params0, tx.init(params0))  # one loop of 2 steps
     _close((params, opt_state), _reference(tx, params0, data, 2))
     assert opt_state[0].mu[0]["w"].sharding.spec == P(None, "batch")
+
+
+def test_step_returning_constants_and_its_input():
+    # literal outputs of the traced body, and an argument returned unchanged besides its
+    # new value (regression: a literal output raised "unhashable type: 'Literal'")
+    rep = jr.Replicator(jr.MirroredStrategy(weight_update_sharding="parameters",
+                                            min_weight_shard_size=0))
+    tx = optax.sgd(0.1)
+
+    def step(ctx, x, w, s):
+        g = jax.grad(lambda w: jnp.sum((x @ w) ** 2) / 64)(w)
+        u, s = tx.update(g, s, w)
+        return optax.apply_updates(w, u), s, 1.0, jnp.float32(2.0), w
+
+    w0 = jnp.ones((4, 16))
+    x = np.ones((64, 4), np.float32)
+    w, _, one, two, old = rep.run(step, x, w0, tx.init(w0))
+    assert (float(one), float(two)) == (1.0, 2.0)
+    np.testing.assert_array_equal(old, w0)
+    assert w.sharding.spec == P(None, "replica") and old.sharding.is_fully_replicated
+    want = w0 - 0.1 * jax.grad(lambda w: jnp.sum((x @ w) ** 2) / 64)(w0)
+    np.testing.assert_allclose(w, want, rtol=1e-6)

@@ -104,8 +104,8 @@ class SplitJit:
         out_index = {v: k for k, v in enumerate(eqn.outvars)}
         self.out_shardings = tuple(
             NamedSharding(mesh, body_out[out_index[v]])
-            if v in out_index and body_out[out_index[v]] is not None else None
-            for v in outer.outvars)
+            if jc.is_var(v) and v in out_index and body_out[out_index[v]] is not None
+            else None for v in outer.outvars)
         program = split.build(closed, index, plan, mesh, self._manual, body_out)
         if loop is not None:
             num_out, per_replica = self._outputs()
@@ -265,7 +265,7 @@ def _body_roles(outer: Any, eqn: Any, flat: tuple[InputRole, ...]) -> tuple[Inpu
             new = outer.outvars[r.carried_to]
             same = (tuple(new.aval.shape), new.aval.dtype) == \
                 (tuple(atom.aval.shape), atom.aval.dtype)
-            to = body_out.get(new) if same else None
+            to = body_out.get(new) if same and jc.is_var(new) else None
         out.append(r._replace(carried_to=to))
     return tuple(out)
 
