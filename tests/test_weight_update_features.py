@@ -27,18 +27,6 @@ from jax.sharding import PartitionSpec as P
 
 import jreplicate as jr
 
-
-def _has_option() -> bool:
-    try:
-        jr.MirroredStrategy(weight_update_sharding="optimizer")
-    except TypeError:
-        return False
-    return True
-
-
-_needs_option = pytest.mark.skipif(not _has_option(),
-                                   reason="weight_update_sharding is not built yet")
-
 LEVELS = ["optimizer", "parameters"]
 GB = 32  # global batch: 4 rows per replica on 8 replicas
 RTOL, ATOL = 2e-5, 2e-6
@@ -195,7 +183,6 @@ def _train(rep, tx, xs, ys, *, steps=None, level=None, **input_kw):
 
 # -- device loops ---------------------------------------------------------------------
 
-@_needs_option
 @pytest.mark.parametrize("level", LEVELS)
 @pytest.mark.parametrize("decay", [False, True])
 def test_device_loop_equals_separate_runs_and_reference(level, decay):
@@ -215,7 +202,6 @@ def test_device_loop_equals_separate_runs_and_reference(level, decay):
     _close(looped, _train(_rep(None), tx, xs, ys, steps=4))
 
 
-@_needs_option
 @pytest.mark.parametrize("level", LEVELS)
 def test_tpu_steps_per_run(level):
     tx = ADAM
@@ -228,7 +214,6 @@ def test_tpu_steps_per_run(level):
 
 # -- donation -------------------------------------------------------------------------
 
-@_needs_option
 @pytest.mark.parametrize("level", LEVELS)
 def test_donated_state_is_deleted_and_a_snapshot_survives(level):
     tx = ADAM
@@ -308,7 +293,6 @@ def _values(tree):
     return [np.asarray(x, np.float32) for x in jax.tree.leaves(nnx.state(tree))]
 
 
-@_needs_option
 @pytest.mark.parametrize("level", LEVELS)
 @pytest.mark.parametrize("steps", [None, 2])
 def test_nnx_optimizer_in_place(level, steps):
@@ -355,7 +339,6 @@ def _norm_net_run(level):
     return np.asarray(losses), model, opt
 
 
-@_needs_option
 @pytest.mark.parametrize("level", LEVELS)
 def test_nnx_batch_statistics_and_dropout(level):
     losses, model, opt = _norm_net_run(level)
@@ -376,7 +359,6 @@ def test_nnx_batch_statistics_and_dropout(level):
 
 # -- logical devices (replica x model) --------------------------------------------------
 
-@_needs_option
 @pytest.mark.parametrize("level", LEVELS)
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_model_sharded_state_keeps_its_model_axis(level, dtype):
@@ -396,7 +378,6 @@ def test_model_sharded_state_keeps_its_model_axis(level, dtype):
     assert kernel.dtype == dtype
 
 
-@_needs_option
 @pytest.mark.parametrize("level", LEVELS)
 @pytest.mark.parametrize("model_sharded", [False, True])
 def test_device_loop_keeps_the_planned_layout_with_logical_devices(level, model_sharded):
@@ -421,7 +402,6 @@ def test_device_loop_keeps_the_planned_layout_with_logical_devices(level, model_
 
 # -- padded input, axis_name, prefetch ---------------------------------------------------
 
-@_needs_option
 @pytest.mark.parametrize("level", LEVELS)
 def test_padded_final_batch_counts_real_rows_only(level):
     tx = ADAM
@@ -454,7 +434,6 @@ def test_padded_final_batch_counts_real_rows_only(level):
     _close((p, o), _reference(tx, _init(), xs, ys, masks))
 
 
-@_needs_option
 @pytest.mark.parametrize("level", LEVELS)
 def test_axis_name_batch(level):
     tx = optax.sgd(0.1, momentum=0.9)
@@ -467,7 +446,6 @@ def test_axis_name_batch(level):
     _close((p, o), _reference(tx, _init(), xs, ys))
 
 
-@_needs_option
 @pytest.mark.parametrize("level", LEVELS)
 def test_prefetched_input(level):
     tx = ADAM
@@ -480,7 +458,6 @@ def test_prefetched_input(level):
 
 # -- optax wrappers ---------------------------------------------------------------------
 
-@_needs_option
 @pytest.mark.parametrize("level", LEVELS)
 def test_multi_steps(level):
     tx = optax.MultiSteps(optax.chain(optax.clip_by_global_norm(1.0), optax.adam(1e-2)), 2)
@@ -491,7 +468,6 @@ def test_multi_steps(level):
     assert _sharded(acc["w1"]) and not _sharded(acc["b2"])
 
 
-@_needs_option
 @pytest.mark.parametrize("level", LEVELS)
 def test_sync_replicas_spmd(level):
     inner = ADAM
@@ -578,7 +554,6 @@ def test_sync_replicas_reads_accumulators_after_the_sum_only(k):
 
 # -- checkpoints ------------------------------------------------------------------------
 
-@_needs_option
 @pytest.mark.parametrize("level", LEVELS)
 def test_checkpoint_restores_sharded_and_training_continues(level, tmp_path):
     tx = ADAM
@@ -614,7 +589,6 @@ def test_checkpoint_restores_sharded_and_training_continues(level, tmp_path):
     _close(state, _reference(tx, _init(), xs, ys))
 
 
-@_needs_option
 @pytest.mark.parametrize("level", LEVELS)
 def test_state_moves_between_sharded_and_replicated_strategies(level):
     """Sharded state passed to a replicated strategy on the same devices, and back."""
@@ -634,7 +608,6 @@ def test_state_moves_between_sharded_and_replicated_strategies(level):
 
 # -- the old replicated copy passed again -----------------------------------------------
 
-@_needs_option
 @pytest.mark.parametrize("level", LEVELS)
 def test_old_replicated_copy_again_one_program(level):
     tx = ADAM
@@ -760,7 +733,7 @@ class WeightUpdateMachine(RuleBasedStateMachine):
             _close(self.state, self.ref, rtol=5e-5, atol=5e-6)
 
 
-TestWeightUpdateMachine = _needs_option(WeightUpdateMachine.TestCase)
+TestWeightUpdateMachine = WeightUpdateMachine.TestCase
 TestWeightUpdateMachine.settings = settings(
     max_examples=4, stateful_step_count=6, deadline=None,
     suppress_health_check=list(HealthCheck))
