@@ -455,7 +455,7 @@ def test_prefetched_input(level):
     tx = ADAM
     xs, ys = _data(4)
     rep = _rep(level)
-    p, o = _train(rep, tx, xs, ys, steps=2, prefetch_on_device=True)
+    p, o = _train(rep, tx, xs, ys, steps=4, prefetch_on_device=True)  # (the loop's program)
     _check_layout(level, p, o)
     _close((p, o), _reference(tx, _init(), xs, ys))
 
