@@ -123,9 +123,10 @@ class Strategy(abc.ABC):
 
     @property
     def weight_update_sharding(self) -> str | None:
-        """Which state the strategy keeps sharded over the replicas: None (none: all
-        replicated), ``"optimizer"`` (ZeRO-1/2) or ``"parameters"`` (ZeRO-3/FSDP); the
-        strategy's ``weight_update_sharding=``.
+        """Which state the strategy keeps sharded over the replicas.
+
+        ``None`` (all state replicated), ``"optimizer"`` (ZeRO-1/2) or ``"parameters"``
+        (ZeRO-3/FSDP), as given to the strategy's ``weight_update_sharding=``.
 
         Example:
           >>> import jreplicate as jr
