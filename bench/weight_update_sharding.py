@@ -424,7 +424,7 @@ def main(argv: list[str] | None = None) -> None:
     tx = optax.adam(LR)
     params_np, batch_np = init_params(width), make_batch(width)
     why = library_supports_levels()
-    pending = {v: why for v in LIBRARY_LEVELS if why is not None}
+    pending = {v: why for v in LIBRARY_LEVELS if why is not None and v in args.variants}
     load_before = os.getloadavg()
     started = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
     n_params = sum(a.size for a in jax.tree.leaves(params_np))
