@@ -28,7 +28,7 @@ from jreplicate._tree import (
     report,
 )
 from jreplicate.context import PerReplica
-from jreplicate.execution import agreed, donation, fast, habits, nnx_args
+from jreplicate.execution import agreed, donation, fast, habits, nnx_args, weight_sharding
 from jreplicate.execution.base import Executor
 from jreplicate.execution.cache import ProgramCache, ProgramKey
 from jreplicate.execution.program import (
@@ -114,8 +114,11 @@ class SPMDExecutor(Executor):
         self._placements: dict = {self._replicated: _AS_IS}  # see _placement
         # Replica id -> its position among this process's replicas (see assemble).
         self._local_position = {r: k for k, r in enumerate(layout.local_replica_ids)}
+        # (with weight_update_sharding, a state leaf passed again replicated, not as the
+        # program stores it, takes the full path, which reshards it)
         self._fast = fast.FastPath(self._cache, self._mesh, self._axis,
-                                   check_shardings=layout.logical_devices_per_replica > 1)
+                                   check_shardings=layout.logical_devices_per_replica > 1
+                                   or layout.weight_update_sharding is not None)
         # (step, habit, line) already warned about (execution.habits.report)
         self._habits_reported: set = set()
 
@@ -309,6 +312,9 @@ class SPMDExecutor(Executor):
             sig = Signature(has_batch, treedef, graphdef, node_pos, kinds, steps, donate,
                             groups)
             program = self._cache.put(fn, key, lambda f: Program(f, sig, self.layout))
+        if program.split is not None and not traced:
+            program.split.ensure(arrays)  # the plan: traced once, at the first call
+            weight_sharding.place(arrays, kinds, program.split.in_shardings, self.layout)
         if node_pos:
             _copy_shared_state(arrays, treedef)
         if donate_argnums:
@@ -431,8 +437,12 @@ class SPMDExecutor(Executor):
         split on the argument's new value); copied replicated from logical device
         ``i``, its new value sent back there; or copied replicated."""
         if isinstance(s, NamedSharding) and s.mesh == self._mesh:
-            split = _spec_axes(s.spec) and self.layout.logical_devices_per_replica > 1
-            how = _Placement(LeafKind(ArgKind.MODEL_SHARDED, s.spec)) if split else _AS_IS
+            spec = s.spec
+            if self.layout.weight_update_sharding is not None:
+                # stored sharded over the replicas by an earlier run: the same program
+                spec = weight_sharding.without_axis(spec, self._axis)
+            split = _spec_axes(spec) and self.layout.logical_devices_per_replica > 1
+            how = _Placement(LeafKind(ArgKind.MODEL_SHARDED, spec)) if split else _AS_IS
         elif isinstance(s, NamedSharding) and s.mesh in self._logical_index:
             how = _Placement(REPLICATED, copy=True,
                              logical_device=self._logical_index[s.mesh])
