@@ -5,11 +5,18 @@ by jreplicate.
 """
 
 import inspect
+import logging
+import re
 
 import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
 import pytest
+from jax.sharding import PartitionSpec as P
 
 import jreplicate as jr
+from tests._models import init_mlp, make_data, mlp, per_example_loss
 
 STRATEGIES = {
     "MirroredStrategy": lambda **kw: jr.MirroredStrategy(**kw),
@@ -64,3 +71,305 @@ def test_options_are_keyword_only(cls):
 def test_parameter_server_refuses_the_option():
     with pytest.raises(TypeError, match="weight_update_sharding"):
         jr.ParameterServerStrategy(num_ps=1, num_workers=1, weight_update_sharding="optimizer")
+
+
+# -- training equals the one-device reference -----------------------------------------
+
+GLOBAL_BATCH = 32
+OPTIMIZERS = {
+    "sgd": lambda: optax.sgd(0.1),
+    "momentum": lambda: optax.sgd(0.1, momentum=0.9),
+    "adam": lambda: optax.adam(1e-2),
+    "adamw": lambda: optax.adamw(1e-2, weight_decay=0.1),
+    "multisteps": lambda: optax.MultiSteps(optax.adam(1e-2), 3),
+    "clip_adam": lambda: optax.chain(optax.clip_by_global_norm(0.5), optax.adam(1e-2)),
+}
+
+
+def _loss(params, x, y):
+    return jnp.sum(per_example_loss(mlp(params, x), y)) / GLOBAL_BATCH
+
+
+def _make_step(tx):
+    def step(ctx, batch, params, opt_state):
+        x, y = batch
+        loss, grads = jax.value_and_grad(_loss)(params, x, y)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+
+    return step
+
+
+def _reference(tx, params, data, steps):
+    """One device, the whole global batch, plain optax (one jitted step)."""
+    @jax.jit
+    def one(params, opt_state, x, y):
+        grads = jax.grad(_loss)(params, x, y)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state
+
+    opt_state = tx.init(params)
+    for t in range(steps):
+        params, opt_state = one(params, opt_state, data[0][t], data[1][t])
+    return params, opt_state
+
+
+def _close(a, b):
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+        np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("opt, level", [
+    ("sgd", "optimizer"), ("sgd", "parameters"), ("momentum", "optimizer"),
+    ("adamw", "parameters"), ("multisteps", "optimizer"), ("clip_adam", "parameters")])
+def test_training_equals_one_device_reference(opt, level):
+    tx = OPTIMIZERS[opt]()
+    params0 = init_mlp(jax.random.key(0))
+    data = make_data(4, GLOBAL_BATCH)
+    rep = jr.Replicator(jr.MirroredStrategy(weight_update_sharding=level,
+                                            min_weight_shard_size=0))
+    step = _make_step(tx)
+    params, opt_state = params0, tx.init(params0)
+    for t in range(4):
+        params, opt_state, _ = rep.run(step, (data[0][t], data[1][t]), params, opt_state)
+    _close((params, opt_state), _reference(tx, params0, data, 4))
+    # the state the weight update alone reads is sharded (adam's moments, momentum)
+    moments = [x for x in jax.tree.leaves(opt_state) if x.shape == (16, 32)]
+    assert all(x.sharding.spec == P(None, "replica") for x in moments)
+    assert all(not x.sharding.is_fully_replicated for x in moments)
+
+
+def _adam_run(level, steps=2, **strategy):
+    tx = optax.adam(1e-2)
+    params0 = init_mlp(jax.random.key(0))
+    data = make_data(steps, GLOBAL_BATCH)
+    rep = jr.Replicator(jr.MirroredStrategy(weight_update_sharding=level, **strategy))
+    step = _make_step(tx)
+    params, opt_state = params0, tx.init(params0)
+    for t in range(steps):
+        params, opt_state, _ = rep.run(step, (data[0][t], data[1][t]), params, opt_state)
+    return rep, step, (data[0][0], data[1][0]), params, opt_state
+
+
+def test_layout_per_leaf_and_bytes_per_device():
+    # sizes (16, 32, 10): w1 [16, 32] -> dim 1, b1 [32] -> dim 0, w2 [32, 10] -> dim 0,
+    # b2 [10] (no dimension divisible by 8) and count (a scalar) replicated
+    _, _, _, params, opt_state = _adam_run("parameters", min_weight_shard_size=0)
+    adam = opt_state[0]
+    want = [{"w": P(None, "replica"), "b": P("replica")}, {"w": P("replica"), "b": P()}]
+    for tree in (params, adam.mu, adam.nu):
+        assert jax.tree.map(lambda x: x.sharding.spec, tree) == want
+    assert adam.count.sharding.spec == P()
+
+    def per_device(tree):
+        return sum(x.addressable_shards[0].data.nbytes for x in jax.tree.leaves(tree))
+
+    whole = sum(x.nbytes for x in jax.tree.leaves((params, opt_state)))
+    kept = sum(x.nbytes for x in jax.tree.leaves((params, opt_state))
+               if x.sharding.is_fully_replicated)
+    assert per_device((params, opt_state)) == kept + (whole - kept) // 8
+    # "optimizer": the parameters, which the forward pass reads, stay replicated
+    _, _, _, params, opt_state = _adam_run("optimizer", min_weight_shard_size=0)
+    assert all(x.sharding.is_fully_replicated for x in jax.tree.leaves(params))
+    assert opt_state[0].mu[0]["w"].sharding.spec == P(None, "replica")
+
+
+def test_min_weight_shard_size_keeps_small_leaves_replicated():
+    _, _, _, params, opt_state = _adam_run("parameters", min_weight_shard_size=320)
+    specs = jax.tree.map(lambda x: x.sharding.spec, params)
+    # w1 has 512 elements, w2 320: sharded; the biases (32, 10) are below the size
+    assert specs == [{"w": P(None, "replica"), "b": P()}, {"w": P("replica"), "b": P()}]
+
+
+@pytest.mark.parametrize("level", ["optimizer", "parameters"])
+def test_gradients_are_reduce_scattered(level):
+    rep, step, batch, params, opt_state = _adam_run(level, steps=1, min_weight_shard_size=0)
+    hlo = rep.compiled(step, batch, params, opt_state).as_text()
+    # one reduce-scatter per sharded gradient (w1, b1, w2), all-reduce only for b2 [10]
+    assert len(re.findall(r"reduce-scatter\(", hlo)) >= 3
+    reduced = re.findall(r"= f32\[([\d,]*)\][^=]*all-reduce\(", hlo)
+    assert all(shape in ("10", "") for shape in reduced), reduced
+
+
+@pytest.mark.parametrize("m", [1, 2])
+def test_replicated_then_sharded_arguments_share_one_program(m):
+    # the first call takes replicated state (and reshards it), later calls the sharded
+    # state it returned: one program, compiled once (also with a model axis, where a
+    # spec naming a mesh axis otherwise selects a model-sharded program)
+    rep, step, batch, params, opt_state = _adam_run(
+        "parameters", steps=1, min_weight_shard_size=0, logical_devices_per_replica=m)
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    logging.getLogger("jax").addHandler(handler)
+    try:
+        with jax.log_compiles(True):
+            for _ in range(2):
+                params, opt_state, _ = rep.run(step, batch, params, opt_state)
+    finally:
+        logging.getLogger("jax").removeHandler(handler)
+    compiled = [r.getMessage() for r in records if "Compiling" in r.getMessage()]
+    assert not compiled, compiled
+    assert len(rep._executor._cache._recent) == 1  # one program of this step
+
+
+def test_none_keeps_todays_program():
+    rep = jr.Replicator(jr.MirroredStrategy())
+    tx = optax.adam(1e-2)
+    params = init_mlp(jax.random.key(0))
+    data = make_data(1, GLOBAL_BATCH)
+    step = _make_step(tx)
+    new, opt_state, _ = rep.run(step, (data[0][0], data[1][0]), params, tx.init(params))
+    assert all(x.sharding.is_fully_replicated for x in jax.tree.leaves((new, opt_state)))
+    program = next(iter(rep._executor._cache._programs_for_tests()), None) \
+        if hasattr(rep._executor._cache, "_programs_for_tests") else None
+    assert program is None or program.split is None
+
+
+# -- device loops, NNX, inspection, errors ---------------------------------------------
+
+def _per_replica_input(rep, data, steps):
+    def input_fn(ctx):
+        bs = ctx.get_per_replica_batch_size(GLOBAL_BATCH)
+        r = ctx.input_pipeline_id
+        for t in range(steps):
+            yield data[0][t][r * bs:(r + 1) * bs], data[1][t][r * bs:(r + 1) * bs]
+
+    return rep.prepare_input(input_fn, replication_mode=jr.InputReplicationMode.PER_REPLICA)
+
+
+@pytest.mark.parametrize("level", ["optimizer", "parameters"])
+def test_device_loop_equals_separate_runs(level):
+    tx = optax.adam(1e-2)
+    rep = jr.Replicator(jr.MirroredStrategy(weight_update_sharding=level,
+                                            min_weight_shard_size=0))
+    data = make_data(4, GLOBAL_BATCH)
+    params0 = init_mlp(jax.random.key(0))
+
+    def step(ctx, batch, params, opt_state):
+        params, opt_state, loss = _make_step(tx)(ctx, batch, params, opt_state)
+        return params, opt_state, loss, ctx.replica_id
+
+    looped = rep.run(step, _per_replica_input(rep, data, 4), params0, tx.init(params0),
+                     steps=4)
+    it = _per_replica_input(rep, data, 4)
+    state = (params0, tx.init(params0))
+    losses = []
+    for _ in range(4):
+        *state, loss, _ = rep.run(step, it, *state)
+        losses.append(loss)
+    _close(looped[:2], state)
+    _close(looped[:2], _reference(tx, params0, data, 4))
+    np.testing.assert_allclose(looped[2].array, np.stack([x.array for x in losses], 1),
+                               rtol=1e-6)
+    assert looped[3].array.shape == (8, 4)  # per-replica outputs: [replicas, K]
+    assert looped[1][0].mu[0]["w"].sharding.spec == P(None, "replica")
+
+
+def test_nnx_optimizer_state_is_written_back_sharded():
+    from flax import nnx
+
+    from tests._models import NnxMLP
+
+    data = make_data(3, GLOBAL_BATCH)
+
+    def train(level):
+        rep = jr.Replicator(jr.MirroredStrategy(weight_update_sharding=level,
+                                                min_weight_shard_size=0))
+        with rep.scope():
+            model = NnxMLP(rngs=nnx.Rngs(0))
+            opt = nnx.Optimizer(model, optax.adamw(1e-2, weight_decay=0.1), wrt=nnx.Param)
+
+        def step(ctx, batch, model, opt):
+            def loss_fn(m):
+                return jnp.sum(per_example_loss(m(batch[0]), batch[1])) / GLOBAL_BATCH
+            loss, grads = nnx.value_and_grad(loss_fn)(model)
+            opt.update(model, grads)
+            return loss
+
+        for t in range(3):
+            rep.run(step, (data[0][t], data[1][t]), model, opt)
+        return model, opt
+
+    ref_model, _ = train(None)
+    model, opt = train("parameters")
+    _close(nnx.state(model), nnx.state(ref_model))
+    assert model.l1.kernel.get_value().sharding.spec == P(None, "replica")
+    mu = [x for x in jax.tree.leaves(nnx.state(opt)) if x.shape == (16, 32)]
+    assert mu and all(x.sharding.spec == P(None, "replica") for x in mu)
+
+
+def test_state_shardings_from_abstract_arguments_match_run():
+    tx = optax.adam(1e-2)
+    rep = jr.Replicator(jr.MirroredStrategy(weight_update_sharding="parameters",
+                                            min_weight_shard_size=0))
+    step = _make_step(tx)
+    params0 = init_mlp(jax.random.key(0))
+    abstract = jax.eval_shape(lambda p: (p, tx.init(p)), params0)
+    batch = (jax.ShapeDtypeStruct((GLOBAL_BATCH, 16), jnp.float32),
+             jax.ShapeDtypeStruct((GLOBAL_BATCH,), jnp.int32))
+    shardings = rep.state_shardings(step, batch, *abstract)
+    # init placed where run keeps the state: no replicated copy, and no resharding
+    params, opt_state = jax.jit(lambda p: (p, tx.init(p)), out_shardings=shardings)(params0)
+    data = make_data(1, GLOBAL_BATCH)
+    new = rep.run(step, (data[0][0], data[1][0]), params, opt_state)[:2]
+    got = jax.tree.map(lambda x: x.sharding, new)
+    assert jax.tree.leaves(got) == jax.tree.leaves(shardings)
+
+
+def test_run_under_jit_names_the_fix():
+    tx = optax.sgd(0.1)
+    rep = jr.Replicator(jr.MirroredStrategy(weight_update_sharding="optimizer"))
+    step = _make_step(tx)
+    params = init_mlp(jax.random.key(0))
+    data = make_data(1, GLOBAL_BATCH)
+    with pytest.raises(TypeError, match="outside jax.jit.*without weight_update_sharding"):
+        jax.jit(lambda p, s: rep.run(step, (data[0][0], data[1][0]), p, s))(
+            params, tx.init(params))
+
+
+def test_a_step_returning_no_state_warns(caplog):
+    rep = jr.Replicator(jr.MirroredStrategy(weight_update_sharding="optimizer"))
+    with caplog.at_level("WARNING", logger="jreplicate"):
+        rep.run(lambda ctx, x: ctx.all_sum(x.sum()), jnp.ones((8, 2)))
+    assert "found no state" in caplog.text and "return params, opt_state, loss" in caplog.text
+
+
+def test_model_sharded_state_keeps_model_axis_in_bfloat16():
+    # 4 replicas x 2 logical devices, state split over "model": the replica axis goes
+    # on another dimension; bf16 collectives in the partially manual region compile
+    from jax.sharding import NamedSharding
+
+    x = np.random.default_rng(0).normal(size=(2, GLOBAL_BATCH, 16)).astype(np.float32)
+    tx = optax.adam(1e-2)
+
+    def loss(p, x):
+        return jnp.sum((jnp.tanh(x @ p["w1"]) @ p["w2"]).astype(jnp.float32) ** 2)
+
+    def step(ctx, x, p, s):
+        g = jax.grad(loss)(p, x.astype(jnp.bfloat16))
+        u, s = tx.update(g, s, p)
+        return optax.apply_updates(p, u), s
+
+    def train(level):
+        rep = jr.Replicator(jr.MirroredStrategy(
+            logical_devices_per_replica=2, weight_update_sharding=level,
+            min_weight_shard_size=0))
+        with rep.scope():
+            p = {"w1": jax.device_put(jnp.full((16, 32), 0.1, jnp.bfloat16),
+                                      NamedSharding(rep.mesh, P(None, "model"))),
+                 "w2": jax.device_put(jnp.full((32, 8), 0.1, jnp.bfloat16),
+                                      NamedSharding(rep.mesh, P("model", None)))}
+            s = tx.init(p)
+        for t in range(2):
+            p, s = rep.run(step, x[t], p, s)
+        return p, s
+
+    want = train(None)
+    p, s = train("parameters")
+    assert p["w1"].sharding.spec == P("replica", "model")
+    assert p["w2"].sharding.spec == P("model", "replica")
+    assert s[0].mu["w1"].sharding.spec == P("replica", "model")
+    for a, b in zip(jax.tree.leaves((p, s)), jax.tree.leaves(want), strict=True):
+        np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32),
+                                   rtol=1e-2)

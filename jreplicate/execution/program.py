@@ -83,10 +83,15 @@ class Program:
         self.per_replica: tuple[bool, ...] | None = None  # per flat output, after a call
         self.returns_args = False  # the outputs begin with the plain arguments' new values
         self.habits_checked = False  # its trace was read for pmap habits (execution.habits)
+        self.kinds = sig.kinds  # per flat input
         axis = layout.replica_axis
         in_specs = tuple(P(axis) if k.kind is ArgKind.PER_REPLICA else P()
                          for k in sig.kinds)
-        body = _body(fn, sig, layout, self)
+        sharded = layout.weight_update_sharding is not None
+        # With weight_update_sharding, a device loop scans the split step outside the
+        # manual region (execution.sharded_program): the body is one step of it.
+        body = _one_step_body(fn, sig, layout, self) if sharded and sig.steps is not None \
+            else _body(fn, sig, layout, self)
         # Manual over the replica axis only when a replica spans several devices (the
         # model axis stays automatic); else over the whole (replicas, 1) mesh.
         partial = layout.logical_devices_per_replica > 1
@@ -100,9 +105,11 @@ class Program:
         #: With weight_update_sharding: the split program, planned at its first use.
         self.split: sharded_program.SplitJit | None = None
         if layout.weight_update_sharding is not None:
+            loop = None if sig.steps is None else sharded_program.Loop(
+                sig.steps, sig.has_batch, *[c.num_leaves for c in sig.treedef.children()])
             self.split = sharded_program.SplitJit(
                 call, lambda: _roles(sig, self), layout, sig.donate, options, manual,
-                getattr(fn, "__qualname__", repr(fn)))
+                _step_name(fn), loop, lambda: (self.num_out, self.outputs_per_replica()))
             self.jitted = self.split
             self.jitted_nested = _nested_refused(layout.weight_update_sharding)
             return
@@ -123,8 +130,7 @@ def _roles(sig: Signature, program: Program) -> tuple:
     NNX state's to the state outputs."""
     batch_t, plain_t, state_t = sig.treedef.children()
     nb, np_ = batch_t.num_leaves, plain_t.num_leaves
-    dummy = jax.tree.unflatten(sig.treedef, list(range(sig.treedef.num_leaves)))
-    names = [path_str(p) for p, _ in jax.tree_util.tree_flatten_with_path(dummy)[0]]
+    names = _leaf_names(sig)
     out = []
     for k, kind in enumerate(sig.kinds):
         spec = kind.spec if kind.kind is ArgKind.MODEL_SHARDED else None
@@ -138,6 +144,27 @@ def _roles(sig: Signature, program: Program) -> tuple:
             to = program.num_out + k - nb - np_
         out.append(weight_update.InputRole(True, to, spec, names[k]))
     return tuple(out)
+
+
+def _leaf_names(sig: Signature) -> list[str]:
+    """Each flat input's name as the user passed it (``argument [1].mu['w']``)."""
+    dummy = jax.tree.unflatten(sig.treedef, list(range(sig.treedef.num_leaves)))
+    out = []
+    for path, _ in jax.tree_util.tree_flatten_with_path(dummy)[0]:
+        head = path[0].idx if path else 0
+        if head == 1 and len(path) > 1:
+            k = path[1].idx  # among the plain arguments; NNX arguments were taken out
+            i = [j for j in range(k + len(sig.node_pos) + 1) if j not in sig.node_pos][k]
+            out.append(f"argument [{i}]{path_str(path[2:])}")
+        else:
+            out.append(("NNX state " if head == 2 else "batch ") + path_str(path[1:]))
+    return out
+
+
+def _step_name(fn: Callable) -> str:
+    inner = getattr(fn, "_ref", None)  # the cache's weak call: the user's function
+    fn = inner() if callable(inner) else fn
+    return getattr(fn, "__qualname__", type(fn).__name__)
 
 
 def _nested_refused(level: str) -> Callable:
@@ -177,6 +204,47 @@ def _body(fn: Callable, sig: Signature, layout: Layout, program: Program) -> Cal
         flat = _out_leaves(out, program)
         if graphdef is not None:
             flat += nnx_args.state_leaves(new_state, state, axis, graphdef, sig.node_pos)
+        return _keep_model_shardings(flat, [b.shape for b in blocks], sig, program)
+
+    return body
+
+
+def _one_step_body(fn: Callable, sig: Signature, layout: Layout, program: Program
+                   ) -> Callable:
+    """One step of a device loop, as a body of the flat inputs with one step's batch:
+    the outputs are the new plain arguments (with the old ones' dtypes), the step's other
+    outputs, then the NNX state; the loop itself is outside (sharded_program.Loop)."""
+    axis = layout.replica_axis
+    graphdef = sig.graphdef
+
+    def body(*blocks):
+        if fast.retrace_guarded():
+            raise fast.Retrace
+        vals = [b[0] if k.kind is ArgKind.PER_REPLICA else b
+                for b, k in zip(blocks, sig.kinds)]
+        batch, plain, state = jax.tree.unflatten(sig.treedef, vals)
+        ctx = ReplicaContext(axis_name=axis, num_replicas=layout.num_replicas,
+                             num_replicas_in_sync=layout.num_replicas_in_sync,
+                             logical_devices_per_replica=layout.logical_devices_per_replica)
+        whole: list = []
+        with tracing_step(axis):
+            try:
+                carry, extra = _step(fn, ctx, sig, batch, Carry(plain, state), axis, whole,
+                                     changed="retry")
+            except _StateChanged:
+                raise ValueError(
+                    "Replicator.run(..., steps=K) with weight_update_sharding: the step "
+                    "changes the dtype or shape of NNX state (e.g. an int counter assigned "
+                    "a float). Assign each Variable a value of its own dtype "
+                    "(x.astype(v.dtype)), or run one step without steps= first.") from None
+        program.returns_args = True
+        if whole[0]:
+            out = carry.plain[0]
+        else:
+            out = (*carry.plain, *extra) if plain else extra
+        flat = _out_leaves(out, program)
+        if graphdef is not None:
+            flat += jax.tree.leaves(carry.state)
         return _keep_model_shardings(flat, [b.shape for b in blocks], sig, program)
 
     return body
