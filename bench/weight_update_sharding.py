@@ -271,11 +271,8 @@ def library_variant(name: str, devices: list, params_np, batch_np, tx,
 
 
 def compile_library(rep: jr.Replicator, step, batch, params, opt) -> Any:
-    """The compiled program ``rep.run`` calls (``rep.compiled`` where the Replicator has
-    it, else its executor's)."""
-    if hasattr(rep, "compiled"):
-        return rep.compiled(step, batch, params, opt, donate_argnums=(0, 1))
-    return rep._executor.compiled(step, True, batch, (params, opt), donate_argnums=(0, 1))
+    """The compiled program ``rep.run`` calls for these arguments, state donated."""
+    return rep.compiled(step, batch, params, opt, donate_argnums=(0, 1))
 
 
 def library_supports_levels() -> str | None:
