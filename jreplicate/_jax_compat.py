@@ -15,6 +15,10 @@ Moving jreplicate to a new JAX release should be a change to this file alone:
 * :func:`aval_varying_axes`, :func:`transform_names`, :func:`user_source` and their
   neighbours read a traced step's jaxpr (the detection of pmap habits in
   :mod:`jreplicate.execution.habits`);
+* :func:`shard_map_equation`, :func:`replica_collective`, :func:`sum_over`,
+  :func:`eval_equation` and :func:`atom_value` read a traced step's ``shard_map`` body
+  and bind its equations one by one, inside or outside the manual region (the split
+  program of ``weight_update_sharding``: :mod:`jreplicate.execution.split`);
 * :func:`unbound_axis_in` reads the axis name out of JAX's error for a collective over
   an unbound mesh axis (a bare AssertionError in jax 0.12, for a replica-invariant
   value);

@@ -16,6 +16,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import jreplicate as jr
+from jreplicate.execution import sharded_program
 from tests._models import init_mlp, make_data, mlp, per_example_loss
 
 STRATEGIES = {
@@ -151,7 +152,7 @@ def _adam_run(level, steps=2, **strategy):
     return rep, step, (data[0][0], data[1][0]), params, opt_state
 
 
-def test_layout_per_leaf_and_bytes_per_device():
+def test_layout_per_leaf_and_bytes_per_device(caplog):
     # sizes (16, 32, 10): w1 [16, 32] -> dim 1, b1 [32] -> dim 0, w2 [32, 10] -> dim 0,
     # b2 [10] (no dimension divisible by 8) and count (a scalar) replicated
     _, _, _, params, opt_state = _adam_run("parameters", min_weight_shard_size=0)
@@ -168,8 +169,14 @@ def test_layout_per_leaf_and_bytes_per_device():
     kept = sum(x.nbytes for x in jax.tree.leaves((params, opt_state))
                if x.sharding.is_fully_replicated)
     assert per_device((params, opt_state)) == kept + (whole - kept) // 8
-    # "optimizer": the parameters, which the forward pass reads, stay replicated
-    _, _, _, params, opt_state = _adam_run("optimizer", min_weight_shard_size=0)
+    # "optimizer": the parameters, which the forward pass reads, stay replicated (the
+    # program's one INFO line says which leaves stay replicated, and why)
+    with caplog.at_level("INFO", logger="jreplicate"):
+        _, _, _, params, opt_state = _adam_run("optimizer", min_weight_shard_size=0)
+    (line,) = [r.getMessage() for r in caplog.records if "kept replicated" in r.getMessage()]
+    assert "argument [0][0]['w']: read by the forward pass" in line
+    assert "argument [1][0].mu[1]['b']: no dimension divisible by 8" in line
+    assert "argument [1][0].count: a scalar" in line
     assert all(x.sharding.is_fully_replicated for x in jax.tree.leaves(params))
     assert opt_state[0].mu[0]["w"].sharding.spec == P(None, "replica")
 
@@ -210,7 +217,7 @@ def test_replicated_then_sharded_arguments_share_one_program(m):
         logging.getLogger("jax").removeHandler(handler)
     compiled = [r.getMessage() for r in records if "Compiling" in r.getMessage()]
     assert not compiled, compiled
-    assert len(rep._executor._cache._recent) == 1  # one program of this step
+    assert len(rep._executor._cache) == 1  # one program of this step
 
 
 def test_none_keeps_todays_program():
@@ -221,9 +228,10 @@ def test_none_keeps_todays_program():
     step = _make_step(tx)
     new, opt_state, _ = rep.run(step, (data[0][0], data[1][0]), params, tx.init(params))
     assert all(x.sharding.is_fully_replicated for x in jax.tree.leaves((new, opt_state)))
-    program = next(iter(rep._executor._cache._programs_for_tests()), None) \
-        if hasattr(rep._executor._cache, "_programs_for_tests") else None
-    assert program is None or program.split is None
+    (entry,) = rep._executor._cache.entries()
+    (program,) = entry.programs.values()
+    assert program.split is None  # the split code is not entered
+    assert not isinstance(program.jitted, sharded_program.SplitJit)
 
 
 # -- device loops, NNX, inspection, errors ---------------------------------------------
@@ -238,8 +246,7 @@ def _per_replica_input(rep, data, steps):
     return rep.prepare_input(input_fn, replication_mode=jr.InputReplicationMode.PER_REPLICA)
 
 
-@pytest.mark.parametrize("level", ["optimizer", "parameters"])
-def test_device_loop_equals_separate_runs(level):
+def test_device_loop_equals_separate_runs(level="parameters"):
     tx = optax.adam(1e-2)
     rep = jr.Replicator(jr.MirroredStrategy(weight_update_sharding=level,
                                             min_weight_shard_size=0))
@@ -287,8 +294,14 @@ def test_nnx_optimizer_state_is_written_back_sharded():
             opt.update(model, grads)
             return loss
 
+        abstract = (jax.ShapeDtypeStruct((GLOBAL_BATCH, 16), jnp.float32),
+                    jax.ShapeDtypeStruct((GLOBAL_BATCH,), jnp.int32))
+        expected = rep.state_shardings(step, abstract, model, opt)  # nnx.States
         for t in range(3):
             rep.run(step, (data[0][t], data[1][t]), model, opt)
+        for node, want in zip((model, opt), expected, strict=True):
+            got = jax.tree.map(lambda x: x.sharding, nnx.state(node))
+            assert jax.tree.leaves(got) == jax.tree.leaves(want)
         return model, opt
 
     ref_model, _ = train(None)
@@ -328,10 +341,22 @@ def test_run_under_jit_names_the_fix():
             params, tx.init(params))
 
 
-def test_a_step_returning_no_state_warns(caplog):
+def test_a_training_step_returning_no_state_warns(caplog):
     rep = jr.Replicator(jr.MirroredStrategy(weight_update_sharding="optimizer"))
+    tx = optax.sgd(0.1)
+    params = init_mlp(jax.random.key(0))
+    data = (make_data(1, GLOBAL_BATCH)[0][0], make_data(1, GLOBAL_BATCH)[1][0])
+
+    def forgot_to_return_state(ctx, batch, params, opt_state):
+        return _make_step(tx)(ctx, batch, params, opt_state)[2]  # the loss only
+
+    def evaluate(ctx, batch, params):
+        return ctx.all_sum(_loss(params, *batch))
+
     with caplog.at_level("WARNING", logger="jreplicate"):
-        rep.run(lambda ctx, x: ctx.all_sum(x.sum()), jnp.ones((8, 2)))
+        rep.run(evaluate, data, params)
+        assert not caplog.text  # an evaluation step has no state to shard
+        rep.run(forgot_to_return_state, data, params, tx.init(params))
     assert "found no state" in caplog.text and "return params, opt_state, loss" in caplog.text
 
 
@@ -373,3 +398,16 @@ def test_model_sharded_state_keeps_model_axis_in_bfloat16():
     for a, b in zip(jax.tree.leaves((p, s)), jax.tree.leaves(want), strict=True):
         np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32),
                                    rtol=1e-2)
+
+
+def test_tpu_strategy_steps_per_run_and_axis_name():
+    tx = optax.adam(1e-2)
+    rep = jr.Replicator(jr.TPUStrategy(
+        devices=jax.devices(), steps_per_run=2, axis_name="batch",
+        weight_update_sharding="optimizer", min_weight_shard_size=0))
+    data = make_data(2, GLOBAL_BATCH)
+    params0 = init_mlp(jax.random.key(0))
+    params, opt_state, _ = rep.run(_make_step(tx), _per_replica_input(rep, data, 2),
+                                   params0, tx.init(params0))  # one loop of 2 steps
+    _close((params, opt_state), _reference(tx, params0, data, 2))
+    assert opt_state[0].mu[0]["w"].sharding.spec == P(None, "batch")
