@@ -162,7 +162,10 @@ def plot_weight_update(report: dict[str, Any], path: str) -> bool:
     fig, ax = plt.subplots(figsize=(8, 4.2))
     for name in dict.fromkeys(r[v] for r in rows):
         mine = sorted((r for r in rows if r[v] == name), key=lambda r: r[n])
-        (line,) = ax.plot([r[n] for r in mine], [r[p] + r[o] for r in mine], marker="o",
+        hand = name.startswith("hand")  # hollow squares: the library's lines show inside
+        (line,) = ax.plot([r[n] for r in mine], [r[p] + r[o] for r in mine],
+                          marker="s" if hand else "o", markersize=10 if hand else 5,
+                          markerfacecolor="none" if hand else None, lw=1 if hand else 1.5,
                           label=f"{name}: state")
         ax.plot([r[n] for r in mine], [r[peak] for r in mine], ls="--", marker=".",
                 color=line.get_color(), label=f"{name}: peak of a step")
