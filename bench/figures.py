@@ -145,6 +145,41 @@ def plot_host_overhead(report: dict[str, Any], path: str) -> bool:
                    xlabel=None, ylabel="microseconds per step", legend={})
 
 
+def plot_weight_update(report: dict[str, Any], path: str) -> bool:
+    """State bytes per device (parameters + optimizer state, solid) and XLA's peak of a
+    step (dashed) against the replica count, one colour per variant measured (pending
+    variants, with no figures, are left out)."""
+    got = _rows(report, "weight_update_sharding")
+    if got is None:
+        return False
+    cols, rows = got
+    v, n, p, o, peak = (cols.index(c) for c in ("variant", "replicas", "params MiB/device",
+                                                "opt state MiB/device", "peak MiB"))
+    rows = [r for r in rows if r[p] is not None]
+    if not rows:
+        return False
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(8, 4.2))
+    for name in dict.fromkeys(r[v] for r in rows):
+        mine = sorted((r for r in rows if r[v] == name), key=lambda r: r[n])
+        hand = name.startswith("hand")  # hollow squares: the library's lines show inside
+        (line,) = ax.plot([r[n] for r in mine], [r[p] + r[o] for r in mine],
+                          marker="s" if hand else "o", markersize=10 if hand else 5,
+                          markerfacecolor="none" if hand else None, lw=1 if hand else 1.5,
+                          label=f"{name}: state")
+        ax.plot([r[n] for r in mine], [r[peak] for r in mine], ls="--", marker=".",
+                color=line.get_color(), label=f"{name}: peak of a step")
+    replicas = sorted({r[n] for r in rows})
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(replicas, [str(x) for x in replicas])
+    ax.set_ylim(bottom=0)
+    meta = report["benchmarks"]["weight_update_sharding"]["record"].get("meta", {})
+    return _finish(fig, ax, report, path, "Weight-update sharding, "
+                   + meta.get("model", "an MLP") + ", Adam", xlabel="replicas",
+                   ylabel="MiB per device",
+                   legend={"fontsize": 7, "loc": "upper left", "bbox_to_anchor": (1.01, 1)})
+
+
 #: Each benchmark's figure: its file, how it is drawn, and its caption on the docs site.
 FIGURES: dict[str, tuple[str, Callable[[dict, str], bool], str]] = {
     "steps_per_run": ("steps_per_run.png", plot_steps_per_run,
@@ -161,6 +196,13 @@ FIGURES: dict[str, tuple[str, Callable[[dict, str], bool], str]] = {
     "host_overhead": ("host_overhead.png", plot_host_overhead,
                       "Host overhead of a dispatch-bound step: microseconds per step, "
                       "jreplicate against hand-written JAX (lower is better)."),
+    "weight_update_sharding": ("weight_update_sharding.png", plot_weight_update,
+                               "Weight-update sharding: parameters and Adam state held per "
+                               "device (solid) and XLA's peak memory of a step (dashed) "
+                               "against the number of replicas: replicated, "
+                               "`weight_update_sharding=\"optimizer\"` (ZeRO-1) and "
+                               "`\"parameters\"` (ZeRO-3), and hand-written `jax.jit` with "
+                               "sharded state (GSPMD FSDP, ZeRO-1) (lower is better)."),
 }
 #: The accuracy curves examples/stragglers.py draws beside the stragglers benchmark.
 STRAGGLERS_CURVES = ("stragglers.png", "Backup replicas: test accuracy against virtual time "

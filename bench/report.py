@@ -17,7 +17,8 @@ other, with a progress line per benchmark on stderr. The results go to
   against virtual time, time to the target accuracy), ``ps_workers.png`` (parameter
   server updates/s against workers, and the Ray carrier beside a hand-written Ray
   parameter server when Ray is installed), ``host_overhead.png`` (jreplicate against
-  hand-written JAX per step);
+  hand-written JAX per step), ``weight_update_sharding.png`` (state bytes per device
+  against the replica count, replicated, ZeRO-1/3 and hand-written GSPMD);
 * ``logs/<name>.log``: each benchmark's own output.
 
 So the day the suite runs on a GPU or a TPU, this one command records its figures.
@@ -91,6 +92,7 @@ BENCHES: tuple[Bench, ...] = (
     Bench("memory_per_step_fn", "bench/memory_per_step_fn.py", quick=("--n", "20"),
           json=False),
     Bench("multi_worker", "bench/multi_worker.py", json=False),
+    Bench("weight_update_sharding", "bench/weight_update_sharding.py"),
 )
 
 
