@@ -125,33 +125,47 @@ def _lanes(x: jax.Array) -> jax.Array:
     return x.astype(jnp.uint32)[..., None]
 
 
-def _terms(x: jax.Array) -> list[jax.Array]:
-    """``w_s(i) * lane_i`` for each seed, shaped ``x.shape + (lanes,)``."""
+def _terms(x: jax.Array, shape: tuple | None = None,
+           offsets: list | None = None) -> list[jax.Array]:
+    """``w_s(i) * lane_i`` for each seed, shaped ``x.shape + (lanes,)``; ``x`` is the
+    block at ``offsets`` (per dimension; None: 0) of an array of ``shape`` (None: x's)."""
     lanes = _lanes(x)
+    full = tuple(shape if shape is not None else x.shape) + (lanes.shape[-1],)
     idx = jnp.zeros(lanes.shape, jnp.uint32)
     stride = 1
     for d in reversed(range(lanes.ndim)):
-        idx = idx + lax.broadcasted_iota(jnp.uint32, lanes.shape, d) * jnp.uint32(
-            stride & 0xFFFFFFFF)
-        stride *= lanes.shape[d]
+        along = lax.broadcasted_iota(jnp.uint32, lanes.shape, d)
+        if offsets is not None and d < len(offsets):
+            along = along + offsets[d]
+        idx = idx + along * jnp.uint32(stride & 0xFFFFFFFF)
+        stride *= full[d]
     return [(_fmix32(idx + jnp.uint32(s)) | jnp.uint32(1)) * lanes for s in SEEDS]
 
 
+def _sums(terms: list[jax.Array]) -> jax.Array:
+    return jnp.stack([jnp.sum(t, dtype=jnp.uint32) for t in terms])
+
+
 @functools.lru_cache(maxsize=256)
-def _digest_fn(sharding: NamedSharding, ndim: int):
+def _digest_fn(sharding: NamedSharding, shape: tuple):
     mesh = sharding.mesh
-    spec = tuple(sharding.spec) + (None,) * (ndim - len(sharding.spec))
+    spec = tuple(sharding.spec) + (None,) * (len(shape) - len(sharding.spec))
     everywhere = NamedSharding(mesh, P())
 
-    def local(*terms):
-        return jnp.stack([jnp.sum(t, dtype=jnp.uint32) for t in terms])[None]
+    def local(block):  # one device's block: its offsets from the mesh position
+        offsets = []
+        for d, entry in enumerate(spec):
+            axes = () if entry is None else entry if isinstance(entry, tuple) else (entry,)
+            k = jnp.uint32(0)
+            for a in axes:
+                k = k * jnp.uint32(mesh.shape[a]) + lax.axis_index(a).astype(jnp.uint32)
+            offsets.append(k * jnp.uint32(block.shape[d] & 0xFFFFFFFF))
+        return _sums(_terms(block, shape, offsets))[None]
 
     def fn(x):
-        terms = _terms(x)
-        total = jnp.stack([jnp.sum(t, dtype=jnp.uint32) for t in terms])
-        boxes = jax.shard_map(local, mesh=mesh, in_specs=(P(*spec, None),) * len(terms),
-                              out_specs=P(tuple(mesh.axis_names)), check_vma=False)(*terms)
-        return total, boxes
+        boxes = jax.shard_map(local, mesh=mesh, in_specs=P(*spec),
+                              out_specs=P(tuple(mesh.axis_names)), check_vma=False)(x)
+        return _sums(_terms(x)), boxes
     return jax.jit(fn, out_shardings=(everywhere, everywhere))
 
 
@@ -159,9 +173,7 @@ def _digest_fn(sharding: NamedSharding, ndim: int):
 def _total_fn(ndim: int):
     del ndim  # part of the cache key only
 
-    def fn(x):
-        return jnp.stack([jnp.sum(t, dtype=jnp.uint32) for t in _terms(x)])
-    return jax.jit(fn)
+    return jax.jit(lambda x: _sums(_terms(x)))
 
 
 def full_box(shape: tuple) -> Box:
@@ -192,7 +204,7 @@ def digest_array(x: Any) -> tuple[tuple[int, int], list[tuple[Box, tuple[int, in
     if not isinstance(sharding, NamedSharding) or x.ndim == 0:
         total = tuple(int(v) for v in _host(_total_fn(x.ndim)(x)))
         return (total[0], total[1]), [(full_box(shape), (total[0], total[1]))]
-    total, per_device = _digest_fn(sharding, x.ndim)(x)
+    total, per_device = _digest_fn(sharding, shape)(x)
     total, per_device = _host(total), _host(per_device)
     where = sharding.devices_indices_map(shape)
     boxes: dict[Box, tuple[int, int]] = {}
