@@ -70,6 +70,9 @@ def test_every_process_writes_its_own_shards_and_never_holds_the_whole(launched)
         # A host copy of the whole leaf would add 32 MiB; the process's own shards,
         # 16 MiB, may be copied while they are written.
         assert x["hwm_increase_2"] < x["own_bytes"] + 8 * MIB, x
+    for x in results:  # both processes read their own shards back
+        assert x["restored_step"] == 2 and x["restored_equal"] is True, x
+        assert x["restored_specs"] == ["P('replica',)", "P()"], x
     step_dir = launched[0] / "shared" / "2" / "default"
     assert sorted(p.name for p in step_dir.glob("ocdbt.process_*")) == [
         "ocdbt.process_0", "ocdbt.process_1"]
@@ -119,6 +122,7 @@ def test_a_directory_not_shared_refuses_sharded_state_alike_everywhere(launched)
            "state" in message, message
     assert all(x["own_replicated"] is True for x in results)
     assert results[0]["own_steps"] == [1] and results[1]["own_steps"] == []
+    assert all(x["own_restored"] == [1, True, True] for x in results), results
     with CheckpointManager(d / "own0", jr.MirroredStrategy()) as m:
         step, state = m.restore_or_initialize(
             lambda: {k: v for k, v in _abstract().items() if k in ("rep", "host")})

@@ -7,8 +7,10 @@ Run under ``python -m jreplicate.cluster.launch --nproc 2 --devices-per-proc 4``
 are not fully addressable, and saves steps 1 and 2 into ``D/shared``, measuring the peak
 of its resident memory during each save (``VmHWM`` after ``/proc/self/clear_refs``; step
 1's includes compiling the digest).
-Then each gives its own directory ``D/own<p>`` (the directory is not shared): sharded
-state is refused on both processes alike, replicated state is written by the chief.
+Both processes then restore step 2 onto their 2 x 4 devices, each reading its own
+shards. Then each gives its own directory ``D/own<p>`` (the directory is not shared):
+sharded state is refused on both processes alike, replicated state is written by the
+chief, and restored through it.
 Prints ``RESULT <json>`` per process.
 """
 
@@ -100,6 +102,18 @@ def main() -> None:
             out[f"hwm_increase_{step}"] = _status("VmHWM") - rss
             del s
         del s1
+    with CheckpointManager(os.path.join(d, "shared"), rep) as m:  # every process reads
+        abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), state(0))
+        step, got = m.restore_or_initialize(lambda: abstract, shardings={
+            "big": rows, "small": rows, "rep": None, "host": None})
+        out["restored_step"] = step
+        out["restored_equal"] = all(
+            np.array_equal(np.asarray(s.data), reference(2, name, s.index))
+            and s.data.dtype == reference(2, name).dtype
+            for name in ("big", "small", "rep", "host") for s in got[name].addressable_shards)
+        out["restored_specs"] = [str(got["big"].sharding.spec),
+                                 str(got["rep"].sharding.spec)]
+        del got
     own = os.path.join(d, f"own{me}")  # each process its own directory: not shared
     with CheckpointManager(own, rep) as m:
         out["own_every_process_writes"] = m.every_process_writes
@@ -111,6 +125,11 @@ def main() -> None:
         replicated = {"rep": state(1)["rep"], "host": reference(1, "host")}
         out["own_replicated"] = m.save(1, replicated, force=True)
         out["own_steps"] = m.complete_steps()
+    with CheckpointManager(own, rep) as m:  # the chief reads, every process receives
+        step, got = m.restore_or_initialize(lambda: replicated)
+        out["own_restored"] = [step] + [
+            bool(np.array_equal(np.asarray(got[k].addressable_data(0)), reference(1, k)))
+            for k in ("rep", "host")]
     print("RESULT " + json.dumps(out), flush=True)
 
 
