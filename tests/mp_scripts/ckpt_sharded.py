@@ -90,7 +90,7 @@ def main() -> None:
                                 s1["small"].is_fully_addressable]
     out["own_bytes"] = sum(s.data.nbytes for s in s1["big"].addressable_shards)
     with CheckpointManager(os.path.join(d, "shared"), rep) as m:
-        out["every_process_writes"] = m.every_process_writes
+        out["every_process_writes"] = getattr(m, "every_process_writes", None)
         for step in (1, 2):  # step 1 also compiles the digest and warms Orbax up
             s = s1 if step == 1 else state(2)
             with open("/proc/self/clear_refs", "w") as f:
@@ -116,7 +116,7 @@ def main() -> None:
         del got
     own = os.path.join(d, f"own{me}")  # each process its own directory: not shared
     with CheckpointManager(own, rep) as m:
-        out["own_every_process_writes"] = m.every_process_writes
+        out["own_every_process_writes"] = getattr(m, "every_process_writes", None)
         try:
             m.save(1, state(1), force=True)
             out["own_sharded"] = "saved"
