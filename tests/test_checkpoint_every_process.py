@@ -70,6 +70,8 @@ def test_every_process_writes_its_own_shards_and_never_holds_the_whole(launched)
         # A host copy of the whole leaf would add 32 MiB; the process's own shards,
         # 16 MiB, may be copied while they are written.
         assert x["hwm_increase_2"] < x["own_bytes"] + 8 * MIB, x
+    for x in results:  # initialised (nothing saved): sharded state stays as init_fn placed it
+        assert x["fresh"] == [0, True, True, True], x
     for x in results:  # both processes read their own shards back
         assert x["restored_step"] == 2 and x["restored_equal"] is True, x
         assert x["restored_specs"] == ["P('replica',)", "P()"], x

@@ -114,6 +114,13 @@ def main() -> None:
         out["restored_specs"] = [str(got["big"].sharding.spec),
                                  str(got["rep"].sharding.spec)]
         del got
+    with CheckpointManager(os.path.join(d, "fresh"), rep) as m:  # nothing saved: init_fn
+        step, got = m.restore_or_initialize(lambda: state(3))
+        out["fresh"] = [step, got["big"].sharding == rows, got["rep"].sharding == everywhere,
+                        all(np.array_equal(np.asarray(s.data), reference(3, name, s.index))
+                            for name in ("big", "small", "rep", "host")
+                            for s in got[name].addressable_shards)]
+        del got
     own = os.path.join(d, f"own{me}")  # each process its own directory: not shared
     with CheckpointManager(own, rep) as m:
         out["own_every_process_writes"] = getattr(m, "every_process_writes", None)
