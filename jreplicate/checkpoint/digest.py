@@ -79,7 +79,34 @@ def lanes_np(x: Any) -> np.ndarray:
 
 
 def digest_np(x: Any) -> tuple[int, int]:
-    """The digest of a host array (the same as :func:`digest_array` gives on device)."""
+    """The digest of a host array (the same as :func:`digest_array` gives on device).
+
+    Arrays of at least ``XLA_FROM`` elements that XLA computes on exactly (JAX holds
+    their dtype as it is) are digested by the jitted code on a CPU device, ten times
+    faster than NumPy's passes; the rest, and everything where JAX has no CPU device,
+    by NumPy (:func:`numpy_digest`)."""
+    x = np.asarray(x)
+    cpu = _cpu_device() if x.size >= XLA_FROM and on_device(x.dtype) and \
+        jax.dtypes.canonicalize_dtype(x.dtype) == x.dtype else None
+    if cpu is None:
+        return numpy_digest(x)
+    total = np.asarray(_total_fn(x.ndim)(jax.device_put(x, cpu)))
+    return int(total[0]), int(total[1])
+
+
+XLA_FROM = 1 << 16  # elements: below, NumPy's passes cost less than a dispatch
+
+
+@functools.cache
+def _cpu_device() -> Any:
+    try:
+        return jax.local_devices(backend="cpu")[0]
+    except RuntimeError:  # JAX_PLATFORMS leaves the CPU backend out: NumPy then
+        return None
+
+
+def numpy_digest(x: Any) -> tuple[int, int]:
+    """:func:`digest_np` computed by NumPy alone (any dtype, any size)."""
     lanes = lanes_np(x)
     out = []
     for seed in SEEDS:
