@@ -184,6 +184,10 @@ def _digest_fn(sharding: NamedSharding, shape: tuple):
     spec = tuple(sharding.spec) + (None,) * (len(shape) - len(sharding.spec))
     everywhere = NamedSharding(mesh, P())
 
+    used = {a for entry in spec if entry is not None
+            for a in (entry if isinstance(entry, tuple) else (entry,))}
+    copies = [a for a in mesh.axis_names if a not in used]  # axes the array is copied on
+
     def local(block):  # one device's block: its offsets from the mesh position
         offsets = []
         for d, entry in enumerate(spec):
@@ -192,7 +196,11 @@ def _digest_fn(sharding: NamedSharding, shape: tuple):
             for a in axes:
                 k = k * jnp.uint32(mesh.shape[a]) + lax.axis_index(a).astype(jnp.uint32)
             offsets.append(k * jnp.uint32(block.shape[d] & 0xFFFFFFFF))
-        return _sums(_terms(block, shape, offsets))[None]
+        first = jnp.bool_(True)  # only the first copy of a box is digested (in mesh
+        for a in copies:         # order: the one digest_array keeps); others give 0
+            first = first & (lax.axis_index(a) == 0)
+        return lax.cond(first, lambda b: _sums(_terms(b, shape, offsets)),
+                        lambda b: jnp.zeros(len(SEEDS), jnp.uint32), block)[None]
 
     # The whole array's digest is the sum of its distinct boxes' (they tile it): no
     # second pass, and nothing but the sums leaves the fused per-device loop.
