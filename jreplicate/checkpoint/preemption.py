@@ -62,6 +62,19 @@ class Preempted(SystemExit):
 
     Attributes:
       step: the step of the checkpoint written before raising.
+
+    Example (one process: the SIGTERM a preemptible host gets, then the next save):
+      >>> import os, signal, tempfile, jax.numpy as jnp, jreplicate as jr
+      >>> rep = jr.Replicator(jr.MirroredStrategy())
+      >>> mngr = jr.CheckpointManager(tempfile.mkdtemp(), rep, save_interval_steps=100)
+      >>> mngr.save(1, {"w": jnp.zeros(2)})  # not a multiple of 100: nothing written
+      False
+      >>> os.kill(os.getpid(), signal.SIGTERM)
+      >>> try:
+      ...     mngr.save(2, {"w": jnp.ones(2)})
+      ... except jr.checkpoint.Preempted as e:
+      ...     print(e.code, e.step, mngr.complete_steps())
+      42 2 [2]
     """
 
     def __init__(self, step: int):
