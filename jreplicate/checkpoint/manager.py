@@ -72,6 +72,13 @@ from jreplicate.checkpoint.tree import (
     template_leaves,
     unviewed,
 )
+from jreplicate.checkpoint.writer import (
+    BackgroundWriter,
+    failure_message,
+    remove_debris,
+    retain,
+    settle,
+)
 from jreplicate.strategies.base import Strategy
 
 logger = logging.getLogger("jreplicate")
@@ -149,7 +156,8 @@ class CheckpointManager:
     """
 
     def __init__(self, directory: str | os.PathLike, strategy: Any, *,
-                 max_to_keep: int | None = 3, save_interval_steps: int = 1):
+                 max_to_keep: int | None = 3, save_interval_steps: int = 1,
+                 enable_async_checkpointing: bool = True):
         why = unsupported_orbax()
         if why is not None:
             raise ImportError(why)
@@ -175,6 +183,12 @@ class CheckpointManager:
                 f"CheckpointManager(save_interval_steps={save_interval_steps!r}) must be an "
                 "int >= 1."
             )
+        if not isinstance(enable_async_checkpointing, bool):
+            raise TypeError("CheckpointManager(enable_async_checkpointing=...) must be True "
+                            f"or False, got {enable_async_checkpointing!r}.")
+        self._async = enable_async_checkpointing
+        self._writer: BackgroundWriter | None = None
+        self._pending: int | None = None  # the step being written, its outcome not agreed
         self._dir = os.path.abspath(os.fspath(directory))
         self._strategy = strategy
         self._max_to_keep = max_to_keep
@@ -247,6 +261,7 @@ class CheckpointManager:
                 "restore_or_initialize(init_fn) needs a parameter-less function returning "
                 f"the initial state, got {type(init_fn).__name__}."
             )
+        self._settle()
         step, err = self._share(lambda: (self._latest(), None), "the latest checkpoint")
         if err:
             raise CheckpointError(err)
@@ -334,13 +349,45 @@ class CheckpointManager:
         step = int(step)
         if not (force or self.should_save(step)):
             return False
+        self._settle()
+        if callable(state):
+            state = state()
         host = to_host(state, "CheckpointManager.save(state)", saving=True)
         name_clash(host, "CheckpointManager.save(state)")
         _, err = self._share(lambda: (None, self._write(step, host) if self.is_chief else None),
                              f"writing checkpoint {step}")
         if err:
             raise CheckpointError(err)
+        self._pending = step
+        if not self._async:
+            self._settle()
         return True
+
+    def wait_until_finished(self) -> None:
+        """Blocks until the checkpoint being written is committed; call on every process.
+
+        Raises:
+          CheckpointError: on every process alike, when a process's write failed (the
+            message names the process and the error; the step is not restored).
+        """
+        self._settle()
+
+    def _settle(self) -> None:
+        """The outcome exchange of the pending write (every process, same point)."""
+        if self._pending is None:
+            return
+        step, self._pending = self._pending, None
+        outcome = settle(self._writer, self._agreement, step, latest=self._latest,
+                         is_chief=self.is_chief)
+        if outcome.failure is None:
+            if self.is_chief:
+                retain(self._dir, self.complete_steps(), self._max_to_keep)
+                if self._orbax is not None:
+                    self._orbax.reload()
+            return
+        if self.is_chief:
+            remove_debris(self._dir)
+        raise CheckpointError(failure_message(step, outcome.failure, outcome.latest))
 
     def close(self) -> None:
         """Finishes pending writes, releases Orbax's resources and the directory's lock.
@@ -349,11 +396,14 @@ class CheckpointManager:
         releases the lock too.
         """
         try:
+            self._settle()
+        finally:
+            if self._writer is not None:
+                self._writer.close()
+                self._writer = None
             if self._orbax is not None:
-                self._orbax.wait_until_finished()
                 self._orbax.close()
                 self._orbax = None
-        finally:
             if self._lock is not None:
                 self._lock.release()
                 self._lock = None
@@ -382,6 +432,13 @@ class CheckpointManager:
         except OSError as e:
             return path_problem(path, e)
         weakref.finalize(self, self._lock.release)
+        remove_debris(path)
+        timeouts = getattr(self._strategy, "timeouts", None)
+        self._writer = BackgroundWriter(
+            path, key_prefix=f"jreplicate/checkpoint/{id(self)}",
+            processes=[self._strategy.process_index],
+            process_index=self._strategy.process_index,
+            timeout=timeouts.collective_timeout if timeouts is not None else 1200)
         return None
 
     def _manager(self):
@@ -473,7 +530,7 @@ class CheckpointManager:
         """
         try:
             with quiet_orbax():
-                metadata = self._manager().item_metadata(step)
+                metadata = _item_handler().metadata(_item_dir(self._dir, step))
             tree = getattr(metadata, "tree", metadata)
             if tree is None:
                 raise _Damaged("no metadata")
@@ -505,7 +562,8 @@ class CheckpointManager:
         target = jax.tree.map(lambda m: np.zeros(m.shape, m.dtype), stored)
         try:
             with quiet_orbax():
-                value = self._manager().restore(step, args=ocp.args.StandardRestore(target))
+                value = _item_handler().restore(_item_dir(self._dir, step),
+                                                args=ocp.args.StandardRestore(target))
         except MemoryError:
             raise
         except Exception as e:  # the data of a committed checkpoint is damaged
@@ -534,9 +592,7 @@ class CheckpointManager:
                         f"{self._dir}, which restore_or_initialize would restore instead of "
                         "it. Count steps on from the step restore_or_initialize returns, or "
                         "give a new directory to start a new run.")
-            with quiet_orbax():
-                mngr.save(step, args=save_args(host), force=True)
-                mngr.wait_until_finished()
+            self._writer.start(step, save_args(host))
         except OSError as e:  # reported to every process
             return f"could not write checkpoint {step}: " + path_problem(self._dir, e)
         except Exception as e:  # reported to every process
@@ -580,6 +636,20 @@ class CheckpointManager:
         return jax.tree.unflatten(treedef, [
             np.asarray(r, np.uint8).view(x.dtype).reshape(np.shape(x))
             for r, x in zip(raw, leaves, strict=True)])
+
+
+def _item_dir(directory: str, step: int) -> Any:
+    """Where step ``step``'s arrays are: ``<step>/default`` (written by
+    ``ocp.CheckpointManager``) or ``<step>``."""
+    from etils import epath
+    step_dir = epath.Path(directory) / str(step)
+    legacy = step_dir / "default"
+    return legacy if legacy.is_dir() else step_dir
+
+
+def _item_handler() -> Any:
+    import orbax.checkpoint as ocp
+    return ocp.StandardCheckpointHandler()  # reads only
 
 
 def _abstract(init_fn: Callable[[], Any]) -> Any:

@@ -47,8 +47,10 @@ DELETING_SUFFIX = ".deleting"
 #: What a process whose write was abandoned because a peer's failed reports.
 ABORTED = "aborted: another process's write failed"
 
-#: One process's outcome of the pending write, as exchanged (None: written).
-WRITE_OUTCOME = _wire.record(error=_wire.optional(_wire.string))
+#: One process's outcome of the pending write, as exchanged (error None: written), and
+#: the chief's latest complete step once it ended.
+WRITE_OUTCOME = _wire.record(error=_wire.optional(_wire.string),
+                             latest=_wire.optional(_wire.natural))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -309,30 +311,43 @@ def _report_at_exit(last: list[_Pending | None]) -> None:
                      "before the program ends.", p.step, p.error)
 
 
-def settle(writer: BackgroundWriter | None, agreement: Any, step: int,
-           timeout: float | None = None) -> Failure | None:
-    """The agreed outcome of the pending write of checkpoint ``step``, on every process.
+@dataclasses.dataclass(frozen=True)
+class Outcome:
+    """The agreed outcome of a write (the same on every process).
 
-    Call it on every process at the same point, whenever a write is pending (on the
-    processes that do not write, ``writer`` may be None or idle: they report ok).
-
-    Returns:
-      None if every process's write succeeded; else the first process whose write
-      failed for its own reason (not because a peer's failure aborted it), and why.
+    Attributes:
+      step: the checkpoint written.
+      failure: None if every process's write succeeded; else the first process whose
+        write failed for its own reason (not because a peer's failure aborted it).
+      latest: the chief's latest complete step once the write ended.
     """
-    mine = writer.wait(timeout) if writer is not None else None
+
+    step: int
+    failure: Failure | None
+    latest: int | None
+
+
+def settle(writer: BackgroundWriter | None, agreement: Any, step: int, *,
+           latest: Callable[[], int | None], is_chief: bool,
+           timeout: float | None = None) -> Outcome:
+    """Waits (bounded) for the pending write of checkpoint ``step`` and agrees its outcome.
+
+    Call it on every process at the same point whenever a write is pending; a process
+    that does not write passes ``writer=None`` and reports success. ``latest`` runs on
+    the chief, after its write ended.
+    """
+    mine = {"error": writer.wait(timeout) if writer is not None else None,
+            "latest": latest() if is_chief else None}
     if agreement is None:
         outcomes = [mine]
     else:
-        outcomes = [m["error"] for m in agreement.exchange(
-            {"error": mine}, f"the outcome of writing checkpoint {step}", WRITE_OUTCOME)]
+        outcomes = agreement.exchange(mine, f"the outcome of writing checkpoint {step}",
+                                      WRITE_OUTCOME)
     if writer is not None:
         writer.settled()
-    failed = [(p, e) for p, e in enumerate(outcomes) if e is not None]
-    if not failed:
-        return None
+    failed = [(p, m["error"]) for p, m in enumerate(outcomes) if m["error"] is not None]
     causes = [(p, e) for p, e in failed if ABORTED not in e] or failed
-    return Failure(*causes[0])
+    return Outcome(step, Failure(*causes[0]) if causes else None, outcomes[0]["latest"])
 
 
 def failure_message(step: int, failure: Failure, latest: int | None) -> str:
