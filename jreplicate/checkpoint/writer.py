@@ -219,6 +219,11 @@ class BackgroundWriter:
         weakref.finalize(self, _report_at_exit, self._last)
 
     @property
+    def timeout(self) -> int:
+        """Seconds Orbax's background thread may take."""
+        return self._timeout
+
+    @property
     def pending(self) -> _Pending | None:
         """The write whose outcome is not yet agreed (None: none)."""
         return self._pending
@@ -304,6 +309,9 @@ class BackgroundWriter:
 
 
 def _report_at_exit(last: list[_Pending | None]) -> None:
+    """Logs the failure of the last write if nobody settled it. A write still pending
+    when the program ends fails too: Python (3.12) starts no thread once it shuts down,
+    and Orbax's commit needs one, so a program must ``close()`` its manager."""
     p = last[0]
     if p is not None and not p.reported and p.done.is_set() and p.error is not None:
         logger.error("jreplicate: checkpoint %d was not written (%s); the error was never "
