@@ -144,7 +144,7 @@ def test_max_to_keep_counts_committed_steps(tmp_path, rep):
 
 def test_arguments_are_checked(tmp_path, rep):
     with pytest.raises(TypeError, match=re.escape(
-            "CheckpointManager(enable_async_checkpointing=...) must be True or False, got 1")):
+            "CheckpointManager(enable_async_checkpointing=1) must be True or False.")):
         CheckpointManager(tmp_path, rep, enable_async_checkpointing=1)
     with CheckpointManager(tmp_path, rep) as m:
         with pytest.raises(ValueError, match=re.escape(
