@@ -6,6 +6,8 @@ processes, calling ``CheckpointManager.save`` after every run of K steps; each p
 appends ``<rank> <pid> <step> <restart>`` to F after every run (the test picks its
 moment to send SIGTERM from it), and ``P <rank> <step> <restart>`` when it is preempted.
 On the first attempt each run sleeps T seconds first, so that the test can aim. The
+state carries 4 MiB of ballast that changes every step, so that a background save is
+usually still being written when the notice arrives ("under load"). The
 chief writes the final parameters to ``D/final_k<K>.npz``. ``reference`` runs the same
 training uninterrupted for K = 1 and K = 4, one after the other (the second manager
 shares the process's count of save calls with the first).
@@ -13,7 +15,8 @@ shares the process's count of save calls with the first).
 JAX-free modes for the launcher's own tests (no cluster is joined):
 ``exit42-once`` (every process exits 42 on the first attempt, 0 after),
 ``exit42-always``, ``term42`` (SIGTERM makes a process exit 42, after printing
-READY), ``one42`` (process 1 exits 42, process 0 sleeps).
+READY), ``one42`` (process 1 exits 42, process 0 sleeps), ``mixed42`` (process 1 exits
+42, process 0 exits 0).
 """
 
 from __future__ import annotations
@@ -46,6 +49,8 @@ def plain(mode: str) -> None:
         if RANK == 1:
             sys.exit(42)
         time.sleep(60)
+    if mode == "mixed42":
+        sys.exit(42 if RANK == 1 else 0)
     raise SystemExit(f"unknown mode {mode}")
 
 
@@ -66,9 +71,11 @@ def train(args: argparse.Namespace, k: int, ckpt: str, report) -> None:
 
     def init():
         params = init_mlp(jax.random.key(0))
-        return params, tx.init(params)
+        # Ballast that changes every step, so that each background save writes MiBs.
+        return params, (tx.init(params), jax.numpy.zeros(args.ballast, "float32"))
 
-    def step_fn(ctx, batch, params, opt):
+    def step_fn(ctx, batch, params, state):
+        opt, ballast = state
         xb, yb = batch
 
         def loss_fn(p):
@@ -76,7 +83,7 @@ def train(args: argparse.Namespace, k: int, ckpt: str, report) -> None:
 
         g = jax.grad(loss_fn)(params)
         u, opt = tx.update(g, opt, params)
-        return optax.apply_updates(params, u), opt
+        return optax.apply_updates(params, u), (opt, ballast + 1.0)
 
     def input_fn(start):
         def fn(ctx):
@@ -127,6 +134,7 @@ def main() -> None:
     ap.add_argument("--save-every", type=int, default=3)
     ap.add_argument("--steps-per-run", type=int, default=1)
     ap.add_argument("--sleep", type=float, default=0.0)
+    ap.add_argument("--ballast", type=int, default=1 << 20)
     args = ap.parse_args()
     if args.mode not in ("train", "reference"):
         plain(args.mode)
