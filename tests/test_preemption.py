@@ -300,7 +300,8 @@ def test_sigterm_to_one_of_two_processes_saves_restarts_and_resumes_bit_exact(
                 "--grace", "20", "--timeout", "150", SCRIPT, "train",
                 "--ckpt", str(tmp_path / "ckpt"), "--out", str(tmp_path),
                 "--report", str(report), "--steps", str(TRAIN_STEPS),
-                "--save-every", "3", "--steps-per-run", str(k), "--sleep", "0.15"])
+                "--save-every", "3", "--steps-per-run", str(k), "--sleep", "0.1",
+                "--slow-writes", "0.5"])
     sent = None
     deadline = time.monotonic() + 120
     while sent is None and time.monotonic() < deadline and p.poll() is None:

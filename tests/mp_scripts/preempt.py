@@ -5,9 +5,10 @@
 processes, calling ``CheckpointManager.save`` after every run of K steps; each process
 appends ``<rank> <pid> <step> <restart>`` to F after every run (the test picks its
 moment to send SIGTERM from it), and ``P <rank> <step> <restart>`` when it is preempted.
-On the first attempt each run sleeps T seconds first, so that the test can aim. The
-state carries 4 MiB of ballast that changes every step, so that a background save is
-usually still being written when the notice arrives ("under load"). The
+On the first attempt each run sleeps T seconds first, so that the test can aim, and
+with ``--slow-writes W`` each background save takes W seconds more to commit, so that
+one is being written when the notice arrives ("under load"); the state carries 4 MiB of
+ballast that changes every step. The
 chief writes the final parameters to ``D/final_k<K>.npz``. ``reference`` runs the same
 training uninterrupted for K = 1 and K = 4, one after the other (the second manager
 shares the process's count of save calls with the first).
@@ -63,6 +64,7 @@ def train(args: argparse.Namespace, k: int, ckpt: str, report) -> None:
     from jreplicate.input.context import InputReplicationMode
     from jreplicate.losses import compute_average_loss
     from jreplicate.replicator import Replicator
+    from jreplicate.testing import delay_checkpoint_write
     from tests._models import init_mlp, make_data, mlp, per_example_loss
 
     rep = Replicator(STRATEGY)
@@ -111,6 +113,8 @@ def train(args: argparse.Namespace, k: int, ckpt: str, report) -> None:
             step += k
             report.write(f"{RANK} {os.getpid()} {step} {RESTART}\n")
             report.flush()
+            if RESTART == 0 and args.slow_writes and mngr.should_save(step):
+                delay_checkpoint_write(mngr, args.slow_writes)  # still writing at the next
             mngr.save(step, lambda p=params, o=opt: (p, o))
     except Preempted as e:
         report.write(f"P {RANK} {e.step} {RESTART}\n")
@@ -135,6 +139,7 @@ def main() -> None:
     ap.add_argument("--steps-per-run", type=int, default=1)
     ap.add_argument("--sleep", type=float, default=0.0)
     ap.add_argument("--ballast", type=int, default=1 << 20)
+    ap.add_argument("--slow-writes", type=float, default=0.0)
     args = ap.parse_args()
     if args.mode not in ("train", "reference"):
         plain(args.mode)
