@@ -106,9 +106,12 @@ def test_a_failed_write_surfaces_once_at_the_next_call(tmp_path, rep, where):
              "close": m.close,
              "restore_or_initialize": lambda: m.restore_or_initialize(_template())}
     with pytest.raises(CheckpointError, match=re.escape(
-            "checkpoint 2 was not written: process 0 failed (OSError: [Errno 28] No space "
-            "left on device (injected by jreplicate.testing.fail_checkpoint_write)); it is "
-            "incomplete and will not be restored; checkpoint 1 is the latest.")):
+            f"checkpoint 2 was not written: process 0 failed (cannot write to {tmp_path}: "
+            "the disk is full (No space left on device (injected by jreplicate.testing."
+            f"fail_checkpoint_write): {tmp_path}). Nothing older was deleted for it. Free "
+            "space on that disk (or raise the quota), or give a directory on another "
+            "disk.); it is incomplete and will not be restored; checkpoint 1 is the "
+            "latest.")):
         calls[where]()
     assert m.complete_steps() == [1]
     assert sorted(os.listdir(tmp_path)) == ["1", "jreplicate.lock"][:2 if where != "close" else 1]

@@ -35,7 +35,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from jreplicate import _jax_compat, _wire
-from jreplicate.checkpoint.checks import one_line, quiet_orbax
+from jreplicate.checkpoint.checks import one_line, path_problem, quiet_orbax
 
 logger = logging.getLogger("jreplicate")
 
@@ -251,7 +251,8 @@ class BackgroundWriter:
             with quiet_orbax():
                 self._orbax.save(os.path.join(self._dir, str(step)), args=args)
         except Exception as e:  # broad: the outcome of this process's write, agreed later
-            self._finish(pending, one_line(e))
+            self._drain()
+            self._finish(pending, self._describe(e))
             return
         pending.returned = time.monotonic()
         threading.Thread(target=self._watch, args=(pending,), name=f"jreplicate-ckpt-{step}",
@@ -261,9 +262,28 @@ class BackgroundWriter:
         try:
             self._orbax.wait_until_finished()
         except BaseException as e:  # broad: the outcome, agreed by every process
-            self._finish(pending, one_line(e))
+            self._drain()
+            self._finish(pending, self._describe(e))
             return
         self._finish(pending, None)
+
+    def _drain(self) -> None:
+        """Collects the errors Orbax still holds from a failed write (its metadata
+        writes raise theirs one at a time), so that none is raised again by the next
+        write, which they do not concern."""
+        for _ in range(16):
+            try:
+                with quiet_orbax():
+                    self._orbax.wait_until_finished()
+                return
+            except BaseException:  # broad: the failed write's, already reported
+                logger.debug("jreplicate: a further error of the failed checkpoint write",
+                             exc_info=True)
+
+    def _describe(self, e: BaseException) -> str:
+        """An error's text for the message every process raises: what is wrong with
+        the directory and the fix for an ``OSError`` (a full disk...), else one line."""
+        return path_problem(self._dir, e) if isinstance(e, OSError) else one_line(e)
 
     def _finish(self, pending: _Pending, error: str | None) -> None:
         if error is not None and not error.startswith(f"RuntimeError: {ABORTED}"):
