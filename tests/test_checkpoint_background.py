@@ -145,6 +145,17 @@ def test_max_to_keep_counts_committed_steps(tmp_path, rep):
     assert sorted(os.listdir(tmp_path)) == ["4", "5"]
 
 
+def test_a_manager_dropped_while_writing_finishes_before_a_new_one_opens(tmp_path, rep):
+    import gc
+    m = CheckpointManager(tmp_path, rep)
+    jrt.delay_checkpoint_write(m, 1.0)
+    m.save(1, _state(1))
+    del m  # no close(): its lock goes with it, its write goes on
+    gc.collect()
+    step, state = _restored(tmp_path, rep)  # waited for the write, did not delete it
+    assert step == 1 and _bits_equal(state, _state(1))
+
+
 def test_arguments_are_checked(tmp_path, rep):
     with pytest.raises(TypeError, match=re.escape(
             "CheckpointManager(enable_async_checkpointing=1) must be True or False.")):

@@ -119,6 +119,7 @@ from jreplicate.checkpoint.writer import (
     remove_debris,
     retain,
     settle,
+    wait_for_writes,
 )
 from jreplicate.strategies.base import Strategy
 
@@ -257,6 +258,7 @@ class CheckpointManager:
         self._calls = 0  # save() calls: the preemption seam's counter
         self._preempted = False
         self._tidied = False
+        wait_for_writes(self._dir)  # of a manager dropped without close()
         # The chief's failure (no permission, a file in the way, another job's lock) is
         # everybody's, at once: not a ClusterError on the others at their next agreement.
         _, err = self._share(lambda: (None, self._open_directory() if self.is_chief else None),

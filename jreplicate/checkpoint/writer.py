@@ -221,6 +221,11 @@ class BackgroundWriter:
         self._pending: _Pending | None = None
         self._last: list[_Pending | None] = [None]  # read by the finaliser
         weakref.finalize(self, _report_at_exit, self._last)
+        _live.add(self)
+
+    @property
+    def directory(self) -> str:
+        return self._dir
 
     @property
     def timeout(self) -> int:
@@ -324,6 +329,29 @@ class BackgroundWriter:
             self._pending.done.wait(self._timeout + 30)
         with quiet_orbax():
             self._orbax.close()
+
+
+_live: weakref.WeakSet[BackgroundWriter] = weakref.WeakSet()  # kept alive while writing
+
+
+def wait_for_writes(directory: str) -> None:
+    """Waits for this process's unfinished writes into ``directory`` (of a manager
+    dropped without ``close()``), so that a new manager there neither deletes their
+    temporary files nor misses their step; a failure nobody was told of is logged."""
+    for writer in list(_live):
+        p = writer.pending
+        if writer.directory != directory or p is None or p.reported:
+            continue
+        if not p.done.is_set():
+            logger.warning("jreplicate: a CheckpointManager on %s was dropped without close() "
+                           "while writing checkpoint %d; waiting for that write", directory,
+                           p.step)
+            p.done.wait(writer.timeout + 30)
+        if p.done.is_set() and p.error is not None:
+            p.reported = True
+            logger.error("jreplicate: checkpoint %d in %s was not written (%s); its manager "
+                         "was dropped without close(), which would have raised it", p.step,
+                         directory, p.error)
 
 
 def _report_at_exit(last: list[_Pending | None]) -> None:
