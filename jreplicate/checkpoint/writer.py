@@ -288,7 +288,9 @@ class BackgroundWriter:
     def _describe(self, e: BaseException) -> str:
         """An error's text for the message every process raises: what is wrong with
         the directory and the fix for an ``OSError`` (a full disk...), else one line."""
-        return path_problem(self._dir, e) if isinstance(e, OSError) else one_line(e)
+        if isinstance(e, OSError) and e.errno is not None and not isinstance(e, TimeoutError):
+            return path_problem(self._dir, e)
+        return one_line(e)
 
     def _finish(self, pending: _Pending, error: str | None) -> None:
         if error is not None and not error.startswith(f"RuntimeError: {ABORTED}"):
