@@ -149,7 +149,7 @@ def _writer(mngr: CheckpointManager, process: int | None, what: str):
     if process is not None and process != strategy.process_index:
         return None
     writer = mngr._writer
-    if writer is None:
+    if writer is None or not (mngr.every_process_writes or strategy.process_index == 0):
         raise ValueError(f"jreplicate.testing.{what}: process {strategy.process_index} does "
                          "not write this manager's checkpoints (it is closed, or only the "
                          "chief writes).")
