@@ -669,7 +669,14 @@ class CheckpointManager:
         """Finishes pending writes, releases Orbax's resources and the directory's lock.
 
         Idempotent. A manager that is dropped, or whose process ends, without ``close()``
-        releases the lock too.
+        releases the lock too, but a write still in flight when the program ends fails
+        (Python starts no threads at exit, and Orbax's commit needs one): close the
+        manager (or use ``with``) before the program ends. A new manager on the
+        directory waits for this process's writes of a dropped one.
+
+        Raises:
+          CheckpointError: on every process alike, when the last write failed on a
+            process (the resources and the lock are released first).
         """
         try:
             self._settle()  # the last write's failure, raised after what follows
