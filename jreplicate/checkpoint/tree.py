@@ -132,22 +132,6 @@ def _crc(x: np.ndarray) -> int:
     return zlib.crc32(np.ascontiguousarray(x).reshape(-1).view(np.uint8))
 
 
-def checksum_table(host: Any) -> dict:
-    """What the chief saves beside the arrays (Orbax's custom metadata): each array's
-    stored path, stored dtype, shape and CRC-32, so that a restore can tell a changed
-    file; and ``views``, the path and dtype of each array stored as its bits (see
-    :mod:`jreplicate.checkpoint.dtypes`)."""
-    import orbax.checkpoint as ocp
-    serial = ocp.tree.serialize_tree(host, keep_empty_nodes=True)
-    rows, views = [], []
-    for p, x in jax.tree_util.tree_leaves_with_path(serial):
-        stored = dtypes.storage_dtype(x.dtype)
-        rows.append([_tokens(p), stored.name, list(np.shape(x)), _crc(np.asarray(x))])
-        if stored != x.dtype:
-            views.append([_tokens(p), np.dtype(x.dtype).name])
-    return {"jreplicate": {"format": FORMAT, "arrays": rows, "views": views}}
-
-
 def name_clash(host: Any, what: str) -> None:
     """Raises ValueError when two arrays of ``host`` would be stored under one name:
     Orbax names an array by its keys joined with ``"."``, so ``{"a.b": x}`` and
@@ -165,18 +149,6 @@ def name_clash(host: Any, what: str) -> None:
                 "other. Rename a key so that the joined names differ (e.g. replace the "
                 "'.' in dict keys).")
         seen[name] = here
-
-
-def save_args(host: Any) -> Any:
-    """Orbax's save arguments for ``host`` with its checksum table (where this Orbax
-    takes custom metadata; an older one saves without, and restores read unchecked)."""
-    import dataclasses
-
-    import orbax.checkpoint as ocp
-    if "custom_metadata" in {f.name for f in dataclasses.fields(ocp.args.StandardSave)}:
-        stored = jax.tree.map(dtypes.as_stored, host)  # the bits of what TensorStore lacks
-        return ocp.args.StandardSave(stored, custom_metadata=checksum_table(host))
-    return ocp.args.StandardSave(host)
 
 
 def table_v2(serial: Any, digests: list, views: list) -> dict:
