@@ -62,20 +62,25 @@ Two seams (for the background writer and the preemption hook):
   that write has ended (committed or failed) and never blocks; ``wait(deadline) -> str |
   None`` blocks until it has ended or ``time.monotonic()`` passes ``deadline`` (None: no
   bound) and returns None once committed, else the error's text; ``close()``.
-  :class:`_SyncWriter` writes within ``start``. The manager agrees on every process's
-  outcome after ``wait`` and raises the same error on every process.
+  :class:`jreplicate.checkpoint.writer.BackgroundWriter` writes in the background
+  (:meth:`CheckpointManager.save` returns once the device-to-host copies are taken).
+  The manager agrees on every process's outcome at the next ``save``,
+  ``wait_until_finished``, ``close`` or ``restore_or_initialize`` (at once with
+  ``enable_async_checkpointing=False``) and raises the same error on every process.
 * ``self._preempt``: ``check(call) -> bool``, called once at the start of every
   :meth:`CheckpointManager.save` with the manager's own count of ``save`` calls (0, 1,
   2, ..., the same on every process; never the user's step), True when every process
   saves at this call because a process is being preempted; ``close()``.
-  :class:`_NoPreemption` never is.
+  :class:`_NoPreemption` never is (until the directory is open);
+  :class:`jreplicate.checkpoint.preemption.PreemptionWatch` watches SIGTERM and JAX's
+  preemption notice (it numbers JAX's sync points process-wide, across managers).
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import shutil
+import sys
 import time
 import weakref
 from collections.abc import Callable
@@ -90,7 +95,7 @@ from jreplicate import _wire
 from jreplicate._jax_compat import unsupported_orbax
 from jreplicate._tree import native
 from jreplicate.checkpoint import restore as reading
-from jreplicate.checkpoint.checks import mismatch, one_line, path_problem, quiet_orbax
+from jreplicate.checkpoint.checks import mismatch, one_line, path_problem
 from jreplicate.checkpoint.digest import digest_array
 from jreplicate.checkpoint.dirlock import LOCK_NAME, DirectoryLock, LockHeldError
 from jreplicate.checkpoint.dtypes import as_stored
@@ -102,6 +107,7 @@ from jreplicate.checkpoint.leaves import (
     to_saved,
     zeros_like,
 )
+from jreplicate.checkpoint.preemption import Preempted, PreemptionWatch
 from jreplicate.checkpoint.targets import resolve
 from jreplicate.checkpoint.tree import (
     FORMAT_2,
@@ -111,6 +117,14 @@ from jreplicate.checkpoint.tree import (
     table_v2,
     view_rows,
 )
+from jreplicate.checkpoint.writer import (
+    BackgroundWriter,
+    failure_message,
+    remove_debris,
+    retain,
+    settle,
+    wait_for_writes,
+)
 from jreplicate.strategies.base import Strategy
 
 logger = logging.getLogger("jreplicate")
@@ -119,7 +133,6 @@ T = TypeVar("T")
 #: The file Orbax writes into a step directory as the last act of a save: a step
 #: directory without it is incomplete, never restored, and moved aside by the chief.
 COMMIT_MARKER = "commit_success.txt"
-_TMP = ".orbax-checkpoint-tmp"  # in the name of an interrupted save's directory
 
 
 class CheckpointError(RuntimeError):
@@ -135,51 +148,6 @@ class CheckpointError(RuntimeError):
       ...     print(str(e).split(": ")[1])
       /tmp/.../a_file is a file, where a directory is needed. Give a directory path that ...
     """
-
-
-class _SyncWriter:
-    """The writer seam, synchronous: Orbax's ``Checkpointer`` writes within ``start``.
-
-    ``every_process``: every process writes its own shards (the directory is shared);
-    else only this process (the chief) writes, fully addressable state.
-    """
-
-    def __init__(self, directory: str, every_process: bool):
-        import orbax.checkpoint as ocp
-        me = jax.process_index()
-        options = (ocp.options.MultiprocessingOptions(primary_host=0) if every_process else
-                   ocp.options.MultiprocessingOptions(primary_host=me, active_processes={me}))
-        handler = ocp.StandardCheckpointHandler(multiprocessing_options=options)
-        self._ocp = ocp
-        self._dir = directory
-        self._checkpointer = ocp.Checkpointer(
-            ocp.CompositeCheckpointHandler(
-                default=handler, composite_options=ocp.CompositeOptions(
-                    multiprocessing_options=options)),
-            multiprocessing_options=options)
-        self._error: str | None = None
-
-    def start(self, step: int, tree: Any, metadata: dict) -> None:
-        ocp, self._error = self._ocp, None
-        args = ocp.args.Composite(default=ocp.args.StandardSave(tree,
-                                                                custom_metadata=metadata))
-        try:
-            with quiet_orbax():
-                self._checkpointer.save(os.path.join(self._dir, str(step)), args=args)
-        except OSError as e:  # reported to every process by the manager
-            self._error = f"could not write checkpoint {step}: " + path_problem(self._dir, e)
-        except Exception as e:  # broad: reported to every process by the manager
-            self._error = f"could not write checkpoint {step} to {self._dir} ({one_line(e)})"
-
-    def poll(self) -> bool:
-        return True
-
-    def wait(self, deadline: float | None = None) -> str | None:
-        del deadline  # nothing runs in the background
-        return self._error
-
-    def close(self) -> None:
-        self._checkpointer.close()
 
 
 class _NoPreemption:
@@ -205,11 +173,16 @@ class CheckpointManager:
         decision.
       max_to_keep: the number of most recent checkpoints kept (``None``: all).
       save_interval_steps: :meth:`save` writes only at steps divisible by this (unless
-        ``force=True``).
-      enable_async_checkpointing: write in the background (Orbax's name; this version
-        writes before :meth:`save` returns either way).
-      exit_on_preemption: when a process is preempted, :meth:`save` saves and ends the
-        process (see :meth:`reached_preemption`).
+        ``force=True``, or the job is preempted).
+      enable_async_checkpointing: write in the background (Orbax's name): :meth:`save`
+        returns once the device-to-host copies are taken, and a failed write is raised
+        at the next call (see :meth:`save`). False: :meth:`save` returns once the
+        checkpoint is committed.
+      exit_on_preemption: once any process gets SIGTERM (or the platform's preemption
+        notice), every process writes the state of the same :meth:`save` call, waits
+        until it is committed and, when True, raises
+        :class:`jreplicate.checkpoint.Preempted` (exit status 42); when False,
+        :meth:`reached_preemption` says so and the program decides.
 
     Raises:
       CheckpointError: on every process, when the chief cannot create or write
@@ -287,10 +260,12 @@ class CheckpointManager:
         self._agreement = strategy.agreement("checkpoint")
         self._lock: DirectoryLock | None = None
         self._writer: Any = None
+        self._pending: int | None = None  # the step written, its outcome not yet agreed
         self._preempt: Any = _NoPreemption()
         self._calls = 0  # save() calls: the preemption seam's counter
         self._preempted = False
         self._tidied = False
+        wait_for_writes(self._dir)  # of a manager dropped without close()
         # The chief's failure (no permission, a file in the way, another job's lock) is
         # everybody's, at once: not a ClusterError on the others at their next agreement.
         _, err = self._share(lambda: (None, self._open_directory() if self.is_chief else None),
@@ -299,7 +274,14 @@ class CheckpointManager:
             raise CheckpointError(err)
         self._unseen = self._who_cannot_see()
         self._shared = self._unseen is None
-        self._writer = _SyncWriter(self._dir, every_process=self._shared)
+        timeouts = getattr(strategy, "timeouts", None)
+        self._writer = BackgroundWriter(
+            self._dir, every_process=self._shared, num_processes=strategy.num_processes,
+            process_index=strategy.process_index,
+            key_prefix=getattr(self._agreement, "prefix", f"jreplicate/ckpt/{id(self)}"),
+            timeout=timeouts.collective_timeout if timeouts is not None else 1200)
+        self._preempt = PreemptionWatch(strategy.agreement("preemption"))
+        self._last_written: int | None = None
 
     # -- facts ---------------------------------------------------------------------
     @property
@@ -335,8 +317,11 @@ class CheckpointManager:
         return step
 
     def reached_preemption(self, step: int) -> bool:
-        """Whether a process was preempted, as agreed at the last :meth:`save` call
-        (the same on every process). ``step`` is the caller's, for Orbax's signature."""
+        """Whether the job is preempted: True on every process from the :meth:`save`
+        call that wrote the preemption checkpoint on (call it after ``save``). For
+        ``exit_on_preemption=False``; with True, that ``save`` raises
+        :class:`jreplicate.checkpoint.Preempted` instead. ``step`` is the caller's, for
+        Orbax's signature."""
         del step
         return self._preempted
 
@@ -379,6 +364,7 @@ class CheckpointManager:
                 "restore_or_initialize(init_fn) needs a parameter-less function returning "
                 f"the initial state, got {type(init_fn).__name__}."
             )
+        self._settle()
         steps, err = self._share_steps()
         if err:
             raise CheckpointError(err)
@@ -551,8 +537,15 @@ class CheckpointManager:
 
         Every process writes the shards it holds (when every process sees the
         directory; else the chief writes, and ``state`` must be replicated or held by
-        one process). Returns once the checkpoint is complete, with the same result on
-        every process. Costs nothing when it does not write.
+        one process). With ``enable_async_checkpointing`` (the default) it returns once
+        the device-to-host copies are taken: the state may then be donated or changed,
+        and the files are written in the background. The step is listed
+        (:meth:`complete_steps`, :meth:`latest_step`) once committed; a write that
+        fails on any process is raised as the same :class:`CheckpointError` on every
+        process at the next :meth:`save`, :meth:`wait_until_finished`, :meth:`close` or
+        :meth:`restore_or_initialize`, and that step is never restored. Without it,
+        it returns once the checkpoint is complete. Costs nothing when it does not
+        write.
 
         Args:
           step: the step's number (the K-step counter in device loops).
@@ -570,8 +563,12 @@ class CheckpointManager:
             array).
           TypeError: a leaf's dtype cannot be checkpointed (``float0``, strings: the
             message names the leaf and the fix); nothing is written.
-          CheckpointError: a process could not write (raised on every process), or
-            state sharded across processes while not every process sees the directory.
+          CheckpointError: a process could not write this checkpoint (blocking saves)
+            or the previous one (background saves; raised on every process), or state
+            sharded across processes while not every process sees the directory.
+          jreplicate.checkpoint.Preempted: the job is preempted and this call's checkpoint
+            is committed (every process; ``exit_on_preemption=True``): see
+            docs/guides/multi_process.md, "Preemption".
         """
         if isinstance(step, bool) or not isinstance(step, (int, np.integer)) or not (
                 0 <= step <= _wire.MAX_INT64):
@@ -579,18 +576,36 @@ class CheckpointManager:
                              f"that an int64 holds (at most {_wire.MAX_INT64}).")
         step = int(step)
         call, self._calls = self._calls, self._calls + 1
-        if self._preempt.check(call):
-            self._preempted = True
-        if not (force or self._preempted or self.should_save(step)):
+        preempted = self._preempt.check(call)
+        self._preempted = self._preempted or preempted
+        if not (force or preempted or self.should_save(step)):
             return False
-        if _is_thunk(state):
-            state = state()
-        what = "CheckpointManager.save(state)"
-        if self._shared:
-            self._save_everywhere(step, state, what)
-        else:
-            self._save_on_chief(step, state, what)
+        if not (preempted and step == self._last_written):  # not written twice
+            self._settle()
+            if _is_thunk(state):
+                state = state()
+            what = "CheckpointManager.save(state)"
+            if self._shared:
+                self._save_everywhere(step, state, what)
+            else:
+                self._save_on_chief(step, state, what)
+            self._last_written = step
+        if preempted:
+            self._stop(step)
         return True
+
+    def _stop(self, step: int) -> None:
+        """After the preemption checkpoint ``step`` is written: waits for its commit,
+        says so (the launcher reads the line), and with ``exit_on_preemption`` closes
+        the manager and raises :class:`Preempted` (every process alike)."""
+        self.wait_until_finished()
+        sys.stderr.write(f"jreplicate: preempted: every process saved checkpoint {step}"
+                         + (f"; exiting with status {Preempted(step).code}\n"
+                            if self._exit_on_preemption else "\n"))
+        sys.stderr.flush()
+        if self._exit_on_preemption:
+            self.close()
+            raise Preempted(step)
 
     def _save_everywhere(self, step: int, state: Any, what: str) -> None:
         tree = to_saved(state, what)
@@ -623,20 +638,32 @@ class CheckpointManager:
                         view_rows(state))
 
     def _write(self, step: int, stored: Any, metadata: dict) -> None:
-        """Writes through the writer seam on every process that writes, then agrees on
-        the outcome; the chief then deletes what ``max_to_keep`` no longer keeps."""
+        """Starts the write through the writer seam on every process that writes; its
+        outcome is agreed now (blocking saves, preemption) or at the next call."""
         _, err = self._share(lambda: (None, self._new_step_problem(step) if self.is_chief
                                       else None), f"writing checkpoint {step}")
         if err:
             raise CheckpointError(err)
-        error = None
         if self._shared or self.is_chief:
             self._writer.start(step, stored, metadata)
-            error = self._writer.wait(None)
-        kind, detail = self._agree("error" if error else "ok", error or "",
-                                   f"writing checkpoint {step}", chief_only=not self._shared)
-        if kind != "ok":
-            raise CheckpointError(detail)
+        self._pending = step
+        if not self._async or self._preempted:
+            self._settle()
+
+    def _settle(self) -> None:
+        """The outcome exchange of the pending write, on every process at the same
+        call: wait for it (bounded), agree, then the chief applies ``max_to_keep``; or
+        every process raises the same error."""
+        if self._pending is None:
+            return
+        step, self._pending = self._pending, None
+        writes = self._writer is not None and (self._shared or self.is_chief)
+        outcome = settle(self._writer if writes else None, self._agreement, step,
+                         latest=self._latest, is_chief=self.is_chief)
+        if outcome.failure is not None:
+            if self.is_chief:  # every process's write has ended: delete its files
+                remove_debris(self._dir)
+            raise CheckpointError(failure_message(step, outcome.failure, outcome.latest))
         if self.is_chief:
             self._retain()
 
@@ -658,36 +685,43 @@ class CheckpointManager:
     def _retain(self) -> None:
         """Deletes the oldest complete steps beyond ``max_to_keep`` (a warning if it
         cannot: never an error, nothing else is deleted)."""
-        if self._max_to_keep is None:
-            return
-        steps = self.complete_steps()
-        for step in steps[:max(0, len(steps) - self._max_to_keep)]:
-            path = os.path.join(self._dir, str(step))
-            try:
-                shutil.rmtree(path)
-            except OSError as e:
-                logger.warning("jreplicate: could not delete the old checkpoint %s (%s); "
-                               "it is kept", path, one_line(e))
+        retain(self._dir, self.complete_steps(), self._max_to_keep)
 
     def wait_until_finished(self) -> None:
-        """Blocks until the last save is committed (this version writes within
-        :meth:`save`: returns at once)."""
+        """Blocks until the last save is committed; call it on every process.
+
+        Raises:
+          CheckpointError: on every process alike, when a process's write of the last
+            save failed (the message names the process and its error; that step is
+            incomplete and never restored). Each failure is raised once.
+        """
+        self._settle()
 
     def close(self) -> None:
         """Finishes pending writes, releases Orbax's resources and the directory's lock.
 
         Idempotent. A manager that is dropped, or whose process ends, without ``close()``
-        releases the lock too.
+        releases the lock too, but a write still in flight when the program ends fails
+        (Python starts no threads at exit, and Orbax's commit needs one): close the
+        manager (or use ``with``) before the program ends. A new manager on the
+        directory waits for this process's writes of a dropped one.
+
+        Raises:
+          CheckpointError: on every process alike, when the last write failed on a
+            process (the resources and the lock are released first).
         """
         try:
-            if self._writer is not None:
-                self._writer.close()
-                self._writer = None
-            self._preempt.close()
+            self._settle()  # the last write's failure, raised after what follows
         finally:
-            if self._lock is not None:
-                self._lock.release()
-                self._lock = None
+            try:
+                if self._writer is not None:
+                    self._writer.close()
+                    self._writer = None
+                self._preempt.close()
+            finally:
+                if self._lock is not None:
+                    self._lock.release()
+                    self._lock = None
 
     def __enter__(self) -> CheckpointManager:
         return self
@@ -760,10 +794,7 @@ class CheckpointManager:
         if self._tidied:
             return
         self._tidied = True
-        for name in os.listdir(self._dir):
-            path = os.path.join(self._dir, name)
-            if _TMP in name and os.path.isdir(path):
-                shutil.rmtree(path, ignore_errors=True)
+        remove_debris(self._dir)
         complete = set(self.complete_steps())
         for name in os.listdir(self._dir):
             path = os.path.join(self._dir, name)
