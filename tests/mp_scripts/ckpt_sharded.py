@@ -132,6 +132,7 @@ def main() -> None:
             out["own_sharded"] = str(e)
         replicated = {"rep": state(1)["rep"], "host": reference(1, "host")}
         out["own_replicated"] = m.save(1, replicated, force=True)
+        m.wait_until_finished()  # written in the background
         out["own_steps"] = m.complete_steps()
     with CheckpointManager(own, rep) as m:  # the chief reads, every process receives
         step, got = m.restore_or_initialize(lambda: replicated)
