@@ -100,7 +100,6 @@ def main() -> None:
             m.save(step, s, force=True)
             m.wait_until_finished()  # the write included, background or not
             out[f"save_seconds_{step}"] = time.monotonic() - start
-            m.wait_until_finished()  # written in the background: that memory counts too
             out[f"hwm_increase_{step}"] = _status("VmHWM") - rss
             del s
         del s1
