@@ -313,8 +313,11 @@ class CheckpointManager:
         """Writes ``state`` as checkpoint ``step`` from the chief; call on every process.
 
         ``state`` must be replicated (what :meth:`jreplicate.Replicator.run` returns for
-        parameters and optimizer state). Returns once the chief's checkpoint is
-        complete, with the same result on every process.
+        parameters and optimizer state), or a zero-argument function returning it, which
+        is called only when this call writes (so a loop may call ``save`` at every step:
+        ``mngr.save(step, lambda: (rep.join(), strategy.state())[1])`` joins a
+        parameter server's steps only at the steps it saves). Returns once the chief's
+        checkpoint is complete, with the same result on every process.
 
         Returns:
           True if a checkpoint was written; False if ``step`` is not a multiple of
@@ -334,6 +337,7 @@ class CheckpointManager:
         step = int(step)
         if not (force or self.should_save(step)):
             return False
+        state = _evaluated(state)
         host = to_host(state, "CheckpointManager.save(state)", saving=True)
         name_clash(host, "CheckpointManager.save(state)")
         _, err = self._share(lambda: (None, self._write(step, host) if self.is_chief else None),
@@ -596,3 +600,11 @@ def _as_held(x: Any) -> Any:
         a = np.asarray(x)
         return jax.ShapeDtypeStruct(a.shape, jax.dtypes.canonicalize_dtype(native(a.dtype)))
     return x
+
+
+def _evaluated(state: Any) -> Any:
+    """``state()`` when ``state`` is a zero-argument function (a callable pytree leaf:
+    never a pytree such as an NNX module with a ``__call__``), else ``state``."""
+    if callable(state) and jax.tree_util.treedef_is_leaf(jax.tree.structure(state)):
+        return state()
+    return state

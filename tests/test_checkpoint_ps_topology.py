@@ -1,0 +1,175 @@
+"""``ParameterServerStrategy.state()`` through :class:`jreplicate.CheckpointManager`:
+saved from one job, restored into a job with another number of workers, other devices
+and other sync groups (workers hold no state), bit for bit; another ``num_ps`` is
+refused; the loop's ``save(step, lambda: ...)`` calls the function only when it writes.
+
+The reference for "training goes on as if never interrupted" is an uninterrupted run of
+the same job: the step's gradient does not depend on the parameters, so the shards
+apply the same gradients in the same order whatever the workers' timing (adam's moments
+included), and the parameters are a function of the step count alone.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import jreplicate as jr
+from jreplicate.checkpoint import CheckpointError
+from tests._ps_helpers import (
+    bounded_test,  # noqa: F401 (autouse: every test bounded)
+    sgd_job,
+)
+
+SIZES = {"a": 6, "b": 3}
+G = {"a": np.linspace(-1.0, 2.0, 6, dtype=np.float32), "b": np.float32([0.5, -3.0, 1.0])}
+
+
+def _job(**strategy_kw):
+    s, rep, w, opt, tx = sgd_job(SIZES, inner=optax.adam(0.1), **strategy_kw)
+
+    def step(ctx, w, opt):
+        g = jax.grad(lambda w: jnp.sum(w["a"] * G["a"]) + jnp.sum(w["b"] * G["b"]))(w)
+        u, opt = tx.update(g, opt, w)
+        return optax.apply_updates(w, u), opt
+
+    return s, rep, w, opt, step
+
+
+def _train(job, steps, mngr=None, first=0):
+    """``steps`` steps of ``job``; with ``mngr``, ``save`` at every step with a function
+    (the documented loop). Returns how many times the function was called."""
+    s, rep, w, opt, step = job
+    calls = []
+
+    def state():
+        calls.append(1)
+        rep.join()
+        return s.state()
+
+    for i in range(first + 1, first + steps + 1):
+        rep.run(step, None, w, opt)
+        if mngr is not None:
+            mngr.save(i, state)
+    rep.join()
+    return len(calls)
+
+
+def _bits(tree):
+    leaves, treedef = jax.tree.flatten(tree)
+    return treedef, [(np.asarray(x).dtype, np.asarray(x).shape, np.asarray(x).tobytes())
+                     for x in leaves]
+
+
+SOURCE = {"num_ps": 2, "num_workers": 3}
+TARGETS = {
+    "1_worker_on_3_devices": {"num_ps": 2, "num_workers": 1, "devices": jax.devices()[:3]},
+    "sync_groups_of_2": {"num_ps": 2, "num_workers": 2, "num_replicas_in_sync": 2,
+                         "devices": jax.devices()[:6]},
+    "4_workers_on_8_devices": {"num_ps": 2, "num_workers": 4},
+}
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """Checkpoint 6 of a 2-shard, 3-worker job (saved with a function at every step,
+    every 3 steps written), its state, and the parameters of the same job run 10 steps
+    uninterrupted."""
+    directory = tmp_path_factory.mktemp("ps")
+    job = _job(**SOURCE)
+    with jr.CheckpointManager(directory, job[1], save_interval_steps=3) as mngr:
+        calls = _train(job, 6, mngr)
+    assert calls == 2  # steps 3 and 6 only
+    state = jax.tree.map(np.array, job[0].state())
+    job[0].shutdown()
+    ref = _job(**SOURCE)
+    _train(ref, 10)
+    params = ref[0].parameters()
+    ref[0].shutdown()
+    # adam with a constant gradient moves each parameter by lr * sign(g) per step.
+    for k, g in G.items():
+        np.testing.assert_allclose(params[k], -0.1 * 10 * np.sign(g), rtol=1e-4)
+    return directory, state, params
+
+
+@pytest.mark.parametrize("target", list(TARGETS))
+def test_ps_state_restores_onto_other_workers_and_devices_bit_for_bit(saved, target):
+    directory, state, uninterrupted = saved
+    job = _job(**TARGETS[target])
+    s = job[0]
+    try:
+        with jr.CheckpointManager(directory, job[1]) as mngr:
+            at, got = mngr.restore_or_initialize(s.state)
+        assert at == 6
+        assert _bits(got) == _bits(state)
+        s.restore(got)
+        assert _bits(s.state()) == _bits(state)  # on the shards as saved, ledgers too
+        _train(job, 4, first=6)
+        assert s._executor.next_id == 10
+        assert _bits(s.parameters()) == _bits(uninterrupted)
+    finally:
+        s.shutdown()
+
+
+@pytest.mark.parametrize("num_ps", [1, 3])
+def test_another_num_ps_is_refused_and_nothing_moves(saved, num_ps):
+    directory = saved[0]
+    job = _job(num_ps=num_ps, num_workers=1)
+    try:
+        with jr.CheckpointManager(directory, job[1]) as mngr:
+            with pytest.raises(CheckpointError, match=r"does not match init_fn\(\)'s state"
+                               r"(.|\n)*\['shards'\]"):
+                mngr.restore_or_initialize(job[0].state)
+            assert mngr.latest_step() == 6
+    finally:
+        job[0].shutdown()
+
+
+def test_save_calls_the_state_function_only_when_it_writes(tmp_path):
+    """A function is called when the step is due or ``force=True``, never otherwise:
+    there a ``state()`` with steps pending would raise, and a join would stall the
+    loop at every step."""
+    job = _job(num_ps=1, num_workers=1)
+    s, rep, w, opt, step = job
+    try:
+        with jr.CheckpointManager(tmp_path, rep, save_interval_steps=5) as mngr:
+            def never():
+                raise AssertionError("called at a step that is not saved")
+
+            rep.run(step, None, w, opt)
+            assert mngr.save(1, never) is False
+            assert mngr.save(2, lambda: (rep.join(), s.state())[1], force=True) is True
+            assert mngr.complete_steps() == [2]
+        with jr.CheckpointManager(tmp_path, rep) as mngr:
+            at, got = mngr.restore_or_initialize(s.state)
+        assert at == 2 and _bits(got) == _bits(s.state())
+    finally:
+        s.shutdown()
+
+
+def test_a_state_function_and_its_value_write_the_same_checkpoint(tmp_path):
+    """SPMD state given as a function is what the function returns; a pytree that is
+    callable (an NNX module with ``__call__``) is state, never called."""
+    rep = jr.Replicator(jr.MirroredStrategy())
+    state = {"w": jnp.arange(4.0), "n": jnp.int32(3)}
+    with jr.CheckpointManager(tmp_path / "value", rep) as m:
+        m.save(1, state)
+    with jr.CheckpointManager(tmp_path / "fn", rep) as m:
+        m.save(1, lambda: state)
+    for d in ("value", "fn"):
+        with jr.CheckpointManager(tmp_path / d, rep) as m:
+            _, got = m.restore_or_initialize(lambda: jax.tree.map(jnp.zeros_like, state))
+        assert _bits(got) == _bits(state)
+
+    nnx = pytest.importorskip("flax.nnx")
+
+    class Model(nnx.Module):
+        def __init__(self):
+            self.w = nnx.Param(jnp.arange(3.0))
+
+        def __call__(self, x):
+            raise AssertionError("save called the module")
+
+    with jr.CheckpointManager(tmp_path / "nnx", rep) as m:
+        assert m.save(1, Model()) is True
