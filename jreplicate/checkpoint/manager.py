@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 import time
 import weakref
 from collections.abc import Callable
@@ -59,6 +60,7 @@ from jreplicate._tree import native
 from jreplicate.checkpoint.checks import mismatch, one_line, path_problem, quiet_orbax
 from jreplicate.checkpoint.dirlock import LOCK_NAME, DirectoryLock, LockHeldError
 from jreplicate.checkpoint.leaves import to_host, zeros_like
+from jreplicate.checkpoint.preemption import Preempted, PreemptionWatch
 from jreplicate.checkpoint.tree import (
     data_problem,
     logical,
@@ -112,7 +114,11 @@ class CheckpointManager:
         decision.
       max_to_keep: the number of most recent checkpoints kept (``None``: all).
       save_interval_steps: :meth:`save` writes only at steps divisible by this (unless
-        ``force=True``).
+        ``force=True``, or the job is preempted).
+      exit_on_preemption: once any process gets SIGTERM (or the platform's preemption
+        notice), every process writes the state of the same :meth:`save` call and,
+        when True, raises :class:`jreplicate.checkpoint.Preempted` (exit status 42);
+        when False, :meth:`reached_preemption` says so and the program decides.
 
     Raises:
       CheckpointError: on every process, when the chief cannot create or write
@@ -149,7 +155,8 @@ class CheckpointManager:
     """
 
     def __init__(self, directory: str | os.PathLike, strategy: Any, *,
-                 max_to_keep: int | None = 3, save_interval_steps: int = 1):
+                 max_to_keep: int | None = 3, save_interval_steps: int = 1,
+                 exit_on_preemption: bool = True):
         why = unsupported_orbax()
         if why is not None:
             raise ImportError(why)
@@ -175,13 +182,20 @@ class CheckpointManager:
                 f"CheckpointManager(save_interval_steps={save_interval_steps!r}) must be an "
                 "int >= 1."
             )
+        if not isinstance(exit_on_preemption, bool):
+            raise TypeError(f"CheckpointManager(exit_on_preemption={exit_on_preemption!r}) "
+                            "must be True or False.")
         self._dir = os.path.abspath(os.fspath(directory))
+        self._exit_on_preemption = exit_on_preemption
+        self._preempted_at: int | None = None
+        self._last_written: int | None = None
         self._strategy = strategy
         self._max_to_keep = max_to_keep
         self._interval = save_interval_steps
         self._sharding = NamedSharding(strategy.mesh, P())
         self._devices = set(strategy.mesh.devices.flat)
         self._agreement = strategy.agreement("checkpoint")
+        self._preempt = PreemptionWatch(strategy.agreement("preemption"))
         self._orbax = None
         self._lock: DirectoryLock | None = None
         # The chief's failure (no permission, a file in the way, another job's lock) is
@@ -189,6 +203,7 @@ class CheckpointManager:
         _, err = self._share(lambda: (None, self._open_directory() if self.is_chief else None),
                              f"opening the checkpoint directory {self._dir}")
         if err:
+            self._preempt.close()
             raise CheckpointError(err)
 
     # -- facts ---------------------------------------------------------------------
@@ -319,6 +334,12 @@ class CheckpointManager:
         parameter server's steps only at the steps it saves). Returns once the chief's
         checkpoint is complete, with the same result on every process.
 
+        Call it on every process at every step (or run of steps): that is where a
+        preemption is noticed. The call at which the processes agree that the job is
+        preempted writes whatever ``save_interval_steps`` says, then (with
+        ``exit_on_preemption=True``) closes the manager and raises
+        :class:`jreplicate.checkpoint.Preempted`.
+
         Returns:
           True if a checkpoint was written; False if ``step`` is not a multiple of
           ``save_interval_steps`` (and ``force`` is False).
@@ -329,22 +350,46 @@ class CheckpointManager:
           TypeError: a leaf's dtype cannot be checkpointed (``float0``, strings: the
             message names the leaf and the fix); nothing is written.
           CheckpointError: the chief could not write (raised on every process).
+          jreplicate.checkpoint.Preempted: the job is preempted and this call's checkpoint
+            is written (every process; ``exit_on_preemption=True``).
         """
         if isinstance(step, bool) or not isinstance(step, (int, np.integer)) or not (
                 0 <= step <= _wire.MAX_INT64):
             raise ValueError(f"CheckpointManager.save(step={step!r}): step must be an int >= 0 "
                              f"that an int64 holds (at most {_wire.MAX_INT64}).")
         step = int(step)
-        if not (force or self.should_save(step)):
+        preempted = self._preempt.check()
+        if preempted and self._preempted_at is None:
+            self._preempted_at = step
+        if not (force or preempted or self.should_save(step)):
             return False
-        state = _evaluated(state)
-        host = to_host(state, "CheckpointManager.save(state)", saving=True)
-        name_clash(host, "CheckpointManager.save(state)")
-        _, err = self._share(lambda: (None, self._write(step, host) if self.is_chief else None),
-                             f"writing checkpoint {step}")
-        if err:
-            raise CheckpointError(err)
+        if not (preempted and step == self._last_written):
+            state = _evaluated(state)
+            host = to_host(state, "CheckpointManager.save(state)", saving=True)
+            name_clash(host, "CheckpointManager.save(state)")
+            _, err = self._share(
+                lambda: (None, self._write(step, host) if self.is_chief else None),
+                f"writing checkpoint {step}")
+            if err:
+                raise CheckpointError(err)
+            self._last_written = step
+        if preempted:
+            # The launcher reads this line (jreplicate.cluster.launch).
+            sys.stderr.write(f"jreplicate: preempted: every process saved checkpoint {step}"
+                             + (f"; exiting with status {Preempted(step).code}\n"
+                                if self._exit_on_preemption else "\n"))
+            sys.stderr.flush()
+            if self._exit_on_preemption:
+                self.close()
+                raise Preempted(step)
         return True
+
+    def reached_preemption(self, step: int) -> bool:
+        """Whether the job was preempted at or before ``step``: True on every process
+        from the :meth:`save` call that wrote the preemption checkpoint on (call it
+        after ``save(step, ...)``). For ``exit_on_preemption=False``; with True, that
+        ``save`` raises :class:`jreplicate.checkpoint.Preempted` instead."""
+        return self._preempted_at is not None and step >= self._preempted_at
 
     def close(self) -> None:
         """Finishes pending writes, releases Orbax's resources and the directory's lock.
@@ -352,6 +397,7 @@ class CheckpointManager:
         Idempotent. A manager that is dropped, or whose process ends, without ``close()``
         releases the lock too.
         """
+        self._preempt.close()
         try:
             if self._orbax is not None:
                 self._orbax.wait_until_finished()

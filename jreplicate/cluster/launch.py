@@ -3,7 +3,7 @@
 Usage::
 
     python -m jreplicate.cluster.launch --nproc N [--devices-per-proc K] [--max-restarts R] \\
-        [--timeout S] script.py [args ...]
+        [--max-preemptions P] [--grace S] [--timeout S] script.py [args ...]
 
 Starts ``N`` copies of ``script.py`` (or ``-m module``) that find each other through a
 coordinator on ``127.0.0.1`` and a free port (``--host`` may name another loopback
@@ -29,6 +29,16 @@ kills these groups if the launcher itself is killed (even by SIGKILL). With
 ``--max-restarts R`` the whole group is started again, up to ``R`` times, on a fresh
 port; a program that restores its latest checkpoint on start (see
 :class:`jreplicate.checkpoint.CheckpointManager`) then resumes where it stopped.
+
+Preemption: a group whose processes all exit with status 42
+(:data:`jreplicate.cluster.watchdog.EXIT_PREEMPTED`, what
+:class:`jreplicate.checkpoint.Preempted` ends a process with once every process saved
+the same checkpoint) is restarted without counting against ``--max-restarts``, up to
+``--max-preemptions P`` times (default 100). When one process exits 42, the others
+have ``--grace`` seconds to follow. A SIGTERM to the launcher itself (the host is going
+away) is forwarded to every process as SIGTERM; the launcher waits ``--grace`` seconds
+(give it more than a save takes), then exits 42 if every process did, without
+restarting, and otherwise kills what is left and exits 143.
 """
 
 from __future__ import annotations
@@ -53,7 +63,7 @@ from jreplicate.cluster.spec import (
     ENV_PROCESS_ID,
     is_loopback_host,
 )
-from jreplicate.cluster.watchdog import ENV_FAIL_FAST, EXIT_INIT_TIMEOUT
+from jreplicate.cluster.watchdog import ENV_FAIL_FAST, EXIT_INIT_TIMEOUT, EXIT_PREEMPTED
 
 _log = logging.getLogger("jreplicate")
 
@@ -83,11 +93,14 @@ class Outcome:
       ok: every process exited with status 0.
       exit_code: the launcher's exit status for this outcome.
       message: which process failed and why (empty when ``ok``).
+      preempted: every process exited with :data:`EXIT_PREEMPTED` (a restart that
+        does not count against ``--max-restarts``).
     """
 
     ok: bool
     exit_code: int = 0
     message: str = ""
+    preempted: bool = False
 
 
 def describe_status(returncode: int) -> str:
@@ -100,6 +113,8 @@ def describe_status(returncode: int) -> str:
         return f"killed by signal {-returncode} ({name})"
     if returncode == EXIT_INIT_TIMEOUT:
         return f"exit code {returncode} (could not join the cluster in time)"
+    if returncode == EXIT_PREEMPTED:
+        return f"exit code {returncode} (preempted, after saving a checkpoint)"
     return f"exit code {returncode}"
 
 
@@ -164,6 +179,8 @@ _GUARD = (
 )
 
 _TRACEBACK = "Traceback (most recent call last):"
+# The line jreplicate.checkpoint writes before a preempted process exits 42.
+_PREEMPTED_LINE = re.compile(r"preempted: every process saved checkpoint (\d+)")
 _EXCEPTION_LINE = re.compile(r"^[A-Za-z_][\w.]*(: .*)?$")
 
 
@@ -174,6 +191,7 @@ class _Group:
         self._lock = threading.Lock()
         self._last_err = [collections.deque(maxlen=5) for _ in envs]
         self._exception: list[str] = ["" for _ in envs]
+        self.saved_step: list[int | None] = [None for _ in envs]  # before exiting 42
         self.ended: list[float | None] = [None for _ in envs]
         self.procs: list[subprocess.Popen] = []
         self._pumps: list[threading.Thread] = []
@@ -212,6 +230,8 @@ class _Group:
         for raw in iter(stream.readline, b""):
             line = raw.decode("utf-8", errors="replace").rstrip("\n")
             if is_err and line.strip():
+                if m := _PREEMPTED_LINE.search(line):
+                    self.saved_step[rank] = int(m.group(1))
                 self._last_err[rank].append(line.strip())
                 if line.startswith(_TRACEBACK):
                     in_traceback = True
@@ -232,9 +252,10 @@ class _Group:
         return self._exception[rank]
 
     def first_failure(self) -> tuple[int, int] | None:
-        """``(rank, returncode)`` of the process that failed first, or None."""
+        """``(rank, returncode)`` of the process that failed first, or None; a process
+        that exited :data:`EXIT_PREEMPTED` has not failed."""
         failed = [(self.ended[r] or float("inf"), r, c) for r, c in
-                  enumerate(p.poll() for p in self.procs) if c not in (None, 0)]
+                  enumerate(p.poll() for p in self.procs) if c not in (None, 0, EXIT_PREEMPTED)]
         if not failed:
             return None
         _, rank, code = min(failed)
@@ -292,8 +313,14 @@ def _start_guard() -> subprocess.Popen | None:
 
 
 def run_group(cmd: list[str], *, nproc: int, devices_per_proc: int | None, host: str,
-              restart: int, grace: float, timeout: float | None) -> Outcome:
-    """Runs one attempt of the group to completion or first failure."""
+              restart: int, grace: float, timeout: float | None,
+              terminate: threading.Event | None = None) -> Outcome:
+    """Runs one attempt of the group to completion, first failure or preemption.
+
+    Args:
+      terminate: set (by the launcher's SIGTERM handler) to forward SIGTERM to every
+        process and wait ``grace`` seconds for them to exit (see :func:`_forwarded`).
+    """
     coordinator = coordinator_address(host)
     envs = [child_env(dict(os.environ), coordinator=coordinator, nproc=nproc, rank=r,
                       devices_per_proc=devices_per_proc, restart=restart)
@@ -302,24 +329,20 @@ def run_group(cmd: list[str], *, nproc: int, devices_per_proc: int | None, host:
     start = time.monotonic()
     try:
         while True:
+            if terminate is not None and terminate.is_set():
+                return _forwarded(group, grace)
             codes = [p.poll() for p in group.procs]
             first = group.first_failure()
             if first is not None:
                 time.sleep(0.1)  # let the exit times of near-simultaneous failures arrive
-                rank, code = group.first_failure() or first
-                group.stop(grace)
-                msg = f"process {rank} of {nproc} failed first: {describe_status(code)}"
-                if group.exception(rank):
-                    msg += f"; it raised {group.exception(rank)[:500]}"
-                elif group.last_error_line(rank):
-                    msg += f"; its last stderr line: {group.last_error_line(rank)[:500]}"
-                others = [r for r in range(nproc) if r != rank]
-                if others:
-                    msg += "; stopped the other processes"
-                return Outcome(False, code if code > 0 else 128 - code, msg)
+                return _failed(group, *(group.first_failure() or first), grace)
             if all(c == 0 for c in codes):
                 group.join_output()
                 return Outcome(True)
+            if EXIT_PREEMPTED in codes:
+                outcome = _preempted(group, grace)
+                if outcome is not None:
+                    return outcome
             if timeout is not None and time.monotonic() - start > timeout:
                 running = [r for r, c in enumerate(codes) if c is None]
                 group.stop(grace)
@@ -331,6 +354,76 @@ def run_group(cmd: list[str], *, nproc: int, devices_per_proc: int | None, host:
         raise
 
 
+def _failed(group: _Group, rank: int, code: int, grace: float) -> Outcome:
+    """Stops the group after process ``rank`` failed with ``code``; says who and how."""
+    nproc = len(group.procs)
+    group.stop(grace)
+    msg = f"process {rank} of {nproc} failed first: {describe_status(code)}"
+    if group.exception(rank):
+        msg += f"; it raised {group.exception(rank)[:500]}"
+    elif group.last_error_line(rank):
+        msg += f"; its last stderr line: {group.last_error_line(rank)[:500]}"
+    if nproc > 1:
+        msg += "; stopped the other processes"
+    return Outcome(False, code if code > 0 else 128 - code, msg)
+
+
+def _saved(group: _Group) -> str:
+    """``"saved checkpoint 57 and "`` when every process said so, else ``""``."""
+    steps = set(group.saved_step)
+    return f"saved checkpoint {steps.pop()} and " if len(steps) == 1 and None not in steps \
+        else ""
+
+
+def _preempted(group: _Group, grace: float) -> Outcome | None:
+    """The outcome once a process exited :data:`EXIT_PREEMPTED`: a preemption when every
+    process did; a failure when one exited 0, or did not follow within ``grace``
+    seconds (then stopped); None while the others may still follow."""
+    codes = [p.poll() for p in group.procs]
+    nproc = len(codes)
+    out = [r for r, c in enumerate(codes) if c == EXIT_PREEMPTED]
+    if all(c == EXIT_PREEMPTED for c in codes):
+        group.join_output()
+        every = "every process" if nproc > 1 else "the process"
+        return Outcome(False, EXIT_PREEMPTED, f"preempted: {every} {_saved(group)}exited "
+                                              f"{EXIT_PREEMPTED}", preempted=True)
+    first_out = min(group.ended[r] or time.monotonic() for r in out)
+    if None in codes and time.monotonic() - first_out < grace:
+        return None
+    stragglers = [r for r, c in enumerate(codes) if c != EXIT_PREEMPTED]
+    group.stop(grace)
+    how = ("did not stop" if None in codes else
+           "exited " + ", ".join(describe_status(codes[r]) for r in stragglers))
+    return Outcome(False, EXIT_PREEMPTED, (
+        f"processes {out} of {nproc} exited {EXIT_PREEMPTED} (preempted) but processes "
+        f"{stragglers} {how} within --grace {grace:g}s: they did not stop at the same save "
+        "(every process must call CheckpointManager.save at every step); stopped them"))
+
+
+def _forwarded(group: _Group, grace: float) -> Outcome:
+    """Forwards the launcher's SIGTERM to every process, waits ``grace`` seconds, then
+    kills what is left: status 42 when every process exited 42, 0 when every process
+    finished, else 143 (128 + SIGTERM)."""
+    group.signal_all(signal.SIGTERM)
+    deadline = time.monotonic() + grace
+    while time.monotonic() < deadline and any(p.poll() is None for p in group.procs):
+        time.sleep(0.05)
+    codes = [p.poll() for p in group.procs]
+    group.stop(0)  # SIGKILLs the processes still running (their SIGTERM was sent)
+    if all(c == EXIT_PREEMPTED for c in codes):
+        return Outcome(False, EXIT_PREEMPTED, (
+            f"received SIGTERM and forwarded it: every process {_saved(group)}exited "
+            f"{EXIT_PREEMPTED}; not restarting"), preempted=True)
+    if all(c == 0 for c in codes):
+        return Outcome(True, 0, "received SIGTERM; every process had finished")
+    listed = "; ".join(f"process {r}: " + ("still running, killed" if c is None else
+                                            describe_status(c)) for r, c in enumerate(codes)
+                       if c != EXIT_PREEMPTED)
+    return Outcome(False, 128 + signal.SIGTERM, (
+        f"received SIGTERM and forwarded it; not every process exited {EXIT_PREEMPTED} "
+        f"within --grace {grace:g}s ({listed}); stopped them"))
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog=f"python -m {_PROG}",
@@ -340,10 +433,15 @@ def _parser() -> argparse.ArgumentParser:
                    help="simulated CPU devices per process")
     p.add_argument("--max-restarts", type=int, default=0, metavar="R",
                    help="restart the whole group up to R times after a failure (default 0)")
+    p.add_argument("--max-preemptions", type=int, default=100, metavar="P",
+                   help=f"restart the whole group up to P times after every process exited "
+                        f"{EXIT_PREEMPTED} (preempted, checkpoint saved); these restarts do "
+                        "not count against --max-restarts (default 100)")
     p.add_argument("--host", default="127.0.0.1",
                    help="coordinator host, a loopback address (default 127.0.0.1)")
     p.add_argument("--grace", type=float, default=5.0, metavar="S",
-                   help="seconds between SIGTERM and SIGKILL when stopping (default 5)")
+                   help="seconds between SIGTERM and SIGKILL when stopping, and for the "
+                        f"processes to follow one that exited {EXIT_PREEMPTED} (default 5)")
     p.add_argument("--timeout", type=float, default=None, metavar="S",
                    help="stop the group if an attempt runs longer than S seconds")
     p.add_argument("script", help="the program: a .py file, or -m module")
@@ -351,7 +449,8 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-_VALUED = ("--nproc", "--devices-per-proc", "--max-restarts", "--host", "--grace", "--timeout")
+_VALUED = ("--nproc", "--devices-per-proc", "--max-restarts", "--max-preemptions", "--host",
+           "--grace", "--timeout")
 
 
 def _program_start(argv: list[str]) -> int:
@@ -393,6 +492,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(f"--devices-per-proc {ns.devices_per_proc}: must be >= 1")
     if ns.max_restarts < 0:
         parser.error(f"--max-restarts {ns.max_restarts}: must be >= 0")
+    if ns.max_preemptions < 0:
+        parser.error(f"--max-preemptions {ns.max_preemptions}: must be >= 0")
+    if ns.grace < 0:
+        parser.error(f"--grace {ns.grace}: must be a number of seconds >= 0")
     if ns.timeout is not None and ns.timeout <= 0:
         parser.error(f"--timeout {ns.timeout}: must be a positive number of seconds")
     if not is_loopback_host(ns.host):
@@ -400,30 +503,49 @@ def main(argv: Sequence[str] | None = None) -> int:
                      "and they listen on --host only; give a loopback address: 127.0.0.1 "
                      "(the default), ::1 or localhost")
 
-    def on_term(signum, frame):
-        raise KeyboardInterrupt
+    terminate = threading.Event()
+    signal.signal(signal.SIGTERM, lambda signum, frame: terminate.set())
+    return _attempts(cmd, ns, terminate)
 
-    signal.signal(signal.SIGTERM, on_term)
-    outcome = Outcome(True)
-    for attempt in range(ns.max_restarts + 1):
+
+def _attempts(cmd: list[str], ns: argparse.Namespace, terminate: threading.Event) -> int:
+    """Runs the group, restarting it after failures (``--max-restarts``) and after
+    preemptions (``--max-preemptions``), counted apart; returns the exit status."""
+    restarts = preemptions = 0
+    while True:
         try:
             outcome = run_group(cmd, nproc=ns.nproc, devices_per_proc=ns.devices_per_proc,
-                                host=ns.host, restart=attempt, grace=ns.grace,
-                                timeout=ns.timeout)
+                                host=ns.host, restart=restarts + preemptions,
+                                grace=ns.grace, timeout=ns.timeout, terminate=terminate)
         except KeyboardInterrupt:
             print(f"{_PROG}: interrupted; stopped all processes", file=sys.stderr)
             return 130
+        if outcome.message:
+            print(f"{_PROG}: {outcome.message}", file=sys.stderr, flush=True)
         if outcome.ok:
-            if attempt:
-                print(f"{_PROG}: succeeded after {attempt} restart(s)", file=sys.stderr)
+            if restarts + preemptions:
+                print(f"{_PROG}: succeeded after {restarts + preemptions} restart(s)",
+                      file=sys.stderr)
             return 0
-        print(f"{_PROG}: {outcome.message}", file=sys.stderr, flush=True)
-        if attempt < ns.max_restarts:
-            print(f"{_PROG}: restarting all {ns.nproc} processes (restart {attempt + 1} of "
-                  f"{ns.max_restarts})", file=sys.stderr, flush=True)
-    if ns.max_restarts:
-        print(f"{_PROG}: giving up after {ns.max_restarts} restart(s)", file=sys.stderr)
-    return outcome.exit_code
+        if terminate.is_set():  # the host is going away: no restart
+            return outcome.exit_code
+        if outcome.preempted:
+            if preemptions >= ns.max_preemptions:
+                print(f"{_PROG}: giving up after {preemptions} preemption restart(s) "
+                      f"(--max-preemptions {ns.max_preemptions})", file=sys.stderr)
+                return outcome.exit_code
+            preemptions += 1
+            print(f"{_PROG}: restarting all {ns.nproc} processes (preemption {preemptions} of "
+                  f"{ns.max_preemptions}; not counted against --max-restarts)",
+                  file=sys.stderr, flush=True)
+            continue
+        if restarts >= ns.max_restarts:
+            if ns.max_restarts:
+                print(f"{_PROG}: giving up after {ns.max_restarts} restart(s)", file=sys.stderr)
+            return outcome.exit_code
+        restarts += 1
+        print(f"{_PROG}: restarting all {ns.nproc} processes (restart {restarts} of "
+              f"{ns.max_restarts})", file=sys.stderr, flush=True)
 
 
 if __name__ == "__main__":

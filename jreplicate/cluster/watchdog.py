@@ -2,7 +2,8 @@
 
 :func:`start_init_watchdog` ends a process whose start-up outlives
 ``initialization_timeout`` (status :data:`EXIT_INIT_TIMEOUT`), instead of leaving it
-blocked in ``jax.distributed.initialize``. :func:`install_fail_fast` makes an uncaught
+blocked in ``jax.distributed.initialize``; a preempted process exits with
+:data:`EXIT_PREEMPTED` once its checkpoint is saved. :func:`install_fail_fast` makes an uncaught
 exception end the process at once, so that its peers are not left waiting for it in a
 collective; it is opt-in (``MultiWorkerStrategy(fail_fast=...)``, or
 ``JREPLICATE_FAIL_FAST=1``, which ``python -m jreplicate.cluster.launch`` sets).
@@ -25,6 +26,12 @@ logger = logging.getLogger("jreplicate")
 #: Exit status of a process that could not join the cluster within
 #: ``initialization_timeout`` (``os.EX_TEMPFAIL``: try again later).
 EXIT_INIT_TIMEOUT = 75
+
+#: Exit status of a process that stopped because the job was preempted, after every
+#: process saved the same checkpoint (:class:`jreplicate.checkpoint.Preempted`;
+#: TensorFlow's restartable exit code). ``python -m jreplicate.cluster.launch`` restarts
+#: a group whose processes all exit with it without counting a failure.
+EXIT_PREEMPTED = 42
 
 #: ``"1"``: strategies created with ``fail_fast=None`` install :func:`install_fail_fast`.
 #: The launcher sets it for the processes of a job of more than one process.
