@@ -9,6 +9,9 @@ apply the same gradients in the same order whatever the workers' timing (adam's 
 included), and the parameters are a function of the step count alone.
 """
 
+import os
+import signal
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -173,3 +176,46 @@ def test_a_state_function_and_its_value_write_the_same_checkpoint(tmp_path):
 
     with jr.CheckpointManager(tmp_path / "nnx", rep) as m:
         assert m.save(1, Model()) is True
+
+
+def test_a_preempted_parameter_server_loop_saves_its_state_at_the_agreed_step(tmp_path):
+    """SIGTERM mid-loop: the next ``save`` calls the state function (joining the steps)
+    although the step is not due, writes it, and raises ``Preempted`` (exit 42); a job
+    of another worker count resumes from that step and ends where an uninterrupted run
+    does."""
+    job = _job(**SOURCE)
+    s, rep = job[0], job[1]
+    calls = []
+
+    def state():
+        calls.append(1)
+        rep.join()
+        return s.state()
+
+    at, before = 0, signal.getsignal(signal.SIGTERM)
+    try:
+        with jr.CheckpointManager(tmp_path, rep, save_interval_steps=100) as mngr:
+            with pytest.raises(jr.checkpoint.Preempted) as e:
+                for at in range(1, 10):
+                    rep.run(job[4], None, *job[2:4])
+                    if at == 4:
+                        os.kill(os.getpid(), signal.SIGTERM)
+                    mngr.save(at, state)
+        assert (e.value.code, e.value.step, at, len(calls)) == (42, 4, 4, 1)
+        saved = jax.tree.map(np.array, s.state())
+    finally:
+        s.shutdown()
+    assert signal.getsignal(signal.SIGTERM) == before  # the manager's handler is gone
+    target = _job(**TARGETS["1_worker_on_3_devices"])
+    try:
+        with jr.CheckpointManager(tmp_path, target[1]) as mngr:
+            at, got = mngr.restore_or_initialize(target[0].state)
+        assert at == 4 and _bits(got) == _bits(saved)
+        target[0].restore(got)
+        _train(target, 6, first=4)
+        ref = _job(**SOURCE)
+        _train(ref, 10)
+        assert _bits(target[0].parameters()) == _bits(ref[0].parameters())
+        ref[0].shutdown()
+    finally:
+        target[0].shutdown()
