@@ -417,6 +417,130 @@ def user_source(source_info: Any, skip: Callable[[str], bool]) -> tuple | None:
     return chosen.file_name, chosen.start_line, chosen.start_column, chosen.function_name
 
 
+# -- splitting a traced step at the weight update (execution.weight_update, split) -----
+#: Primitives that sum over mesh axes (lax.psum binds ``psum_invariant`` for a varying
+#: value in jax 0.12, ``psum`` for other cases; older JAX named the first ``psum2``).
+_SUM_PRIMITIVES = frozenset({"psum", "psum_invariant", "psum2"})
+
+
+def shard_map_equation(closed_jaxpr: Any) -> int | None:
+    """The index of the only ``shard_map`` equation of a traced program's (closed) jaxpr,
+    or None when it has none or several. jax 0.12 params: ``jaxpr`` (a ``core.Jaxpr``,
+    the body), ``in_specs``, ``out_specs``, ``mesh``, ``check_vma``,
+    ``newly_manual_axes``."""
+    found = [i for i, e in enumerate(closed_jaxpr.jaxpr.eqns)
+             if e.primitive.name == "shard_map"]
+    return found[0] if len(found) == 1 else None
+
+
+def _axes_named(params: dict) -> frozenset:
+    """The mesh axes an equation's params name (``axes`` or ``axis_name``)."""
+    out: set = set()
+    for key in ("axes", "axis_name"):
+        v = params.get(key)
+        for name in v if isinstance(v, (tuple, list, frozenset, set)) else (v,):
+            if isinstance(name, str):
+                out.add(name)
+    return frozenset(out)
+
+
+def _params_jaxprs(params: dict) -> list:
+    """The open jaxprs among an equation's params (closed ones opened), in order."""
+    out = []
+    for val in params.values():
+        for v in val if isinstance(val, (tuple, list)) else (val,):
+            inner = getattr(v, "jaxpr", None) if type(v).__name__ == "ClosedJaxpr" else v
+            if type(inner).__name__ == "Jaxpr":
+                out.append(inner)
+    return out
+
+
+def replica_collective(eqn: Any, axis: str) -> bool:
+    """Whether a jaxpr equation (or one inside its sub-jaxprs) is a collective or an
+    ``axis_index`` over mesh axis ``axis``: matched by its params naming the axis, not
+    by primitive name."""
+    if axis in _axes_named(eqn.params):
+        return True
+    return any(replica_collective(e, axis) for j in _params_jaxprs(eqn.params)
+               for e in j.eqns)
+
+
+def sum_over(eqn: Any, axis: str) -> bool:
+    """Whether ``eqn`` sums over exactly the mesh axis ``axis`` (``lax.psum(x, axis)``,
+    what JAX inserts to aggregate a gradient), with no replica groups."""
+    return (eqn.primitive.name in _SUM_PRIMITIVES and _axes_named(eqn.params) == {axis}
+            and eqn.params.get("axis_index_groups") is None)
+
+
+def is_sharding_constraint(eqn: Any) -> bool:
+    """Whether ``eqn`` is a ``with_sharding_constraint`` (an identity on values)."""
+    return eqn.primitive.name == "sharding_constraint"
+
+
+def has_effects(eqn: Any) -> bool:
+    """Whether ``eqn`` has side effects (printing, callbacks, ordered IO)."""
+    return bool(eqn.effects)
+
+
+def atom_value(atom: Any, env: dict, *, manual: bool = True) -> Any:
+    """An equation operand's value: a literal's constant, else ``env[atom]``.
+
+    ``manual=False``: a literal traced inside ``shard_map`` used outside it: jax 0.12's
+    literal (a ``TypedNdArray``) carries an abstract value typed on the manual mesh,
+    which a primitive bound on global arrays refuses ("Mesh for all inputs should be
+    equal"); it is rebuilt with the same dtype and weak type, untyped by any mesh."""
+    if not is_literal(atom):
+        return env[atom]
+    val = atom.val
+    if manual or not hasattr(val, "_aval"):
+        return val
+    try:
+        from jax._src.core import ShapedArray
+        from jax._src.literals import TypedNdArray
+    except ImportError:
+        return val
+    aval = ShapedArray(val.shape, val.dtype, weak_type=val.aval.weak_type)
+    return TypedNdArray(np.asarray(val), aval=aval)
+
+
+def eval_equation(eqn: Any, invals: Sequence[Any], *, manual: bool = True) -> list:
+    """Binds one jaxpr equation to ``invals`` as ``jax.core.eval_jaxpr`` does (jax 0.12:
+    ``get_bind_params`` returns the params dict; bound under ``eqn.ctx.manager``);
+    returns the list of its outputs.
+
+    ``manual=False`` binds an equation traced inside ``shard_map`` outside it, on global
+    arrays: not under its context (whose abstract mesh is the manual one), and with the
+    shardings its params name on the manual mesh (``out_sharding=``, ``sharding=``)
+    left to the compiler."""
+    params = eqn.primitive.get_bind_params(eqn.params)
+    if isinstance(params, tuple):  # older JAX: (subfuns, params)
+        subfuns, params = params
+        invals = [*subfuns, *invals]
+    if manual:
+        with eqn.ctx.manager:
+            out = eqn.primitive.bind(*invals, **params)
+    else:
+        out = eqn.primitive.bind(*invals, **_auto_params(params))
+    return list(out) if eqn.primitive.multiple_results else [out]
+
+
+def _auto_params(params: dict) -> dict:
+    """``params`` with shardings over a mesh with manual axes replaced by None."""
+    out = params
+    for key in ("out_sharding", "sharding"):
+        s = params.get(key)
+        types = getattr(getattr(s, "mesh", None), "axis_types", ())
+        if any(getattr(t, "name", "") == "Manual" for t in types):
+            out = dict(out) if out is params else out
+            out[key] = None
+    return out
+
+
+def is_var(atom: Any) -> bool:
+    """Whether a jaxpr operand is a variable (not a literal, not a dropped output)."""
+    return not is_literal(atom) and type(atom).__name__ == "Var"
+
+
 # -- the distributed runtime -------------------------------------------------------
 def backends_are_initialized() -> bool:
     """Whether the JAX backend has started (after which jax.distributed can't start)."""

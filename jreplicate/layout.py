@@ -44,6 +44,10 @@ class Layout:
       num_processes: processes taking part (the SPMD strategies' workers; a
         parameter server's driver is one process, its workers are not counted here).
       process_index: this process's index among them, in process-index order.
+      weight_update_sharding: ``None`` (state replicated on every replica),
+        ``"optimizer"`` (state only the weight update reads is stored sharded over the
+        replicas: ZeRO-1/2) or ``"parameters"`` (every carried state leaf: ZeRO-3/FSDP).
+      min_weight_shard_size: leaves with fewer elements stay replicated.
 
     Example (two replicas of two logical devices each, on 4 of the 8 devices):
       >>> import jax, jreplicate as jr
@@ -65,6 +69,8 @@ class Layout:
     local_replica_ids: tuple[int, ...]
     num_processes: int
     process_index: int
+    weight_update_sharding: str | None = None
+    min_weight_shard_size: int = 1024
 
     @property
     def num_replicas(self) -> int:
@@ -91,7 +97,9 @@ class Layout:
         return NamedSharding(self.mesh, P(self.replica_axis))
 
 
-def mesh_layout(mesh: Mesh, *, num_replicas_in_sync: int | None = None) -> Layout:
+def mesh_layout(mesh: Mesh, *, num_replicas_in_sync: int | None = None,
+                weight_update_sharding: str | None = None,
+                min_weight_shard_size: int = 1024) -> Layout:
     """The layout of an SPMD mesh of shape ``(replicas, logical devices per replica)``."""
     grid = np.asarray(mesh.devices)
     replica_devices = tuple(tuple(row) for row in grid.reshape(grid.shape[0], -1))
@@ -111,7 +119,9 @@ def mesh_layout(mesh: Mesh, *, num_replicas_in_sync: int | None = None) -> Layou
         replica_devices=replica_devices,
         num_replicas_in_sync=num_replicas_in_sync or len(replica_devices),
         local_replica_ids=local, num_processes=len(procs),
-        process_index=procs.index(me) if me in procs else 0)
+        process_index=procs.index(me) if me in procs else 0,
+        weight_update_sharding=weight_update_sharding,
+        min_weight_shard_size=min_weight_shard_size)
 
 
 def check_logical_devices_per_replica(value: object, where: str) -> int:
@@ -122,6 +132,88 @@ def check_logical_devices_per_replica(value: object, where: str) -> int:
             "of devices one replica spans (1 for pure data parallelism)."
         )
     return int(value)
+
+
+#: The levels of ``weight_update_sharding=`` (besides None), with what each shards.
+WEIGHT_UPDATE_SHARDING = {
+    "optimizer": "keeps the state only the weight update reads (optimizer state) sharded "
+                 "over the replicas (ZeRO-1, gradients reduce-scattered: ZeRO-2)",
+    "parameters": "also keeps the parameters sharded, gathered where the step reads them "
+                  "(ZeRO-3 / FSDP)",
+}
+
+
+def check_weight_update_sharding(value: object, min_size: object,
+                                 where: str) -> tuple[str | None, int]:
+    """Validates ``weight_update_sharding=`` and ``min_weight_shard_size=``.
+
+    Returns:
+      ``(level, min_size)``: the level (None, ``"optimizer"`` or ``"parameters"``) and
+      the size in elements below which a leaf stays replicated.
+
+    Raises:
+      TypeError: ``value`` is not None or a str, or ``min_size`` not an int.
+      ValueError: ``value`` is another str, or ``min_size`` is negative.
+    """
+    choices = "; ".join(f"{k!r} {v}" for k, v in WEIGHT_UPDATE_SHARDING.items())
+    if value is not None and not isinstance(value, str):
+        raise TypeError(
+            f"{where}(weight_update_sharding={value!r}) must be None (the default: state "
+            f"replicated on every replica) or one of the str choices: {choices}."
+        )
+    if value is not None and value not in WEIGHT_UPDATE_SHARDING:
+        raise ValueError(
+            f"{where}(weight_update_sharding={value!r}) is not a choice. Choose None (the "
+            f"default: state replicated on every replica), or {choices}."
+        )
+    if isinstance(min_size, bool) or not isinstance(min_size, (int, np.integer)):
+        raise TypeError(
+            f"{where}(min_weight_shard_size={min_size!r}) must be an int >= 0: the number "
+            "of elements below which a state leaf stays replicated (default 1024; 0 shards "
+            "every leaf that can be sharded)."
+        )
+    if min_size < 0:
+        raise ValueError(
+            f"{where}(min_weight_shard_size={min_size!r}) must be >= 0: the number of "
+            "elements below which a state leaf stays replicated (default 1024; 0 shards "
+            "every leaf that can be sharded)."
+        )
+    return value, int(min_size)
+
+
+def weight_shard_dim(shape: Sequence[int], spec: P | None, n: int,
+                     min_size: int) -> int | None:
+    """The dimension of a state leaf of ``shape`` that weight-update sharding splits over
+    ``n`` replicas, or None when the leaf stays replicated.
+
+    The largest dimension that the leaf's own ``spec`` leaves unsharded and that ``n``
+    divides (ties: the first). None for a scalar, a zero-size leaf, a leaf of fewer than
+    ``min_size`` elements, or when no dimension qualifies (leaves are never padded).
+
+    Example:
+      >>> weight_shard_dim((16, 32), None, 8, 0), weight_shard_dim((6,), None, 8, 0)
+      (1, None)
+      >>> weight_shard_dim((32, 16), P(None, "model"), 8, 0)
+      0
+    """
+    size = int(np.prod(shape)) if len(shape) else 1
+    if not shape or size == 0 or size < min_size:
+        return None
+    entries = tuple(spec) if spec is not None else ()
+    best = None
+    for d, extent in enumerate(shape):
+        taken = d < len(entries) and entries[d] is not None
+        if not taken and extent % n == 0 and (best is None or extent > shape[best]):
+            best = d
+    return best
+
+
+def weight_shard_spec(spec: P | None, dim: int, axis: str) -> P:
+    """``spec`` (the leaf's own, or None) with ``axis`` on dimension ``dim``."""
+    entries = list(spec) if spec is not None else []
+    entries += [None] * (dim + 1 - len(entries))
+    entries[dim] = axis
+    return P(*entries)
 
 
 #: Characters XLA's compiler mangles in a mesh axis name (found by

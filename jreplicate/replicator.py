@@ -355,6 +355,78 @@ class Replicator:
         return self._executor.run(fn, has_batch, inputs, args, steps=steps,
                                   donate_argnums=donate, allow=allow)
 
+    def state_shardings(self, fn: Callable[..., Any], inputs: Any = None, *args: Any,
+                        steps: int | None = None) -> tuple:
+        """The shardings ``run(fn, inputs, *args)`` gives the new values of ``args``.
+
+        Per argument, a pytree of ``NamedSharding`` (an ``nnx.State`` of them for a Flax
+        NNX argument): replicated, split over the model axis, or, with the strategy's
+        ``weight_update_sharding``, sharded over the replica axis as ``run`` stores it.
+        The step is traced (once; ``run`` reuses the trace), nothing runs. ``inputs``
+        and ``args`` may be ``jax.ShapeDtypeStruct`` trees (``jax.eval_shape(init)``),
+        so state can be created where ``run`` keeps it without a replicated copy:
+        ``jax.jit(init, out_shardings=rep.state_shardings(step, batch, *abstract))``.
+        An :class:`InputIterator` is read and its element put back.
+
+        Example:
+          >>> import jax, jax.numpy as jnp, optax, jreplicate as jr
+          >>> rep = jr.Replicator(jr.MirroredStrategy(weight_update_sharding="optimizer",
+          ...                                         min_weight_shard_size=0))
+          >>> tx = optax.adam(1e-2)
+          >>> def step(ctx, x, w, opt):
+          ...     g = jax.grad(lambda w: jnp.sum((x @ w) ** 2))(w)
+          ...     u, opt = tx.update(g, opt, w)
+          ...     return optax.apply_updates(w, u), opt
+          >>> w = jax.ShapeDtypeStruct((4, 16), jnp.float32)
+          >>> batch = jax.ShapeDtypeStruct((8, 4), jnp.float32)
+          >>> w_s, opt_s = rep.state_shardings(step, batch, w, jax.eval_shape(tx.init, w))
+          >>> w_s.spec, opt_s[0].mu.spec, opt_s[0].count.spec
+          (P(), P(None, 'replica'), P())
+        """
+        return self._inspect("state_shardings", fn, inputs, args, steps)
+
+    def compiled(self, fn: Callable[..., Any], inputs: Any = None, *args: Any,
+                 steps: int | None = None, donate_argnums: int | Sequence[int] = ()) -> Any:
+        """The ``jax.stages.Compiled`` program ``run(fn, inputs, *args)`` would call, for
+        inspection (``.as_text()``, ``.memory_analysis()``, ``.cost_analysis()``); runs
+        nothing. Takes what :meth:`run` takes; an :class:`InputIterator` is read and its
+        element put back.
+
+        Example:
+          >>> import jax.numpy as jnp, jreplicate as jr
+          >>> rep = jr.Replicator(jr.MirroredStrategy())
+          >>> c = rep.compiled(lambda ctx, x: ctx.all_sum(x.sum()), jnp.ones((8, 2)))
+          >>> "all-reduce" in c.as_text()
+          True
+        """
+        donate = _check_donate(donate_argnums, len(args)) if donate_argnums != () else ()
+        return self._inspect("compiled", fn, inputs, args, steps, donate_argnums=donate)
+
+    def _inspect(self, what: str, fn: Callable, inputs: Any, args: tuple,
+                 steps: int | None, **kw: Any) -> Any:
+        method = getattr(self._executor, what, None)
+        if method is None:
+            raise TypeError(
+                f"Replicator.{what} is not available with "
+                f"{type(self._strategy).__name__}: its steps run on its workers, not as one "
+                "compiled SPMD program.")
+        if not callable(fn):
+            raise TypeError(f"Replicator.{what}(fn) must be callable, got "
+                            f"{type(fn).__name__}.")
+        if steps is not None:
+            steps = _check_steps(steps)
+        has_batch = inputs is not None
+        if not isinstance(inputs, InputIterator):
+            if what == "compiled" and inputs is not None:
+                inputs = self._executor.split_batch(inputs)
+            return method(fn, has_batch, inputs, args, steps=steps, **kw)
+        taken = inputs.get_next() if steps is None else inputs.next_steps(steps)
+        batch, k = (taken, None) if steps is None else taken
+        try:
+            return method(fn, has_batch, batch, args, steps=k, **kw)
+        finally:
+            inputs.put_back(taken, k)
+
     def _zip_iterators(self, iterators: tuple) -> InputIterator:
         """``run(fn, (it1, it2, ...))``: one iterator reading all of them (the step's
         batch is the tuple of their elements), where the strategy supports it."""

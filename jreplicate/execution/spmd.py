@@ -28,7 +28,7 @@ from jreplicate._tree import (
     report,
 )
 from jreplicate.context import PerReplica
-from jreplicate.execution import agreed, donation, fast, habits, nnx_args
+from jreplicate.execution import agreed, donation, fast, habits, nnx_args, weight_sharding
 from jreplicate.execution.base import Executor
 from jreplicate.execution.cache import ProgramCache, ProgramKey
 from jreplicate.execution.program import (
@@ -114,8 +114,11 @@ class SPMDExecutor(Executor):
         self._placements: dict = {self._replicated: _AS_IS}  # see _placement
         # Replica id -> its position among this process's replicas (see assemble).
         self._local_position = {r: k for k, r in enumerate(layout.local_replica_ids)}
+        # (with weight_update_sharding, a state leaf passed again replicated, not as the
+        # program stores it, takes the full path, which reshards it)
         self._fast = fast.FastPath(self._cache, self._mesh, self._axis,
-                                   check_shardings=layout.logical_devices_per_replica > 1)
+                                   check_shardings=layout.logical_devices_per_replica > 1
+                                   or layout.weight_update_sharding is not None)
         # (step, habit, line) already warned about (execution.habits.report)
         self._habits_reported: set = set()
 
@@ -270,6 +273,55 @@ class SPMDExecutor(Executor):
             self._check_habits(fn, call.program.jitted, call, allow)
         return call.program.jitted.lower(*call.arrays).compile()
 
+    def state_shardings(self, fn: Callable, has_batch: bool, batch: Any, args: tuple, *,
+                        steps: int | None = None) -> tuple:
+        """Per argument, the shardings ``run`` gives its new value (a pytree of
+        ``NamedSharding``; an NNX argument's as an ``nnx.State``); traces, runs nothing.
+        ``batch`` and ``args`` may hold ``jax.ShapeDtypeStruct`` leaves."""
+        call = self._prepare(fn, has_batch, self._abstract_batch(batch), args, steps, ())
+        program = call.program
+        if program.split is not None:
+            program.split.ensure(call.arrays)
+            stored = program.split.in_shardings
+        else:
+            stored = ()
+        flat = []
+        for i, kind in enumerate(program.kinds):
+            s = stored[i] if i < len(stored) else None
+            if s is None:
+                spec = kind.spec if kind.kind is ArgKind.MODEL_SHARDED else \
+                    (P(self._axis) if kind.kind is ArgKind.PER_REPLICA else P())
+                s = NamedSharding(self._mesh, spec)
+            flat.append(s)
+        _, plain, state = jax.tree.unflatten(call.treedef, flat)
+        if not call.node_pos:
+            return tuple(plain)
+        nodes = _nnx_shardings(args, call, jax.tree.leaves(state))
+        plain_it = iter(plain)
+        return tuple(nodes[i] if i in call.node_pos else next(plain_it)
+                     for i in range(len(args)))
+
+    def _abstract_batch(self, batch: Any) -> Any:
+        """A global batch of ``jax.ShapeDtypeStruct`` leaves as the PerReplica blocks a
+        step takes (other batches as ``run`` takes them)."""
+        leaves = jax.tree.leaves(batch, is_leaf=_is_per_replica)
+        if not any(isinstance(x, jax.ShapeDtypeStruct) for x in leaves):
+            return self.split_batch(batch) if batch is not None else batch
+        n = self._num_replicas
+
+        def block(path, x):
+            if not isinstance(x, jax.ShapeDtypeStruct):
+                return self._split(x, path_str(path) or "the root")
+            if not x.shape or x.shape[0] % n:
+                raise ValueError(
+                    f"Replicator.state_shardings: inputs {path_str(path) or 'the root'} has "
+                    f"shape {x.shape}; a global batch needs a first axis divisible by {n}.")
+            shape = (n, x.shape[0] // n) + tuple(x.shape[1:])
+            return PerReplica(jax.ShapeDtypeStruct(shape, x.dtype, sharding=self._per_replica),
+                              self._mesh, self._axis)
+
+        return jax.tree_util.tree_map_with_path(block, batch, is_leaf=_is_per_replica)
+
     def _check_habits(self, fn: Callable, jitted: Any, call: Prepared,
                       allow: frozenset) -> None:
         """Warns about the pmap habits in the step's trace (:mod:`.habits`), once per
@@ -309,6 +361,9 @@ class SPMDExecutor(Executor):
             sig = Signature(has_batch, treedef, graphdef, node_pos, kinds, steps, donate,
                             groups)
             program = self._cache.put(fn, key, lambda f: Program(f, sig, self.layout))
+        if program.split is not None and not traced:
+            program.split.ensure(arrays)  # the plan: traced once, at the first call
+            weight_sharding.place(arrays, kinds, program.split.in_shardings, self.layout)
         if node_pos:
             _copy_shared_state(arrays, treedef)
         if donate_argnums:
@@ -351,6 +406,10 @@ class SPMDExecutor(Executor):
                 elif isinstance(x, jax.core.Tracer):
                     traced = True  # under an outer jit: shard_map's in_specs place it
                     kind = REPLICATED
+                elif isinstance(x, jax.ShapeDtypeStruct):  # state_shardings: traced only
+                    s = x.sharding
+                    kind = (self._placements.get(s) or self._placement(s)).kind \
+                        if isinstance(s, NamedSharding) else REPLICATED
                 elif isinstance(x, jax.Array) and x.is_deleted():
                     raise deleted_array_error(where(i))
                 elif isinstance(x, jax.Array) and not (across and x.is_fully_addressable):
@@ -431,8 +490,12 @@ class SPMDExecutor(Executor):
         split on the argument's new value); copied replicated from logical device
         ``i``, its new value sent back there; or copied replicated."""
         if isinstance(s, NamedSharding) and s.mesh == self._mesh:
-            split = _spec_axes(s.spec) and self.layout.logical_devices_per_replica > 1
-            how = _Placement(LeafKind(ArgKind.MODEL_SHARDED, s.spec)) if split else _AS_IS
+            spec = s.spec
+            if self.layout.weight_update_sharding is not None:
+                # stored sharded over the replicas by an earlier run: the same program
+                spec = weight_sharding.without_axis(spec, self._axis)
+            split = _spec_axes(spec) and self.layout.logical_devices_per_replica > 1
+            how = _Placement(LeafKind(ArgKind.MODEL_SHARDED, spec)) if split else _AS_IS
         elif isinstance(s, NamedSharding) and s.mesh in self._logical_index:
             how = _Placement(REPLICATED, copy=True,
                              logical_device=self._logical_index[s.mesh])
@@ -528,6 +591,19 @@ class SPMDExecutor(Executor):
         return jax.make_array_from_single_device_arrays(
             x.shape, NamedSharding(sub, x.sharding.spec),
             [on[d].data for d in sub.devices.flat])
+
+
+def _nnx_shardings(args: tuple, call: Prepared, flat: list) -> dict:
+    """Per NNX argument position, an ``nnx.State`` of the shardings of its Variables'
+    new values (``flat``: per NNX state leaf, in the program's order)."""
+    from flax import nnx
+    if call.variables is not None:  # the Variables, in the order of flat
+        by_id = {id(v): s for v, s in zip(call.variables, flat)}
+        return {i: jax.tree.map(lambda v: by_id[id(v)], nnx.state(args[i]),
+                                is_leaf=nnx_args.is_variable)
+                for i in call.node_pos}
+    whole = jax.tree.unflatten(jax.tree.structure(call.state), flat)
+    return {i: whole[k] for k, i in enumerate(call.node_pos)}
 
 
 # Reductions over the leading replica axis of a PerReplica's global array.

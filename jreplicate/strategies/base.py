@@ -121,9 +121,34 @@ class Strategy(abc.ABC):
         """The replica ids whose devices this process can address."""
         return self.layout.local_replica_ids
 
+    @property
+    def weight_update_sharding(self) -> str | None:
+        """Which state the strategy keeps sharded over the replicas: None (none: all
+        replicated), ``"optimizer"`` (ZeRO-1/2) or ``"parameters"`` (ZeRO-3/FSDP); the
+        strategy's ``weight_update_sharding=``.
+
+        Example:
+          >>> import jreplicate as jr
+          >>> jr.MirroredStrategy(weight_update_sharding="optimizer").weight_update_sharding
+          'optimizer'
+          >>> jr.MirroredStrategy().weight_update_sharding is None
+          True
+        """
+        return self.layout.weight_update_sharding
+
+    def _repr_weight_update(self) -> str:
+        level = self.weight_update_sharding
+        if level is None:
+            return ""
+        extra = f", weight_update_sharding={level!r}"
+        if self.layout.min_weight_shard_size != 1024:
+            extra += f", min_weight_shard_size={self.layout.min_weight_shard_size}"
+        return extra
+
     def __repr__(self) -> str:
         m = self.logical_devices_per_replica
         extra = f", logical_devices_per_replica={m}" if m > 1 else ""
         if self.axis_name != REPLICA_AXIS:
             extra += f", axis_name={self.axis_name!r}"
+        extra += self._repr_weight_update()
         return f"{type(self).__name__}(num_replicas={self.num_replicas}{extra})"

@@ -14,6 +14,7 @@ from jreplicate.layout import (
     Layout,
     check_axis_name,
     check_logical_devices_per_replica,
+    check_weight_update_sharding,
     mesh_layout,
     replica_mesh,
 )
@@ -92,6 +93,15 @@ class MirroredStrategy(Strategy):
         it as the ``jax.pmap`` program you port does (``axis_name="batch"``) and its
         ``jax.lax.pmean(x, "batch")`` and ``nnx.BatchNorm(..., axis_name="batch")`` work
         unchanged. Any non-empty str but ``jr.MODEL_AXIS`` (``"model"``).
+      weight_update_sharding: ``None`` (the default: state replicated on every
+        replica), ``"optimizer"`` (state only the weight update reads, such as optimizer
+        moments, is stored sharded over the replicas and gradients are reduce-scattered:
+        ZeRO-1/2, XLA's weight-update sharding) or ``"parameters"`` (the parameters too,
+        gathered where the step reads them: ZeRO-3/FSDP). Keyword-only. New state comes
+        back as global ``jax.Array`` s sharded over the replica axis.
+      min_weight_shard_size: leaves with fewer elements stay replicated (default 1024;
+        0 shards every leaf that can be). Leaves with no dimension divisible by the
+        number of replicas also stay replicated (never padded).
 
     Raises:
       TypeError or ValueError: bad ``devices``, ``logical_devices_per_replica`` or
@@ -109,11 +119,17 @@ class MirroredStrategy(Strategy):
     """
 
     def __init__(self, devices: Sequence[jax.Device | int] | None = None, *,
-                 logical_devices_per_replica: int = 1, axis_name: str = REPLICA_AXIS):
+                 logical_devices_per_replica: int = 1, axis_name: str = REPLICA_AXIS,
+                 weight_update_sharding: str | None = None,
+                 min_weight_shard_size: int = 1024):
         m = check_logical_devices_per_replica(logical_devices_per_replica, "MirroredStrategy")
+        wus = check_weight_update_sharding(weight_update_sharding, min_weight_shard_size,
+                                           "MirroredStrategy")
         axis = check_axis_name(axis_name, "MirroredStrategy")
         devs = _resolve_devices(devices)
-        self._layout = mesh_layout(replica_mesh(devs, m, "MirroredStrategy", axis))
+        self._layout = mesh_layout(replica_mesh(devs, m, "MirroredStrategy", axis),
+                                   weight_update_sharding=wus[0],
+                                   min_weight_shard_size=wus[1])
 
     @property
     def layout(self) -> Layout:

@@ -18,6 +18,7 @@ from jreplicate.layout import (
     Layout,
     check_axis_name,
     check_logical_devices_per_replica,
+    check_weight_update_sharding,
     mesh_layout,
     replica_mesh,
 )
@@ -109,6 +110,15 @@ class MultiWorkerStrategy(Strategy):
         ``"replica"``); e.g. ``"batch"`` for a ``jax.pmap`` program's collectives and
         ``nnx.BatchNorm(axis_name="batch")``. The same on every process. See
         :class:`jreplicate.MirroredStrategy`.
+      weight_update_sharding: ``None`` (the default: state replicated on every
+        replica), ``"optimizer"`` (state only the weight update reads, such as optimizer
+        moments, is stored sharded over the replicas and gradients are reduce-scattered:
+        ZeRO-1/2, XLA's weight-update sharding) or ``"parameters"`` (the parameters too,
+        gathered where the step reads them: ZeRO-3/FSDP). Keyword-only. New state comes
+        back as global ``jax.Array`` s sharded over the replica axis.
+      min_weight_shard_size: leaves with fewer elements stay replicated (default 1024;
+        0 shards every leaf that can be). Leaves with no dimension divisible by the
+        number of replicas also stay replicated (never padded).
       fail_fast: whether an uncaught exception ends this process at once (status 1,
         130 for KeyboardInterrupt), without waiting in ``jax.distributed``'s shutdown
         barrier. A process that raised must not leave its peers hanging in a
@@ -161,9 +171,13 @@ class MultiWorkerStrategy(Strategy):
         coordinator_bind_address: str | None = None,
         fail_fast: bool | None = None,
         axis_name: str = REPLICA_AXIS,
+        weight_update_sharding: str | None = None,
+        min_weight_shard_size: int = 1024,
     ):
         m = check_logical_devices_per_replica(logical_devices_per_replica,
                                               "MultiWorkerStrategy")
+        wus = check_weight_update_sharding(weight_update_sharding, min_weight_shard_size,
+                                           "MultiWorkerStrategy")  # before connecting
         axis = check_axis_name(axis_name, "MultiWorkerStrategy")  # before connecting
         fail_fast = watchdog.fail_fast_requested(fail_fast)
         self._timeouts = Timeouts.resolve(
@@ -173,7 +187,8 @@ class MultiWorkerStrategy(Strategy):
                                         local_device_ids)
         self._cluster = runtime.connect(spec, self._timeouts, cluster_detection_method,
                                        coordinator_bind_address)
-        self._layout = mesh_layout(_global_mesh(m, axis))
+        self._layout = mesh_layout(_global_mesh(m, axis), weight_update_sharding=wus[0],
+                                   min_weight_shard_size=wus[1])
         self._uid = next(_instances)
         self._agreements = itertools.count()
         if fail_fast:
@@ -212,7 +227,8 @@ class MultiWorkerStrategy(Strategy):
 
     def __repr__(self) -> str:
         return (f"MultiWorkerStrategy(num_replicas={self.num_replicas}, "
-                f"num_workers={self.num_workers}, worker_index={self.worker_index})")
+                f"num_workers={self.num_workers}, worker_index={self.worker_index}"
+                f"{self._repr_weight_update()})")
 
     # -- agreement (used by the input iterator and the checkpoint manager) -------------
     def agreement(self, name: str) -> Agreement | None:

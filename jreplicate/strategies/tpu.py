@@ -21,6 +21,7 @@ from jreplicate.layout import (
     check_axis_name,
     check_factors,
     check_logical_devices_per_replica,
+    check_weight_update_sharding,
     mesh_layout,
 )
 from jreplicate.strategies.base import Strategy
@@ -58,6 +59,15 @@ class TPUStrategy(Strategy):
       axis_name: the name of the replica mesh axis (default ``jr.REPLICA_AXIS``,
         ``"replica"``); e.g. ``"batch"`` for a ``jax.pmap`` program's collectives and
         ``nnx.BatchNorm(axis_name="batch")``. See :class:`jreplicate.MirroredStrategy`.
+      weight_update_sharding: ``None`` (the default: state replicated on every
+        replica), ``"optimizer"`` (state only the weight update reads, such as optimizer
+        moments, is stored sharded over the replicas and gradients are reduce-scattered:
+        ZeRO-1/2, XLA's weight-update sharding) or ``"parameters"`` (the parameters too,
+        gathered where the step reads them: ZeRO-3/FSDP). Keyword-only. New state comes
+        back as global ``jax.Array`` s sharded over the replica axis.
+      min_weight_shard_size: leaves with fewer elements stay replicated (default 1024;
+        0 shards every leaf that can be). Leaves with no dimension divisible by the
+        number of replicas also stay replicated (never padded).
 
     Raises:
       ValueError: no TPU devices and none passed, devices that do not factor into
@@ -74,8 +84,11 @@ class TPUStrategy(Strategy):
 
     def __init__(self, devices: Sequence[jax.Device] | None = None, *,
                  logical_devices_per_replica: int = 1, steps_per_run: int | None = None,
-                 axis_name: str = REPLICA_AXIS):
+                 axis_name: str = REPLICA_AXIS, weight_update_sharding: str | None = None,
+                 min_weight_shard_size: int = 1024):
         m = check_logical_devices_per_replica(logical_devices_per_replica, "TPUStrategy")
+        wus = check_weight_update_sharding(weight_update_sharding, min_weight_shard_size,
+                                           "TPUStrategy")
         axis = check_axis_name(axis_name, "TPUStrategy")
         if steps_per_run is not None and (
                 isinstance(steps_per_run, bool) or not isinstance(steps_per_run, int)
@@ -85,7 +98,8 @@ class TPUStrategy(Strategy):
                 "per device loop), or None for one step per run call."
             )
         devs = _tpu_devices(devices)
-        self._layout = mesh_layout(tpu_mesh(devs, m, axis))
+        self._layout = mesh_layout(tpu_mesh(devs, m, axis), weight_update_sharding=wus[0],
+                                   min_weight_shard_size=wus[1])
         self._steps_per_run = steps_per_run
         self._uid = next(_instances)
         self._agreements = itertools.count()

@@ -1,0 +1,180 @@
+"""The compiled step of a strategy with ``weight_update_sharding`` set (private).
+
+:class:`SplitJit` stands where :class:`~jreplicate.execution.program.Program` keeps its
+``jax.jit``: called (or traced, or lowered) the first time, it traces today's program
+once, plans the split (:mod:`jreplicate.execution.weight_update`), and compiles the split
+program (:mod:`jreplicate.execution.split`) with ``jax.jit``. The plan fixes the
+sharding each input is stored with (:attr:`SplitJit.in_shardings`): the executor places
+arguments that way before calling (a replicated argument is resharded once), so that
+one executable serves every call.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import jax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jreplicate import _jax_compat as jc
+from jreplicate.execution import split, weight_update
+from jreplicate.execution.weight_update import InputRole, UpdatePlan
+from jreplicate.layout import Layout
+
+_log = logging.getLogger("jreplicate")
+
+
+class SplitJit:
+    """The ``jax.jit`` of a step's split program, built at its first use.
+
+    Args:
+      call: today's program function of the flat inputs (``shard_map`` of the body).
+      roles: called after the first trace of ``call``: per flat input, its
+        :class:`InputRole` (which state leaf it is, and which flat output is its new
+        value), from what the trace learned.
+      layout: the strategy's layout.
+      donate: the flat input indices donated.
+      options: XLA compiler options.
+      manual: the mesh axes the body is manual over.
+      name: the step's name, for the log.
+    """
+
+    def __init__(self, call: Callable, roles: Callable[[], tuple[InputRole, ...]],
+                 layout: Layout, donate: tuple[int, ...], options: dict | None,
+                 manual: frozenset, name: str):
+        self._call, self._roles, self._layout = call, roles, layout
+        self._donate, self._options, self._manual, self._name = donate, options, manual, name
+        self._jitted: Any = None
+        self._traced: Any = None
+        self.plan: UpdatePlan | None = None
+        #: Per flat input, the sharding the program takes it with (None: as it comes).
+        self.in_shardings: tuple = ()
+        #: Per flat output, the sharding its value is stored with (None: the program's).
+        self.out_shardings: tuple = ()
+
+    @property
+    def planned(self) -> bool:
+        return self._jitted is not None
+
+    def ensure(self, arrays: list) -> None:
+        """Traces, plans and builds the program for inputs like ``arrays`` (once)."""
+        if self._jitted is not None:
+            return
+        self._traced = jax.jit(self._call).trace(*arrays)
+        closed = self._traced.jaxpr
+        index = jc.shard_map_equation(closed)
+        if index is None:
+            raise RuntimeError(
+                "weight_update_sharding: the traced step holds no single shard_map "
+                "equation (an unexpected JAX change); create the strategy without "
+                "weight_update_sharding.")
+        outer, eqn = closed.jaxpr, closed.jaxpr.eqns[index]
+        body = eqn.params["jaxpr"]
+        flat_roles = self._roles()
+        roles = _body_roles(outer, eqn, flat_roles)
+        layout = self._layout
+        plan = weight_update.plan(
+            body, roles, layout.replica_axis, layout.weight_update_sharding,
+            layout.num_replicas, layout.min_weight_shard_size)
+        body_out = _body_out_specs(body, eqn, plan, roles)
+        mesh = layout.mesh
+        self.in_shardings = tuple(
+            _input_sharding(outer, eqn, plan, roles, k, mesh) for k in range(len(outer.invars)))
+        out_index = {v: k for k, v in enumerate(eqn.outvars)}
+        self.out_shardings = tuple(
+            NamedSharding(mesh, body_out[out_index[v]])
+            if v in out_index and body_out[out_index[v]] is not None else None
+            for v in outer.outvars)
+        program = split.build(closed, index, plan, mesh, self._manual, body_out)
+        self._jitted = jax.jit(program, donate_argnums=self._donate,
+                               compiler_options=self._options)
+        self.plan = plan
+        _report(plan, roles, layout, self._name)
+
+    def __call__(self, *arrays):
+        self.ensure(list(arrays))
+        return self._jitted(*arrays)
+
+    def trace(self, *arrays):
+        """Today's (unsplit) program traced: the step's own trace, as the pmap-habit
+        check reads it."""
+        self.ensure(list(arrays))
+        return self._traced
+
+    def lower(self, *arrays):
+        self.ensure(list(arrays))
+        return self._jitted.lower(*arrays)
+
+
+def _body_roles(outer: Any, eqn: Any, flat: tuple[InputRole, ...]) -> tuple[InputRole, ...]:
+    """The roles of the body's inputs (the flat inputs', through the ``shard_map``
+    equation; a constant the trace hoisted is not state), with ``carried_to`` counted
+    among the body's outputs."""
+    flat_in = {v: k for k, v in enumerate(outer.invars)}
+    body_out = {v: k for k, v in enumerate(eqn.outvars)}
+    out = []
+    for atom in eqn.invars:
+        k = flat_in.get(atom) if jc.is_var(atom) else None
+        if k is None:
+            out.append(InputRole(False, None))
+            continue
+        r = flat[k]
+        to = None
+        if r.carried_to is not None and r.carried_to < len(outer.outvars):
+            new = outer.outvars[r.carried_to]
+            same = (tuple(new.aval.shape), new.aval.dtype) == \
+                (tuple(atom.aval.shape), atom.aval.dtype)
+            to = body_out.get(new) if same else None
+        out.append(r._replace(carried_to=to))
+    return tuple(out)
+
+
+def _body_out_specs(body: Any, eqn: Any, plan: UpdatePlan,
+                    roles: tuple[InputRole, ...]) -> list:
+    """Per body output, the spec its value is stored with: sharded as planned; else,
+    when part B makes it (or it passes an input through), replicated with its input's
+    model spec; else None (as part A leaves it)."""
+    model = [None] * len(body.outvars)
+    for r in roles:
+        if r.carried_to is not None:
+            model[r.carried_to] = r.spec
+    a_out = set(plan.a_out)
+    out = []
+    for k, (v, s) in enumerate(zip(body.outvars, eqn.params["out_specs"])):
+        if plan.out_dims[k] is not None:
+            out.append(weight_update.spec_with(plan.out_dims[k], model[k], plan.axis))
+        elif s == P() and not (jc.is_var(v) and v in a_out):
+            out.append(model[k] if model[k] is not None else P())
+        else:
+            out.append(None)
+    return out
+
+
+def _input_sharding(outer: Any, eqn: Any, plan: UpdatePlan, roles: tuple, k: int,
+                    mesh: Any) -> NamedSharding | None:
+    """The sharding flat input ``k`` is stored with, when the plan shards it."""
+    v = outer.invars[k]
+    for j, atom in enumerate(eqn.invars):
+        if atom is v and plan.in_dims[j] is not None:
+            return NamedSharding(mesh, plan.in_spec(j, roles[j].spec))
+    return None
+
+
+def _report(plan: UpdatePlan, roles: tuple, layout: Layout, name: str) -> None:
+    sharded = sum(d is not None for d in plan.in_dims)
+    if not sharded and not any(r.carried_to is not None for r in roles):
+        _log.warning(
+            "jreplicate: weight_update_sharding=%r found no state the step %s updates: "
+            "return the new state first (`return params, opt_state, loss`) or update an "
+            "NNX Optimizer in place; nothing is sharded.",
+            layout.weight_update_sharding, name)
+        return
+    kept = weight_update.report(plan, roles)
+    _log.info(
+        "jreplicate: weight_update_sharding=%r, step %s: %d state leaves sharded over "
+        "%d replicas, %d gradients reduce-scattered%s", layout.weight_update_sharding,
+        name, sharded, layout.num_replicas, len(plan.scatter),
+        f"; kept replicated: {kept}" if kept else "")
