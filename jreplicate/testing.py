@@ -1,7 +1,9 @@
-"""Fault injection for tests and benchmarks of :class:`jreplicate.ParameterServerStrategy`.
+"""Fault injection for tests and benchmarks of :class:`jreplicate.ParameterServerStrategy`
+and of :class:`jreplicate.CheckpointManager`'s background writes.
 
-These functions kill workers and shards and slow workers down, to test what a
-training job does when that happens in production. They are not part of training:
+These functions kill workers and shards and slow workers down, or make a checkpoint
+write fail or take longer, to test what a training job does when that happens in
+production. They are not part of training:
 they live here, not on the strategy: each updates the fault plan the strategy's carrier
 was built with (``jreplicate.ps.faults.FaultPlan``, which the workers consult at
 named points; on Ray each worker actor is sent its part), or kills a shard or a Ray
@@ -25,10 +27,15 @@ Example:
 
 from __future__ import annotations
 
+import errno
+import threading
+
+from jreplicate.checkpoint.manager import CheckpointManager
 from jreplicate.ps.executor import ParameterServerExecutor
 from jreplicate.strategies.parameter_server import ParameterServerStrategy
 
-__all__ = ["kill_shard", "kill_worker", "set_worker_delay"]
+__all__ = ["delay_checkpoint_write", "fail_checkpoint_write", "kill_shard", "kill_worker",
+           "set_worker_delay"]
 
 
 def _executor(strategy: ParameterServerStrategy) -> ParameterServerExecutor:
@@ -126,3 +133,104 @@ def kill_shard(strategy: ParameterServerStrategy, shard: int) -> None:
       >>> ps.shutdown()
     """
     _executor(strategy).kill_shard(shard)
+
+
+def _writer(mngr: CheckpointManager, process: int | None, what: str):
+    """The background writer of ``mngr`` on this process if ``process`` (None: every
+    process) is this one; None on the other processes."""
+    if not isinstance(mngr, CheckpointManager):
+        raise TypeError(f"jreplicate.testing.{what}: mngr must be a CheckpointManager, got "
+                        f"{type(mngr).__name__}.")
+    strategy = mngr._strategy
+    if process is not None and (isinstance(process, bool) or not isinstance(process, int)
+                                or not 0 <= process < strategy.num_processes):
+        raise ValueError(f"jreplicate.testing.{what}(process={process!r}): process must be "
+                         f"an int in [0, {strategy.num_processes}).")
+    if process is not None and process != strategy.process_index:
+        return None
+    writer = mngr._writer
+    if writer is None:
+        raise ValueError(f"jreplicate.testing.{what}: process {strategy.process_index} does "
+                         "not write this manager's checkpoints (it is closed, or only the "
+                         "chief writes).")
+    return writer
+
+
+def fail_checkpoint_write(mngr: CheckpointManager, *, process: int = 0,
+                          error: BaseException | None = None) -> None:
+    """The next checkpoint write of process ``process`` fails in the background.
+
+    The data is written, then the write fails as a full disk would (``error``, default
+    ``OSError(ENOSPC)``) before the checkpoint is committed. Call it on every process
+    (the others ignore it). The failure surfaces as the same
+    :class:`jreplicate.checkpoint.CheckpointError` on every process at the next
+    ``save``, ``wait_until_finished``, ``close`` or ``restore_or_initialize``.
+
+    Raises:
+      ValueError: ``process`` is out of range, or does not write ``mngr``'s checkpoints.
+
+    Example (the write of checkpoint 1 fails; it is never listed):
+      >>> import tempfile, jax.numpy as jnp, jreplicate as jr
+      >>> mngr = jr.CheckpointManager(tempfile.mkdtemp(), jr.MirroredStrategy())
+      >>> fail_checkpoint_write(mngr)
+      >>> mngr.save(1, {"w": jnp.ones(2)})
+      True
+      >>> try:
+      ...     mngr.wait_until_finished()
+      ... except jr.checkpoint.CheckpointError as e:
+      ...     print(str(e)[:63])
+      checkpoint 1 was not written: process 0 failed (OSError: [Errno
+      >>> mngr.complete_steps()
+      []
+      >>> mngr.close()
+    """
+    if error is None:
+        error = OSError(errno.ENOSPC, "No space left on device (injected by "
+                                      "jreplicate.testing.fail_checkpoint_write)")
+    if not isinstance(error, BaseException):
+        raise TypeError(f"jreplicate.testing.fail_checkpoint_write(error=...) must be an "
+                        f"exception, got {type(error).__name__}.")
+    writer = _writer(mngr, process, "fail_checkpoint_write")
+    if writer is not None:
+        def fail() -> None:
+            raise error
+        writer.handler.faults.append(fail)
+
+
+def delay_checkpoint_write(mngr: CheckpointManager, until: float | threading.Event, *,
+                           process: int | None = None) -> None:
+    """The next checkpoint write of process ``process`` (None: every process) takes
+    ``until`` seconds longer, or waits until the event ``until`` is set, before its
+    commit: a slow file system, or a write held open by a test.
+
+    Raises:
+      ValueError: ``process`` is out of range, or does not write ``mngr``'s checkpoints,
+        or ``until`` is a negative number.
+
+    Example (``save`` returns while the write is held; it commits once released):
+      >>> import tempfile, threading, jax.numpy as jnp, jreplicate as jr
+      >>> mngr = jr.CheckpointManager(tempfile.mkdtemp(), jr.MirroredStrategy())
+      >>> release = threading.Event()
+      >>> delay_checkpoint_write(mngr, release)
+      >>> mngr.save(1, {"w": jnp.ones(2)})
+      True
+      >>> mngr.complete_steps()
+      []
+      >>> release.set(); mngr.wait_until_finished(); mngr.complete_steps()
+      [1]
+      >>> mngr.close()
+    """
+    if isinstance(until, threading.Event):
+        wait = until.wait
+    elif isinstance(until, (int, float)) and not isinstance(until, bool) and until >= 0:
+        wait = threading.Event().wait
+        until = float(until)
+    else:
+        raise ValueError(f"jreplicate.testing.delay_checkpoint_write(until={until!r}) must "
+                         "be seconds >= 0 or a threading.Event.")
+    writer = _writer(mngr, process, "delay_checkpoint_write")
+    if writer is not None:
+        if isinstance(until, threading.Event):
+            writer.handler.faults.insert(0, wait)
+        else:
+            writer.handler.faults.insert(0, lambda: wait(until))

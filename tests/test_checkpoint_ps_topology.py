@@ -143,6 +143,7 @@ def test_save_calls_the_state_function_only_when_it_writes(tmp_path):
             rep.run(step, None, w, opt)
             assert mngr.save(1, never) is False
             assert mngr.save(2, lambda: (rep.join(), s.state())[1], force=True) is True
+            mngr.wait_until_finished()
             assert mngr.complete_steps() == [2]
         with jr.CheckpointManager(tmp_path, rep) as mngr:
             at, got = mngr.restore_or_initialize(s.state)

@@ -74,6 +74,13 @@ from jreplicate.checkpoint.tree import (
     template_leaves,
     unviewed,
 )
+from jreplicate.checkpoint.writer import (
+    BackgroundWriter,
+    failure_message,
+    remove_debris,
+    retain,
+    settle,
+)
 from jreplicate.strategies.base import Strategy
 
 logger = logging.getLogger("jreplicate")
@@ -156,7 +163,7 @@ class CheckpointManager:
 
     def __init__(self, directory: str | os.PathLike, strategy: Any, *,
                  max_to_keep: int | None = 3, save_interval_steps: int = 1,
-                 exit_on_preemption: bool = True):
+                 enable_async_checkpointing: bool = True, exit_on_preemption: bool = True):
         why = unsupported_orbax()
         if why is not None:
             raise ImportError(why)
@@ -185,6 +192,12 @@ class CheckpointManager:
         if not isinstance(exit_on_preemption, bool):
             raise TypeError(f"CheckpointManager(exit_on_preemption={exit_on_preemption!r}) "
                             "must be True or False.")
+        if not isinstance(enable_async_checkpointing, bool):
+            raise TypeError("CheckpointManager(enable_async_checkpointing=...) must be True "
+                            f"or False, got {enable_async_checkpointing!r}.")
+        self._async = enable_async_checkpointing
+        self._writer: BackgroundWriter | None = None
+        self._pending: int | None = None  # the step being written, its outcome not agreed
         self._dir = os.path.abspath(os.fspath(directory))
         self._exit_on_preemption = exit_on_preemption
         self._preempted_at: int | None = None
@@ -262,6 +275,7 @@ class CheckpointManager:
                 "restore_or_initialize(init_fn) needs a parameter-less function returning "
                 f"the initial state, got {type(init_fn).__name__}."
             )
+        self._settle()
         step, err = self._share(lambda: (self._latest(), None), "the latest checkpoint")
         if err:
             raise CheckpointError(err)
@@ -364,6 +378,7 @@ class CheckpointManager:
         if not (force or preempted or self.should_save(step)):
             return False
         if not (preempted and step == self._last_written):
+            self._settle()
             state = _evaluated(state)
             host = to_host(state, "CheckpointManager.save(state)", saving=True)
             name_clash(host, "CheckpointManager.save(state)")
@@ -372,8 +387,12 @@ class CheckpointManager:
                 f"writing checkpoint {step}")
             if err:
                 raise CheckpointError(err)
+            self._pending = step
             self._last_written = step
+            if not self._async:
+                self._settle()
         if preempted:
+            self._settle()  # the preemption checkpoint is committed before anyone exits
             # The launcher reads this line (jreplicate.cluster.launch).
             sys.stderr.write(f"jreplicate: preempted: every process saved checkpoint {step}"
                              + (f"; exiting with status {Preempted(step).code}\n"
@@ -391,6 +410,32 @@ class CheckpointManager:
         ``save`` raises :class:`jreplicate.checkpoint.Preempted` instead."""
         return self._preempted_at is not None and step >= self._preempted_at
 
+    def wait_until_finished(self) -> None:
+        """Blocks until the checkpoint being written is committed; call on every process.
+
+        Raises:
+          CheckpointError: on every process alike, when a process's write failed (the
+            message names the process and the error; the step is not restored).
+        """
+        self._settle()
+
+    def _settle(self) -> None:
+        """The outcome exchange of the pending write (every process, same point)."""
+        if self._pending is None:
+            return
+        step, self._pending = self._pending, None
+        outcome = settle(self._writer, self._agreement, step, latest=self._latest,
+                         is_chief=self.is_chief)
+        if outcome.failure is None:
+            if self.is_chief:
+                retain(self._dir, self.complete_steps(), self._max_to_keep)
+                if self._orbax is not None:
+                    self._orbax.reload()
+            return
+        if self.is_chief:
+            remove_debris(self._dir)
+        raise CheckpointError(failure_message(step, outcome.failure, outcome.latest))
+
     def close(self) -> None:
         """Finishes pending writes, releases Orbax's resources and the directory's lock.
 
@@ -399,11 +444,14 @@ class CheckpointManager:
         """
         self._preempt.close()
         try:
+            self._settle()
+        finally:
+            if self._writer is not None:
+                self._writer.close()
+                self._writer = None
             if self._orbax is not None:
-                self._orbax.wait_until_finished()
                 self._orbax.close()
                 self._orbax = None
-        finally:
             if self._lock is not None:
                 self._lock.release()
                 self._lock = None
@@ -432,6 +480,13 @@ class CheckpointManager:
         except OSError as e:
             return path_problem(path, e)
         weakref.finalize(self, self._lock.release)
+        remove_debris(path)
+        timeouts = getattr(self._strategy, "timeouts", None)
+        self._writer = BackgroundWriter(
+            path, key_prefix=f"jreplicate/checkpoint/{id(self)}",
+            processes=[self._strategy.process_index],
+            process_index=self._strategy.process_index,
+            timeout=timeouts.collective_timeout if timeouts is not None else 1200)
         return None
 
     def _manager(self):
@@ -523,7 +578,7 @@ class CheckpointManager:
         """
         try:
             with quiet_orbax():
-                metadata = self._manager().item_metadata(step)
+                metadata = _item_handler().metadata(_item_dir(self._dir, step))
             tree = getattr(metadata, "tree", metadata)
             if tree is None:
                 raise _Damaged("no metadata")
@@ -555,7 +610,8 @@ class CheckpointManager:
         target = jax.tree.map(lambda m: np.zeros(m.shape, m.dtype), stored)
         try:
             with quiet_orbax():
-                value = self._manager().restore(step, args=ocp.args.StandardRestore(target))
+                value = _item_handler().restore(_item_dir(self._dir, step),
+                                                args=ocp.args.StandardRestore(target))
         except MemoryError:
             raise
         except Exception as e:  # the data of a committed checkpoint is damaged
@@ -584,9 +640,7 @@ class CheckpointManager:
                         f"{self._dir}, which restore_or_initialize would restore instead of "
                         "it. Count steps on from the step restore_or_initialize returns, or "
                         "give a new directory to start a new run.")
-            with quiet_orbax():
-                mngr.save(step, args=save_args(host), force=True)
-                mngr.wait_until_finished()
+            self._writer.start(step, save_args(host))
         except OSError as e:  # reported to every process
             return f"could not write checkpoint {step}: " + path_problem(self._dir, e)
         except Exception as e:  # reported to every process
@@ -630,6 +684,20 @@ class CheckpointManager:
         return jax.tree.unflatten(treedef, [
             np.asarray(r, np.uint8).view(x.dtype).reshape(np.shape(x))
             for r, x in zip(raw, leaves, strict=True)])
+
+
+def _item_dir(directory: str, step: int) -> Any:
+    """Where step ``step``'s arrays are: ``<step>/default`` (written by
+    ``ocp.CheckpointManager``) or ``<step>``."""
+    from etils import epath
+    step_dir = epath.Path(directory) / str(step)
+    legacy = step_dir / "default"
+    return legacy if legacy.is_dir() else step_dir
+
+
+def _item_handler() -> Any:
+    import orbax.checkpoint as ocp
+    return ocp.StandardCheckpointHandler()  # reads only
 
 
 def _abstract(init_fn: Callable[[], Any]) -> Any:

@@ -1,0 +1,394 @@
+"""Checkpoints written in the background, and the outcome every process agrees on (private).
+
+:class:`BackgroundWriter` writes one checkpoint at a time with Orbax's
+``AsyncCheckpointer`` (used directly, not through ``ocp.CheckpointManager``, which
+joins JAX's preemption protocol with the user's step numbers and waits on fixed
+300 s barriers): :meth:`BackgroundWriter.start` returns once every leaf's
+device-to-host copy is taken, and Orbax's thread writes the files, waits for the other
+processes' writes and commits (``commit_success.txt``, then the rename of
+``<step>.orbax-checkpoint-tmp`` to ``<step>``). A temporary directory is never a step,
+so a write that fails or is killed leaves nothing that is restored.
+
+A write that fails on one process must not leave the others waiting in Orbax's
+``async_write_complete`` barrier for its whole timeout: Orbax is given
+:class:`AbortableBarrier`, over the coordination service's key-value store, which a
+failing process aborts for everyone at once.
+
+:func:`settle` is the outcome exchange the manager runs before each save, and in
+``wait_until_finished``, ``close`` and ``restore_or_initialize``: wait (bounded) for the
+pending write, send ``{ok | error}`` through the manager's agreement, and return the
+same :class:`Failure` on every process, naming the process whose write failed first.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+import math
+import os
+import shutil
+import threading
+import time
+import weakref
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from jreplicate import _jax_compat, _wire
+from jreplicate.checkpoint.checks import one_line, quiet_orbax
+
+logger = logging.getLogger("jreplicate")
+
+#: Orbax's suffix of a step's temporary directory while it is written.
+TMP_SUFFIX = ".orbax-checkpoint-tmp"
+#: The suffix of an old step being deleted (renamed first, so that a deletion cut
+#: short never leaves a step that looks complete).
+DELETING_SUFFIX = ".deleting"
+#: What a process whose write was abandoned because a peer's failed reports.
+ABORTED = "aborted: another process's write failed"
+
+#: One process's outcome of the pending write, as exchanged (error None: written), and
+#: the chief's latest complete step once it ended.
+WRITE_OUTCOME = _wire.record(error=_wire.optional(_wire.string),
+                             latest=_wire.optional(_wire.natural))
+
+
+@dataclasses.dataclass(frozen=True)
+class Failure:
+    """The agreed failure of a write: the first process whose write failed, and why."""
+
+    process: int
+    error: str
+
+
+class AbortableBarrier:
+    """Orbax's ``barrier_sync_fn``: a barrier over the key-value store that any process
+    can abort.
+
+    Each process sets ``<round>/barrier/<key>/<pid>`` and polls ``<round>/`` until every
+    process in ``processes`` has, or ``<round>/abort`` appears (then it raises
+    :class:`RuntimeError` with the abort's reason), or ``timeout_ms`` passes (then
+    :class:`TimeoutError` naming the processes that did not arrive). A round is one
+    save (:meth:`begin`), so that a step written again after a failure never meets its
+    old keys.
+    """
+
+    def __init__(self, prefix: str, processes: Sequence[int], process_index: int,
+                 poll_s: float = 0.02):
+        self._prefix = prefix
+        self._processes = sorted(processes)
+        self._pid = process_index
+        self._poll_s = poll_s
+        self._round = f"{prefix}/0"
+
+    def begin(self, number: int) -> None:
+        """Starts round ``number`` (the same on every process: one per save)."""
+        self._round = f"{self._prefix}/{number}"
+
+    def abort(self, why: str) -> None:
+        """Lets every process waiting in this round's barriers go (best effort)."""
+        if len(self._processes) < 2:
+            return
+        try:
+            _jax_compat.distributed_client().key_value_set_bytes(
+                f"{self._round}/abort", f"process {self._pid}: {why}"[:500].encode())
+        except Exception:  # noqa: BLE001 - already set by a peer, or the service is gone
+            logger.debug("jreplicate: checkpoint barrier abort not set", exc_info=True)
+
+    def clear(self, number: int) -> None:
+        """Deletes round ``number``'s keys (best effort; call once every process is past)."""
+        if len(self._processes) < 2:
+            return
+        try:
+            _jax_compat.distributed_client().key_value_delete(f"{self._prefix}/{number}/")
+        except Exception:  # noqa: BLE001 - the keys are small; a leftover harms nothing
+            logger.debug("jreplicate: checkpoint barrier keys not deleted", exc_info=True)
+
+    def __call__(self, *, key: str, timeout_ms: int) -> None:
+        if len(self._processes) < 2:
+            return
+        client = _jax_compat.distributed_client()
+        base = f"{self._round}/barrier/{key}/"
+        client.key_value_set_bytes(f"{base}{self._pid}", b"1")
+        deadline = time.monotonic() + timeout_ms / 1000
+        want = {f"{base}{p}" for p in self._processes}
+        while True:
+            entries = dict(client.key_value_dir_get_bytes(f"{self._round}/"))
+            abort = entries.get(f"{self._round}/abort")
+            if abort is not None:
+                raise RuntimeError(f"{ABORTED} ({abort.decode(errors='replace')})")
+            if want <= entries.keys():
+                return
+            if time.monotonic() > deadline:
+                missing = [p for p in self._processes if f"{base}{p}" not in entries]
+                raise TimeoutError(
+                    f"processes {missing} did not finish writing within "
+                    f"{timeout_ms / 1000:g}s (barrier {key})")
+            time.sleep(self._poll_s)
+
+
+@functools.cache
+def _handler_class() -> tuple[type, type]:
+    """``(Handler, Save)``: Orbax's standard handler with faults, and its save arguments
+    (Orbax finds a handler's arguments by its exact class, so they are registered)."""
+    import orbax.checkpoint as ocp
+
+    class Handler(ocp.StandardCheckpointHandler):
+        """Orbax's handler, plus faults run once in the background of the next save
+        (:mod:`jreplicate.testing`)."""
+
+        def __init__(self, **kwargs: Any):
+            super().__init__(**kwargs)
+            self.faults: list[Callable[[], None]] = []
+
+        async def async_save(self, directory, item=None, save_args=None, args=None):
+            futures = list(await super().async_save(directory, item, save_args, args) or [])
+            faults, self.faults = self.faults, []
+            return futures + [_Fault(faults)] if faults else futures
+
+    @ocp.args.register_with_handler(Handler, for_save=True)
+    class Save(ocp.args.StandardSave):
+        pass
+
+    @ocp.args.register_with_handler(Handler, for_restore=True)
+    class Restore(ocp.args.StandardRestore):
+        pass
+
+    return Handler, Save
+
+
+class _Fault:
+    """A commit future that runs the injected faults (in Orbax's background thread)."""
+
+    def __init__(self, faults: list[Callable[[], None]]):
+        self._faults = faults
+
+    def result(self, timeout: float | None = None) -> None:
+        del timeout
+        for fault in self._faults:
+            fault()
+
+
+@dataclasses.dataclass
+class _Pending:
+    """The write in flight (or finished, its outcome not yet agreed)."""
+
+    step: int
+    number: int
+    started: float
+    returned: float = math.nan  # when start() returned (device-to-host copy taken)
+    finished: float = math.nan
+    error: str | None = None
+    done: threading.Event = dataclasses.field(default_factory=threading.Event)
+    reported: bool = False
+
+
+class BackgroundWriter:
+    """Writes checkpoints with one Orbax ``AsyncCheckpointer``, one at a time.
+
+    Args:
+      directory: the checkpoint directory; step ``s`` is written to ``<directory>/<s>``.
+      key_prefix: a key-value prefix unique to the manager and equal on every process.
+      processes: the processes that write (every process, or the chief alone).
+      process_index: this process.
+      timeout: seconds Orbax's background thread may take (the writes and its
+        barriers), at least 1.
+    """
+
+    def __init__(self, directory: str, *, key_prefix: str, processes: Sequence[int],
+                 process_index: int, timeout: float):
+        import orbax.checkpoint as ocp
+        self._dir = directory
+        self._timeout = max(1, math.ceil(timeout))
+        self.barrier = AbortableBarrier(f"{key_prefix}/writes", processes, process_index)
+        handler, self._save_args = _handler_class()
+        self.handler = handler(
+            multiprocessing_options=ocp.options.MultiprocessingOptions(
+                primary_host=min(processes), active_processes=set(processes)))
+        self._orbax = ocp.AsyncCheckpointer(
+            self.handler,
+            async_options=ocp.options.AsyncOptions(
+                timeout_secs=self._timeout, barrier_sync_fn=self.barrier,
+                create_directories_asynchronously=False),
+            multiprocessing_options=ocp.options.MultiprocessingOptions(
+                primary_host=min(processes), active_processes=set(processes),
+                barrier_sync_key_prefix=key_prefix.replace("/", "_")))
+        self._count = 0
+        self._pending: _Pending | None = None
+        self._last: list[_Pending | None] = [None]  # read by the finaliser
+        weakref.finalize(self, _report_at_exit, self._last)
+
+    @property
+    def pending(self) -> _Pending | None:
+        """The write whose outcome is not yet agreed (None: none)."""
+        return self._pending
+
+    def start(self, step: int, args: Any, metadata: dict | None = None) -> None:
+        """Starts writing checkpoint ``step``; returns once the device-to-host copies are
+        taken. ``args``: Orbax's ``StandardSave`` (or the pytree itself). A failure,
+        here or in the background, is this write's outcome (see :meth:`wait`), never
+        raised here, so that every process learns it at the same call."""
+        import orbax.checkpoint as ocp
+        if self._pending is not None:
+            raise RuntimeError("BackgroundWriter.start: the previous write is not settled")
+        if not isinstance(args, ocp.args.StandardSave):
+            args = ocp.args.StandardSave(args)
+        args = self._save_args(item=args.item, save_args=args.save_args,
+                               custom_metadata=args.custom_metadata)
+        self._count += 1
+        pending = _Pending(step, self._count, time.monotonic())
+        self._pending = self._last[0] = pending
+        self.barrier.begin(pending.number)
+        try:
+            with quiet_orbax():
+                self._orbax.save(os.path.join(self._dir, str(step)), args=args,
+                                 custom_metadata=metadata)
+        except Exception as e:  # broad: the outcome of this process's write, agreed later
+            self._finish(pending, one_line(e))
+            return
+        pending.returned = time.monotonic()
+        threading.Thread(target=self._watch, args=(pending,), name=f"jreplicate-ckpt-{step}",
+                         daemon=False).start()
+
+    def _watch(self, pending: _Pending) -> None:
+        try:
+            self._orbax.wait_until_finished()
+        except BaseException as e:  # broad: the outcome, agreed by every process
+            self._finish(pending, one_line(e))
+            return
+        self._finish(pending, None)
+
+    def _finish(self, pending: _Pending, error: str | None) -> None:
+        if error is not None and not error.startswith(f"RuntimeError: {ABORTED}"):
+            self.barrier.abort(error)  # first: peers waiting for this process let go
+        pending.error = error
+        pending.finished = time.monotonic()
+        if math.isnan(pending.returned):
+            pending.returned = pending.finished
+        pending.done.set()
+
+    def poll(self) -> str | None:
+        """The pending write's error if it already failed, without waiting (else None)."""
+        p = self._pending
+        return p.error if p is not None and p.done.is_set() else None
+
+    def wait(self, timeout: float | None = None) -> str | None:
+        """Waits for the pending write; returns its error (None: committed or nothing
+        pending). After ``timeout`` seconds (None: Orbax's own bound plus a margin) the
+        write is aborted and reported as not finished."""
+        p = self._pending
+        if p is None:
+            return None
+        bound = self._timeout + 30 if timeout is None else timeout
+        if not p.done.wait(bound):
+            why = f"TimeoutError: the write did not finish within {bound:g}s"
+            self.barrier.abort(why)
+            return why
+        return p.error
+
+    def settled(self) -> _Pending | None:
+        """Forgets the pending write once its outcome is agreed; returns it."""
+        p, self._pending = self._pending, None
+        if p is not None:
+            p.reported = True
+            if p.done.is_set():
+                self.barrier.clear(p.number)
+        return p
+
+    def close(self) -> None:
+        """Waits for a pending write (its outcome is lost if not settled) and closes."""
+        if self._pending is not None:
+            self._pending.done.wait(self._timeout + 30)
+        with quiet_orbax():
+            self._orbax.close()
+
+
+def _report_at_exit(last: list[_Pending | None]) -> None:
+    p = last[0]
+    if p is not None and not p.reported and p.done.is_set() and p.error is not None:
+        logger.error("jreplicate: checkpoint %d was not written (%s); the error was never "
+                     "reported: call CheckpointManager.wait_until_finished() or close() "
+                     "before the program ends.", p.step, p.error)
+
+
+@dataclasses.dataclass(frozen=True)
+class Outcome:
+    """The agreed outcome of a write (the same on every process).
+
+    Attributes:
+      step: the checkpoint written.
+      failure: None if every process's write succeeded; else the first process whose
+        write failed for its own reason (not because a peer's failure aborted it).
+      latest: the chief's latest complete step once the write ended.
+    """
+
+    step: int
+    failure: Failure | None
+    latest: int | None
+
+
+def settle(writer: BackgroundWriter | None, agreement: Any, step: int, *,
+           latest: Callable[[], int | None], is_chief: bool,
+           timeout: float | None = None) -> Outcome:
+    """Waits (bounded) for the pending write of checkpoint ``step`` and agrees its outcome.
+
+    Call it on every process at the same point whenever a write is pending; a process
+    that does not write passes ``writer=None`` and reports success. ``latest`` runs on
+    the chief, after its write ended.
+    """
+    mine = {"error": writer.wait(timeout) if writer is not None else None,
+            "latest": latest() if is_chief else None}
+    if agreement is None:
+        outcomes = [mine]
+    else:
+        outcomes = agreement.exchange(mine, f"the outcome of writing checkpoint {step}",
+                                      WRITE_OUTCOME)
+    if writer is not None:
+        writer.settled()
+    failed = [(p, m["error"]) for p, m in enumerate(outcomes) if m["error"] is not None]
+    causes = [(p, e) for p, e in failed if ABORTED not in e] or failed
+    return Outcome(step, Failure(*causes[0]) if causes else None, outcomes[0]["latest"])
+
+
+def failure_message(step: int, failure: Failure, latest: int | None) -> str:
+    """The error every process raises for a write that failed."""
+    previous = (f"checkpoint {latest} is the latest" if latest is not None else
+                "there is no complete checkpoint yet")
+    return (f"checkpoint {step} was not written: process {failure.process} failed "
+            f"({failure.error}); it is incomplete and will not be restored; {previous}.")
+
+
+def remove_debris(directory: str) -> None:
+    """Deletes the temporary directories of interrupted writes (the chief, at start and
+    after a failed write), warning where one cannot be deleted."""
+    if not os.path.isdir(directory):
+        return
+    for name in os.listdir(directory):
+        head = name.split(TMP_SUFFIX)[0].split(DELETING_SUFFIX)[0]
+        if (TMP_SUFFIX in name or DELETING_SUFFIX in name) and head.isdigit():
+            path = os.path.join(directory, name)
+            try:
+                shutil.rmtree(path)
+            except OSError as e:
+                logger.warning("jreplicate: could not delete %s, left by an interrupted "
+                               "checkpoint write: %s", path, one_line(e))
+
+
+def retain(directory: str, steps: Sequence[int], max_to_keep: int | None) -> list[int]:
+    """Deletes the oldest of the complete ``steps`` beyond ``max_to_keep`` (the chief,
+    after a committed save); damaged or moved-aside steps are not in ``steps`` and are
+    never deleted. A deletion that fails is a warning. Returns the steps deleted."""
+    if max_to_keep is None:
+        return []
+    gone = []
+    for step in sorted(steps)[:-max_to_keep]:
+        path = os.path.join(directory, str(step))
+        try:
+            doomed = f"{path}{DELETING_SUFFIX}-{time.time_ns()}"
+            os.rename(path, doomed)
+            gone.append(step)
+            shutil.rmtree(doomed)
+        except OSError as e:
+            logger.warning("jreplicate: could not delete old checkpoint %s (max_to_keep=%d): "
+                           "%s", path, max_to_keep, one_line(e))
+    return gone
