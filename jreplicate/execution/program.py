@@ -87,7 +87,11 @@ class Program:
         axis = layout.replica_axis
         in_specs = tuple(P(axis) if k.kind is ArgKind.PER_REPLICA else P()
                          for k in sig.kinds)
-        body = _body(fn, sig, layout, self)
+        sharded = layout.weight_update_sharding is not None
+        # With weight_update_sharding, a device loop scans the split step outside the
+        # manual region (execution.sharded_program): the body is one step of it.
+        body = _one_step_body(fn, sig, layout, self) if sharded and sig.steps is not None \
+            else _body(fn, sig, layout, self)
         # Manual over the replica axis only when a replica spans several devices (the
         # model axis stays automatic); else over the whole (replicas, 1) mesh.
         partial = layout.logical_devices_per_replica > 1
@@ -101,9 +105,11 @@ class Program:
         #: With weight_update_sharding: the split program, planned at its first use.
         self.split: sharded_program.SplitJit | None = None
         if layout.weight_update_sharding is not None:
+            loop = None if sig.steps is None else sharded_program.Loop(
+                sig.steps, sig.has_batch, *[c.num_leaves for c in sig.treedef.children()])
             self.split = sharded_program.SplitJit(
                 call, lambda: _roles(sig, self), layout, sig.donate, options, manual,
-                _step_name(fn))
+                _step_name(fn), loop, lambda: (self.num_out, self.outputs_per_replica()))
             self.jitted = self.split
             self.jitted_nested = _nested_refused(layout.weight_update_sharding)
             return
@@ -198,6 +204,47 @@ def _body(fn: Callable, sig: Signature, layout: Layout, program: Program) -> Cal
         flat = _out_leaves(out, program)
         if graphdef is not None:
             flat += nnx_args.state_leaves(new_state, state, axis, graphdef, sig.node_pos)
+        return _keep_model_shardings(flat, [b.shape for b in blocks], sig, program)
+
+    return body
+
+
+def _one_step_body(fn: Callable, sig: Signature, layout: Layout, program: Program
+                   ) -> Callable:
+    """One step of a device loop, as a body of the flat inputs with one step's batch:
+    the outputs are the new plain arguments (with the old ones' dtypes), the step's other
+    outputs, then the NNX state; the loop itself is outside (sharded_program.Loop)."""
+    axis = layout.replica_axis
+    graphdef = sig.graphdef
+
+    def body(*blocks):
+        if fast.retrace_guarded():
+            raise fast.Retrace
+        vals = [b[0] if k.kind is ArgKind.PER_REPLICA else b
+                for b, k in zip(blocks, sig.kinds)]
+        batch, plain, state = jax.tree.unflatten(sig.treedef, vals)
+        ctx = ReplicaContext(axis_name=axis, num_replicas=layout.num_replicas,
+                             num_replicas_in_sync=layout.num_replicas_in_sync,
+                             logical_devices_per_replica=layout.logical_devices_per_replica)
+        whole: list = []
+        with tracing_step(axis):
+            try:
+                carry, extra = _step(fn, ctx, sig, batch, Carry(plain, state), axis, whole,
+                                     changed="retry")
+            except _StateChanged:
+                raise ValueError(
+                    "Replicator.run(..., steps=K) with weight_update_sharding: the step "
+                    "changes the dtype or shape of NNX state (e.g. an int counter assigned "
+                    "a float). Assign each Variable a value of its own dtype "
+                    "(x.astype(v.dtype)), or run one step without steps= first.") from None
+        program.returns_args = True
+        if whole[0]:
+            out = carry.plain[0]
+        else:
+            out = (*carry.plain, *extra) if plain else extra
+        flat = _out_leaves(out, program)
+        if graphdef is not None:
+            flat += jax.tree.leaves(carry.state)
         return _keep_model_shardings(flat, [b.shape for b in blocks], sig, program)
 
     return body

@@ -13,9 +13,10 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
+import jax.numpy as jnp
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -25,6 +26,16 @@ from jreplicate.execution.weight_update import InputRole, UpdatePlan
 from jreplicate.layout import Layout
 
 _log = logging.getLogger("jreplicate")
+
+
+class Loop(NamedTuple):
+    """A device loop's shape: K steps of the split step in one ``lax.scan``."""
+
+    steps: int
+    has_batch: bool
+    num_batch: int  # flat input leaves of the batch (stacked [replicas, K, ...])
+    num_plain: int  # of the plain arguments (carried: the first outputs)
+    num_state: int  # of the NNX state (carried: the last outputs)
 
 
 class SplitJit:
@@ -44,8 +55,10 @@ class SplitJit:
 
     def __init__(self, call: Callable, roles: Callable[[], tuple[InputRole, ...]],
                  layout: Layout, donate: tuple[int, ...], options: dict | None,
-                 manual: frozenset, name: str):
+                 manual: frozenset, name: str, loop: Loop | None = None,
+                 outputs: Callable[[], tuple] | None = None):
         self._call, self._roles, self._layout = call, roles, layout
+        self._loop, self._outputs = loop, outputs
         self._donate, self._options, self._manual, self._name = donate, options, manual, name
         self._jitted: Any = None
         self._traced: Any = None
@@ -63,7 +76,11 @@ class SplitJit:
         """Traces, plans and builds the program for inputs like ``arrays`` (once)."""
         if self._jitted is not None:
             return
-        self._traced = jax.jit(self._call).trace(*arrays)
+        loop = self._loop
+        one = arrays if loop is None else [  # one step's batch: [replicas, ...]
+            jax.ShapeDtypeStruct(x.shape[:1] + x.shape[2:], x.dtype) if k < loop.num_batch
+            else x for k, x in enumerate(arrays)]
+        self._traced = jax.jit(self._call).trace(*one)
         closed = self._traced.jaxpr
         index = jc.shard_map_equation(closed)
         if index is None:
@@ -89,6 +106,9 @@ class SplitJit:
             if v in out_index and body_out[out_index[v]] is not None else None
             for v in outer.outvars)
         program = split.build(closed, index, plan, mesh, self._manual, body_out)
+        if loop is not None:
+            num_out, per_replica = self._outputs()
+            program = _scanned(program, loop, num_out, per_replica)
         self._jitted = jax.jit(program, donate_argnums=self._donate,
                                compiler_options=self._options)
         self.plan = plan
@@ -107,6 +127,30 @@ class SplitJit:
     def lower(self, *arrays):
         self.ensure(list(arrays))
         return self._jitted.lower(*arrays)
+
+
+def _scanned(one_step: Callable, loop: Loop, num_out: int, per_replica: tuple) -> Callable:
+    """K steps of ``one_step`` (the split program of one step) in a ``lax.scan`` outside
+    the manual region: the plain arguments' and NNX state's leaves are carried, the
+    other outputs stacked ``[K, ...]`` (per-replica ones ``[replicas, K, ...]``)."""
+    nb, np_, ns = loop.num_batch, loop.num_plain, loop.num_state
+
+    def program(*flat):
+        batch = [jnp.moveaxis(x, 1, 0) for x in flat[:nb]]  # [K, replicas, ...]
+        carry0 = [jax.lax.convert_element_type(x, x.dtype) for x in flat[nb:]]  # strong
+
+        def one(carry, xs):
+            outs = one_step(*(xs or []), *carry)
+            new = outs[:np_] + outs[num_out:]
+            return [n.astype(c.dtype) for n, c in zip(new, carry)], outs[np_:num_out]
+
+        final, ys = jax.lax.scan(one, carry0, batch if loop.has_batch and nb else None,
+                                 length=loop.steps)
+        ys = [jnp.moveaxis(y, 0, 1) if r else y
+              for y, r in zip(ys, per_replica[np_:num_out])]
+        return [*final[:np_], *ys, *final[np_:np_ + ns]]
+
+    return program
 
 
 def _body_roles(outer: Any, eqn: Any, flat: tuple[InputRole, ...]) -> tuple[InputRole, ...]:
