@@ -78,30 +78,41 @@ _sync_ids = itertools.count()
 
 
 class _SigtermFlag:
-    """The process's Python SIGTERM handler: installed by the first watch, restored to
-    the previous handler when the last one closes (if nobody replaced it meanwhile)."""
+    """The process's Python SIGTERM handler: installed by a watch when it is not the
+    handler already, given back to the previous one when the last watch closes (if
+    nobody replaced it meanwhile). It counts signals; a notice is consumed where the
+    processes agree to stop, so that it makes one stop, as JAX's sync point does."""
 
     def __init__(self):
-        self.event = threading.Event()
         self._lock = threading.Lock()
         self._users = 0
         self._previous: Any = None
+        self.received = 0  # SIGTERMs handled
+        self.consumed = 0  # of which acted on (or dropped when the last watch closed)
 
     def _handle(self, signum: int, frame: Any) -> None:
-        first = not self.event.is_set()
-        self.event.set()
-        if first:
+        self.received += 1
+        if self.received == self.consumed + 1:
             logger.warning("jreplicate: SIGTERM received: the job will stop at the next "
                            "CheckpointManager.save, after writing it")
         if callable(self._previous):
             self._previous(signum, frame)
 
+    def pending(self) -> int:
+        """The count of signals received so far, when one is not yet acted on; else 0."""
+        received = self.received
+        return received if received > self.consumed else 0
+
+    def consume(self, upto: int) -> None:
+        self.consumed = max(self.consumed, upto)
+
     def acquire(self) -> bool:
-        """Installs the handler (once); False when this is not the main thread."""
+        """Installs the handler unless it is SIGTERM's already; False when this is not
+        the main thread (where Python allows no handler to be installed)."""
         if threading.current_thread() is not threading.main_thread():
             return False
         with self._lock:
-            if self._users == 0:
+            if signal.getsignal(signal.SIGTERM) != self._handle:
                 self._previous = signal.signal(signal.SIGTERM, self._handle)
             self._users += 1
         return True
@@ -111,7 +122,7 @@ class _SigtermFlag:
             self._users -= 1
             if self._users > 0:
                 return
-            self.event.clear()  # a notice nobody acted on does not outlive its managers
+            self.consumed = self.received  # a notice nobody acted on dies with them
             ours = signal.getsignal(signal.SIGTERM) == self._handle
             if ours and threading.current_thread() is threading.main_thread():
                 signal.signal(signal.SIGTERM, self._previous if self._previous is not None
@@ -178,12 +189,14 @@ class PreemptionWatch:
         if self._service:
             from jax.experimental import multihost_utils
             return bool(multihost_utils.reached_preemption_sync_point(sync_id))
-        mine = self._flag and _FLAG.event.is_set()
-        if self._agreement is None:
-            return mine
-        flags = self._agreement.exchange(mine, "whether a process was preempted (SIGTERM)",
-                                         _flag_message)
-        return any(flags)
+        pending = _FLAG.pending() if self._flag else 0
+        stop = bool(pending)
+        if self._agreement is not None:
+            stop = any(self._agreement.exchange(
+                stop, "whether a process was preempted (SIGTERM)", _flag_message))
+        if stop and pending:
+            _FLAG.consume(pending)
+        return stop
 
     def close(self) -> None:
         """Gives SIGTERM back to the handler it had before (idempotent)."""
