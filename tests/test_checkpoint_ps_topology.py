@@ -220,3 +220,55 @@ def test_a_preempted_parameter_server_loop_saves_its_state_at_the_agreed_step(tm
         ref[0].shutdown()
     finally:
         target[0].shutdown()
+
+
+def _token_job(num_workers, total):
+    s, rep, w, opt, tx = sgd_job(4, inner=jr.sync_replicas(
+        optax.sgd(0.1), replicas_to_aggregate=2, total_num_replicas=total), num_ps=2,
+        num_workers=num_workers)
+
+    def step(ctx, w, opt):
+        u, opt = tx.update(jax.grad(lambda w: jnp.sum(w))(w), opt, w)
+        return optax.apply_updates(w, u), opt
+
+    return s, rep, w, opt, step
+
+
+def test_token_gated_state_restores_onto_other_worker_counts(tmp_path):
+    """``sync_replicas`` state (tokens, accumulators, global step) saved from 2 workers
+    restores into 3 workers and into 1 with the same aggregation, bit for bit, and
+    training goes on from its global step (each step adds -0.1); another number of
+    tokens per step is refused by ``restore`` before anything is replaced."""
+    job = _token_job(2, 2)
+    s, rep = job[0], job[1]
+    try:
+        with jr.CheckpointManager(tmp_path, rep, save_interval_steps=4) as mngr:
+            _train(job, 8, mngr)
+        saved, gs = jax.tree.map(np.array, s.state()), s.global_step
+    finally:
+        s.shutdown()
+    assert gs >= 1
+    for workers in (3, 1):
+        s2, rep2, *_ = target = _token_job(workers, 2)
+        try:
+            with jr.CheckpointManager(tmp_path, rep2) as mngr:
+                at, got = mngr.restore_or_initialize(s2.state)
+            assert at == 8 and _bits(got) == _bits(saved)
+            s2.restore(got)
+            assert s2.global_step == gs
+            _train(target, 6, first=8)
+            assert s2.global_step > gs
+            np.testing.assert_allclose(s2.parameters(), np.full(4, -0.1 * s2.global_step),
+                                       rtol=1e-5)
+        finally:
+            s2.shutdown()
+    s3, rep3, *_ = _token_job(3, 3)
+    try:
+        with jr.CheckpointManager(tmp_path, rep3) as mngr:
+            _, got = mngr.restore_or_initialize(s3.state)
+        before = _bits(s3.state())
+        with pytest.raises(ValueError, match="hands out 2 tokens per step"):
+            s3.restore(got)
+        assert _bits(s3.state()) == before
+    finally:
+        s3.shutdown()
