@@ -400,6 +400,18 @@ input_report = then(record(status=one_of("ok", "end", "partial", "error"), detai
 #: The chief's ``(value, error)`` of a checkpoint decision (a step or None, a message).
 CHIEF_RESULT = record(value=optional(natural), error=optional(string))
 
+#: The chief's list of complete checkpoint steps, newest first (or its error).
+CHECKPOINT_STEPS = record(value=optional(list_of(natural)), error=optional(string))
+
+#: One process's outcome of a checkpoint action every process takes (seeing the
+#: directory, reading a step): ``ok``, or what went wrong and how.
+CHECKPOINT_OUTCOME = record(kind=one_of("ok", "mismatch", "damaged", "error"),
+                            detail=string)
+
+#: The chief's record of the directory's lock (or its error), compared by every process
+#: with the lock file it reads.
+CHIEF_TEXT = record(value=optional(string), error=optional(string))
+
 #: Whether a process could build the input elements of a step it had to build from
 #: the agreed spec (None: it could, or had none to build).
 BUILD_RESULT = record(error=optional(string))
@@ -414,5 +426,8 @@ RUN_ARGUMENTS = record(
 #: Every message processes exchange through the coordination service, by what it
 #: agrees on (walked by the tests: every number in each is bounded).
 MESSAGES = {"this step's input": input_report, "a checkpoint decision": CHIEF_RESULT,
+            "the checkpoints to restore": CHECKPOINT_STEPS,
+            "a checkpoint outcome": CHECKPOINT_OUTCOME,
+            "the checkpoint directory's lock": CHIEF_TEXT,
             "building this step's padded input": BUILD_RESULT,
             "the arguments of a call": RUN_ARGUMENTS}

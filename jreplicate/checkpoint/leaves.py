@@ -19,7 +19,7 @@ import jax
 import numpy as np
 
 from jreplicate._tree import check_fits, map_checked, path_str, read_now
-from jreplicate.checkpoint.dtypes import unsavable
+from jreplicate.checkpoint.dtypes import storage_dtype, unsavable
 from jreplicate.context import PerReplica
 
 
@@ -43,6 +43,49 @@ def zeros_like(tree: Any, what: str) -> Any:
         check_not_key(x, path, what)
         return np.zeros(np.shape(x), x.dtype)
     return map_checked(leaf, tree, what)
+
+
+def spans_processes(x: Any) -> bool:
+    """Whether ``x`` is a jax.Array whose shards no single process holds all of."""
+    return isinstance(x, jax.Array) and not x.is_fully_addressable \
+        and not x.is_fully_replicated
+
+
+def sharded_across_processes(tree: Any) -> list[tuple[str, Any]]:
+    """``(path, sharding)`` of each leaf of ``tree`` sharded across processes."""
+    return [(path_str(p) or "the root", x.sharding)
+            for p, x in jax.tree_util.tree_leaves_with_path(
+                tree, is_leaf=lambda x: isinstance(x, PerReplica)) if spans_processes(x)]
+
+
+def to_saved(tree: Any, what: str) -> Any:
+    """The leaves every process gives Orbax when every process writes: a jax.Array as
+    it is (checked without reading it: not donated, a dtype and size that can be saved),
+    others as NumPy copies (``to_host``'s rules). An array of a dtype TensorStore stores
+    as its bits (see :mod:`jreplicate.checkpoint.dtypes`) is read to the host, which
+    needs it replicated or held by one process."""
+    def leaf(path, x):
+        where = path_str(path) or "the root"
+        if isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer):
+            check_not_key(x, path, what)
+            if x.is_deleted():
+                raise ValueError(
+                    f"{what}: {where} was donated (its buffer was deleted) to a step run "
+                    "with donate_argnums: save the state the step returned instead (the "
+                    "donated argument's buffers now belong to the step's outputs).")
+            _check_savable(jax.ShapeDtypeStruct(x.shape, x.dtype), where, what)
+            if storage_dtype(x.dtype) == np.dtype(x.dtype):
+                return x
+            if spans_processes(x):
+                raise ValueError(
+                    f"{what}: {where} is a {np.dtype(x.dtype).name} array sharded across "
+                    f"processes ({x.sharding}); TensorStore stores {np.dtype(x.dtype).name} "
+                    "as its bits, which jreplicate reads through one host. Save it "
+                    "replicated, or cast it to a dtype TensorStore stores (e.g. uint8).")
+        host = _read(x, path, what)
+        _check_savable(host, where, what)
+        return host
+    return map_checked(leaf, tree, what, is_leaf=lambda x: isinstance(x, PerReplica))
 
 
 def to_host(tree: Any, what: str, *, saving: bool = False) -> Any:
@@ -115,20 +158,21 @@ def _as_its_dtype(host: np.ndarray, dtype: Any, where: str, what: str) -> np.nda
         f"to a dtype JAX copies exactly (e.g. x.astype(jnp.int8)).")
 
 
-def _check_savable(x: np.ndarray, where: str, what: str) -> None:
+def _check_savable(x: Any, where: str, what: str) -> None:
     problem = unsavable(x.dtype)
     if problem:
         raise TypeError(f"{what}: {where} is {problem}.")
-    if x.size == 0:
+    if int(np.prod(x.shape)) == 0:
         raise ValueError(
             f"{what}: {where} has zero size ({np.dtype(x.dtype).name}"
             f"[{', '.join(map(str, x.shape))}]); Orbax cannot write an array without "
             "elements. Leave it out of the saved state (it holds no data) and rebuild it "
             "after restoring.")
     held = jax.dtypes.canonicalize_dtype(x.dtype)
-    if held != x.dtype:
+    if held != np.dtype(x.dtype):
         raise ValueError(
-            f"{what}: {where} is {x.dtype.name}, which JAX holds as {np.dtype(held).name} "
-            "while jax_enable_x64 is off: no init_fn() could restore it. Save it as "
+            f"{what}: {where} is {np.dtype(x.dtype).name}, which JAX holds as "
+            f"{np.dtype(held).name} while jax_enable_x64 is off: no init_fn() could "
+            "restore it. Save it as "
             f"{np.dtype(held).name} (np.asarray(x, np.{np.dtype(held).name})), or enable "
             "64-bit types before any JAX work: jax.config.update('jax_enable_x64', True).")

@@ -1,29 +1,45 @@
-"""Chief-written checkpoints, restored by every process on start (Supervisor's chief duties).
+"""Checkpoints written by every process that holds state, restored onto any topology
+(Supervisor's chief duties, at pod scale).
 
 TensorFlow's ``Supervisor`` makes one task, the chief, initialise the model, write
-checkpoints and recover from them, while the other tasks wait for the chief's state.
-:class:`CheckpointManager` does the same for a :class:`jreplicate.Replicator` job:
+checkpoints and recover from them. :class:`CheckpointManager` keeps the chief's
+decisions (which step to restore, what is damaged, what to delete) and lets every
+process write and read the shards it holds:
 
-* :meth:`CheckpointManager.restore_or_initialize` runs on every process at start-up:
-  the chief (process 0) finds the latest **complete** checkpoint and reads it, or, if
-  there is none, the state comes from ``init_fn``; either way every process receives
-  the chief's state (broadcast through a collective, so other hosts need no access to
-  the checkpoint directory) and gets it back placed replicated on the strategy's mesh.
-* :meth:`CheckpointManager.save` is called by every process; the chief alone writes,
-  with Orbax (``orbax-checkpoint``), and every process returns once the checkpoint is
-  complete (or all raise the same error).
+* :meth:`CheckpointManager.restore_or_initialize` runs on every process at start-up. The
+  chief finds the complete checkpoints; every process reads the shards of the newest
+  undamaged one that its target shardings (``shardings=``, see
+  :mod:`jreplicate.checkpoint.targets`) give it, on this topology, whatever topology
+  wrote it; or, if there is none, the state comes from ``init_fn``.
+* :meth:`CheckpointManager.save` is called by every process. When every process sees
+  the directory (a shared file system, ``gs://``), every process writes its own shards
+  (Orbax multi-host: ``ocdbt.process_<i>/``), and no process ever holds a whole array
+  sharded across processes. Otherwise the chief alone writes replicated (or fully
+  addressable) state, as before, and state sharded across processes is refused.
+
+Every process sees the directory when each reads, in ``<directory>/jreplicate.lock``,
+the record the chief wrote there at construction (compared through the agreement): that
+also proves the lock is this job's, so one-job-per-directory covers every process.
+
+The checkpoint format (2; format 1, written by jreplicate before, restores through the
+chief as before): Orbax's ``StandardCheckpointHandler`` data in ``<step>/default``, and
+in its custom metadata each array's path, stored dtype, shape and a 64-bit digest of
+its bits, for the whole array and for each distinct device shard (its *box*); see
+:mod:`jreplicate.checkpoint.digest`. The digest does not depend on the sharding, so a
+checkpoint written from 2 processes x 4 devices is checked when read onto 1 device.
 
 A checkpoint is complete when its step directory holds Orbax's ``commit_success.txt``,
 which Orbax writes as the last act of a save (before the atomic rename from its
-temporary directory). Temporary directories of an interrupted save and step
+temporary directory). Temporary directories of an interrupted save are deleted and step
 directories without the marker are never restored; the chief moves the latter aside
 (to ``<step>.incomplete-<time>``) so that later saves are not confused by them.
 
 Only real damage moves a complete step aside: metadata that cannot be read, data files
-lost, truncated or changed after the save (each array's CRC-32 is saved with it), or
-metadata that disagrees with the data. Such a step is moved to
-``<step>.damaged-<time>``, with a warning, when an older complete step is restored in
-its place; when every step is damaged, restore raises and moves nothing.
+lost, truncated or changed after the save (each array's digest is saved with it), or
+metadata that disagrees with the data. Every process agrees on the damage (each reports
+its read's outcome; the digests are computed as replicated values). Such a step is
+moved to ``<step>.damaged-<time>``, with a warning, when an older complete step is
+restored in its place; when every step is damaged, restore raises and moves nothing.
 
 A checkpoint is restored only into a state with the same arrays (the same paths, shapes
 and dtypes) as ``init_fn``'s, where empty nodes (``None``, ``{}``, ``optax.EmptyState``)
@@ -37,13 +53,31 @@ One directory, one job: the chief holds ``<directory>/jreplicate.lock`` (see
 :meth:`CheckpointManager.close`, so a second manager on the directory (two jobs started
 by mistake) fails instead of overwriting the first one's steps. The lock dies with its
 process, so a crashed job's restart takes it over.
+
+Two seams (for the background writer and the preemption hook):
+
+* ``self._writer``, a writer: ``start(step, tree, metadata)`` begins writing ``tree``
+  (global jax.Arrays and NumPy leaves, as stored) as step ``step`` with Orbax custom
+  metadata ``metadata``, on every process that writes; ``poll() -> bool`` is True once
+  that write has ended (committed or failed) and never blocks; ``wait(deadline) -> str |
+  None`` blocks until it has ended or ``time.monotonic()`` passes ``deadline`` (None: no
+  bound) and returns None once committed, else the error's text; ``close()``.
+  :class:`jreplicate.checkpoint.writer.BackgroundWriter` writes in the background
+  (:meth:`CheckpointManager.save` returns once the device-to-host copies are taken).
+  The manager agrees on every process's outcome at the next ``save``,
+  ``wait_until_finished``, ``close`` or ``restore_or_initialize`` (at once with
+  ``enable_async_checkpointing=False``) and raises the same error on every process.
+* ``self._preempt``: ``check(call) -> bool``, called once at the start of every
+  :meth:`CheckpointManager.save` with the manager's own count of ``save`` calls (0, 1,
+  2, ..., the same on every process; never the user's step), True when every process
+  saves at this call because a process is being preempted; ``close()``.
+  :class:`_NoPreemption` never is.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import sys
 import time
 import weakref
 from collections.abc import Callable
@@ -57,22 +91,27 @@ from jax.sharding import PartitionSpec as P
 from jreplicate import _wire
 from jreplicate._jax_compat import unsupported_orbax
 from jreplicate._tree import native
-from jreplicate.checkpoint.checks import mismatch, one_line, path_problem, quiet_orbax
+from jreplicate.checkpoint import restore as reading
+from jreplicate.checkpoint.checks import mismatch, one_line, path_problem
+from jreplicate.checkpoint.digest import digest_array
 from jreplicate.checkpoint.dirlock import LOCK_NAME, DirectoryLock, LockHeldError
-from jreplicate.checkpoint.leaves import to_host, zeros_like
-from jreplicate.checkpoint.preemption import Preempted, PreemptionWatch
+from jreplicate.checkpoint.dtypes import as_stored
+from jreplicate.checkpoint.leaves import (
+    check_not_key,
+    sharded_across_processes,
+    spans_processes,
+    to_host,
+    to_saved,
+    zeros_like,
+)
+from jreplicate.checkpoint.targets import resolve
 from jreplicate.checkpoint.tree import (
-    data_problem,
+    FORMAT_2,
     logical,
-    metadata_problem,
     name_clash,
-    normalised,
-    read_table,
-    read_views,
-    save_args,
     state_digest,
-    template_leaves,
-    unviewed,
+    table_v2,
+    view_rows,
 )
 from jreplicate.checkpoint.writer import (
     BackgroundWriter,
@@ -106,26 +145,36 @@ class CheckpointError(RuntimeError):
     """
 
 
-class _Damaged(Exception):
-    """A committed checkpoint's files are damaged (the message says how)."""
+class _NoPreemption:
+    """The preemption seam when nothing watches for preemption: never preempted."""
+
+    def check(self, call: int) -> bool:
+        del call
+        return False
+
+    def close(self) -> None:
+        pass
 
 
 class CheckpointManager:
-    """Checkpoints of replicated training state, written by the chief with Orbax.
+    """Checkpoints of training state, written with Orbax by the processes holding it.
 
     Args:
-      directory: where step directories (``<directory>/<step>``) are written. Only the
-        chief's file system needs it.
+      directory: where step directories (``<directory>/<step>``) are written. Every
+        process should see it (a shared file system, ``gs://``) for state sharded across
+        processes; replicated state needs only the chief's.
       strategy: the :class:`jreplicate.strategies.Strategy` (or a :class:`jreplicate.Replicator`)
         whose mesh the restored state is placed on, and whose processes agree on every
         decision.
       max_to_keep: the number of most recent checkpoints kept (``None``: all).
       save_interval_steps: :meth:`save` writes only at steps divisible by this (unless
-        ``force=True``, or the job is preempted).
-      exit_on_preemption: once any process gets SIGTERM (or the platform's preemption
-        notice), every process writes the state of the same :meth:`save` call and,
-        when True, raises :class:`jreplicate.checkpoint.Preempted` (exit status 42);
-        when False, :meth:`reached_preemption` says so and the program decides.
+        ``force=True``).
+      enable_async_checkpointing: write in the background (Orbax's name): :meth:`save`
+        returns once the device-to-host copies are taken, and a failed write is raised
+        at the next call (see :meth:`save`). False: :meth:`save` returns once the
+        checkpoint is committed.
+      exit_on_preemption: when a process is preempted, :meth:`save` saves and ends the
+        process (see :meth:`reached_preemption`).
 
     Raises:
       CheckpointError: on every process, when the chief cannot create or write
@@ -189,35 +238,39 @@ class CheckpointManager:
                 f"CheckpointManager(save_interval_steps={save_interval_steps!r}) must be an "
                 "int >= 1."
             )
-        if not isinstance(exit_on_preemption, bool):
-            raise TypeError(f"CheckpointManager(exit_on_preemption={exit_on_preemption!r}) "
-                            "must be True or False.")
-        if not isinstance(enable_async_checkpointing, bool):
-            raise TypeError("CheckpointManager(enable_async_checkpointing=...) must be True "
-                            f"or False, got {enable_async_checkpointing!r}.")
-        self._async = enable_async_checkpointing
-        self._writer: BackgroundWriter | None = None
-        self._pending: int | None = None  # the step being written, its outcome not agreed
+        for name, flag in (("enable_async_checkpointing", enable_async_checkpointing),
+                           ("exit_on_preemption", exit_on_preemption)):
+            if not isinstance(flag, bool):
+                raise TypeError(f"CheckpointManager({name}={flag!r}) must be True or False.")
         self._dir = os.path.abspath(os.fspath(directory))
-        self._exit_on_preemption = exit_on_preemption
-        self._preempted_at: int | None = None
-        self._last_written: int | None = None
         self._strategy = strategy
         self._max_to_keep = max_to_keep
         self._interval = save_interval_steps
+        self._async = enable_async_checkpointing
+        self._exit_on_preemption = exit_on_preemption
         self._sharding = NamedSharding(strategy.mesh, P())
-        self._devices = set(strategy.mesh.devices.flat)
         self._agreement = strategy.agreement("checkpoint")
-        self._preempt = PreemptionWatch(strategy.agreement("preemption"))
-        self._orbax = None
         self._lock: DirectoryLock | None = None
+        self._writer: Any = None
+        self._pending: int | None = None  # the step written, its outcome not yet agreed
+        self._preempt: Any = _NoPreemption()
+        self._calls = 0  # save() calls: the preemption seam's counter
+        self._preempted = False
+        self._tidied = False
         # The chief's failure (no permission, a file in the way, another job's lock) is
         # everybody's, at once: not a ClusterError on the others at their next agreement.
         _, err = self._share(lambda: (None, self._open_directory() if self.is_chief else None),
                              f"opening the checkpoint directory {self._dir}")
         if err:
-            self._preempt.close()
             raise CheckpointError(err)
+        self._unseen = self._who_cannot_see()
+        self._shared = self._unseen is None
+        timeouts = getattr(strategy, "timeouts", None)
+        self._writer = BackgroundWriter(
+            self._dir, every_process=self._shared, num_processes=strategy.num_processes,
+            process_index=strategy.process_index,
+            key_prefix=getattr(self._agreement, "prefix", f"jreplicate/ckpt/{id(self)}"),
+            timeout=timeouts.collective_timeout if timeouts is not None else 1200)
 
     # -- facts ---------------------------------------------------------------------
     @property
@@ -226,8 +279,14 @@ class CheckpointManager:
 
     @property
     def is_chief(self) -> bool:
-        """True on the process that writes checkpoints (worker 0)."""
+        """True on the process that decides (worker 0)."""
         return self._strategy.process_index == 0
+
+    @property
+    def every_process_writes(self) -> bool:
+        """Whether every process writes its own shards (every process sees the
+        directory); False: the chief alone writes, replicated state only."""
+        return self._shared
 
     def complete_steps(self) -> list[int]:
         """The steps with a complete checkpoint, as this process sees the directory."""
@@ -246,18 +305,33 @@ class CheckpointManager:
             raise CheckpointError(err)
         return step
 
+    def reached_preemption(self, step: int) -> bool:
+        """Whether a process was preempted, as agreed at the last :meth:`save` call
+        (the same on every process). ``step`` is the caller's, for Orbax's signature."""
+        del step
+        return self._preempted
+
     # -- restore / initialise ------------------------------------------------------
-    def restore_or_initialize(self, init_fn: Callable[[], T]) -> tuple[int, T]:
+    def restore_or_initialize(self, init_fn: Callable[[], T], *,
+                              shardings: Any = None) -> tuple[int, T]:
         """Returns ``(step, state)`` from the latest complete checkpoint, or ``(0, init_fn())``.
 
         Call it on every process. Every process evaluates ``init_fn`` (a
         parameter-less function returning a pytree of arrays, e.g. parameters and
         optimizer state): for the structure when restoring (traced with
-        ``jax.eval_shape`` when possible), for the values when initialising. The chief
-        restores or initialises, and its values are broadcast, so every process returns
-        the chief's state, placed as ``init_fn`` places it when that is on the
-        strategy's devices (state sharded over the ``"model"`` axis stays sharded, a
-        logical device's state stays there), else replicated on the strategy's mesh.
+        ``jax.eval_shape`` when possible), for the values when initialising. Each leaf
+        is placed on its target sharding: ``shardings`` where given, else as
+        ``init_fn`` places it when that is on the strategy's devices (state sharded over
+        the ``"model"`` axis stays sharded, a logical device's state stays there), else
+        replicated on the strategy's mesh (:mod:`jreplicate.checkpoint.targets`).
+
+        Args:
+          init_fn: builds the initial state.
+          shardings: a pytree of :class:`jax.sharding.Sharding` (or of
+            ``jax.ShapeDtypeStruct`` with shardings; ``None`` for the default) in
+            ``init_fn()``'s structure, or a prefix of it: where each leaf goes on this
+            topology. Needed for state sharded over the replicas, whose sharding
+            ``jax.eval_shape`` drops (e.g. ``rep.state_shardings(step, ...)``).
 
         A complete checkpoint whose files are damaged is moved aside with a warning when
         an older one is restored in its place.
@@ -267,8 +341,9 @@ class CheckpointManager:
             not hold ``init_fn``'s arrays (paths added, removed or renamed; another shape
             or dtype: the message lists both sides, and the files stay where they are;
             empty nodes and one-element wrappers do not count); when every checkpoint is
-            damaged (nothing is moved; the message names each and the fix); or when the
-            chief cannot move a damaged checkpoint aside.
+            damaged (nothing is moved; the message names each and the fix); when a later
+            jreplicate wrote it; or when the chief cannot move a damaged checkpoint aside.
+          ValueError: a target sharding does not divide its leaf (the message names it).
         """
         if not callable(init_fn):
             raise TypeError(
@@ -276,42 +351,157 @@ class CheckpointManager:
                 f"the initial state, got {type(init_fn).__name__}."
             )
         self._settle()
-        step, err = self._share(lambda: (self._latest(), None), "the latest checkpoint")
+        steps, err = self._share_steps()
         if err:
             raise CheckpointError(err)
-        restored = None
-        if step is not None:
-            template = _abstract(init_fn)
+        if steps:
             what = "restore_or_initialize: init_fn() returned"
-            host = to_host(zeros_like(template, what), what)
+            template = _abstract(init_fn)
+            abstract = _abstract_leaves(template, what)
+            self._check_same_state(abstract)
+            targets = resolve(template, shardings, self._strategy.mesh)
+            step, state = self._restore_newest(steps, abstract, targets)
+            logger.info("jreplicate: restored state at step %d", step)
+            return step, state
+        return 0, self._initialise(init_fn(), shardings)
 
-            def chief_reads():
-                nonlocal restored
-                if not self.is_chief:
-                    return None, None
-                try:  # the chief's decision is everybody's: an error too, never a hang
-                    found, restored, error = self._read_newest(host)
-                except Exception as e:  # broad: any read error is shared, not raised
-                    # on the chief alone (the others would hang)
-                    return None, (f"reading the checkpoints in {self._dir} failed: "
-                                  f"{one_line(e)}")
-                return found, error
+    def _initialise(self, template: Any, shardings: Any) -> Any:
+        """``init_fn()``'s state on every process: arrays sharded across processes as
+        they are (moved to their target), the rest the chief's values, broadcast."""
+        what = "restore_or_initialize: init_fn() returned"
+        targets = resolve(template, shardings, self._strategy.mesh)
+        host = to_host(jax.tree.map(lambda x: None if spans_processes(x) else x, template),
+                       what)
+        self._check_same_state(host)
+        host = self._broadcast(host)
+        treedef = jax.tree.structure(template)
+        leaves = []
+        for x, h, target in zip(treedef.flatten_up_to(template), treedef.flatten_up_to(host),
+                                targets, strict=True):
+            if h is None:
+                leaves.append(x if x.sharding == target else
+                              jax.jit(lambda a: a, out_shardings=target)(x))
+            else:
+                leaves.append(self._place(h, target))
+        logger.info("jreplicate: initialised state at step 0")
+        return jax.tree.unflatten(treedef, leaves)
 
-            # The step actually read: an older one when newer ones turn out damaged.
-            step, err = self._share(chief_reads, "reading the latest checkpoint")
+    def _restore_newest(self, steps: list[int], template: Any,
+                        targets: list) -> tuple[int, Any]:
+        """``(step, state)`` of the newest undamaged checkpoint among ``steps`` (newest
+        first). A mismatch with ``template`` is an error at once, whatever older steps
+        hold. The damaged steps newer than the one restored are moved aside; when none
+        is restored nothing is moved (an error)."""
+        damaged: list[tuple[int, str]] = []
+        for step in steps:
+            path = reading.item_dir(self._dir, step)
+            where = f"checkpoint {step} in {self._dir}"
+            kind, detail, meta = self._agreed_metadata(path, template, where)
+            if kind in ("mismatch", "error"):
+                raise CheckpointError(detail + "".join(
+                    f"\n(Newer checkpoint {s} is damaged: {why}.)" for s, why in damaged))
+            if kind == "ok":
+                state, damage = (self._read_everywhere(path, meta, template, targets)
+                                 if self._shared and meta[3] == FORMAT_2 else
+                                 self._read_on_chief(path, meta, template, targets))
+                if damage is None:
+                    self._set_damaged_aside(damaged)
+                    return step, state
+                detail = damage
+            damaged.append((step, detail))
+        listed = "; ".join(f"{s}: {why}" for s, why in damaged[:5]) + (
+            f"; and {len(damaged) - 5} more" if len(damaged) > 5 else "")
+        raise CheckpointError(
+            f"every checkpoint in {self._dir} is damaged ({listed}). Nothing was moved and "
+            "training does not restart from step 0 on its own: restore the files from a "
+            f"copy, or move the step directories out of {self._dir} to start from "
+            "init_fn() at step 0.")
+
+    def _agreed_metadata(self, path: str, template: Any, where: str):
+        """``(kind, detail, (tree, table, views, format))``: the step's metadata as
+        every process reads it (or the chief alone, when the directory is not shared),
+        and the agreed outcome: ok, damaged, or an error (a mismatch, a later format)."""
+        meta = None
+
+        def read() -> tuple[str, str]:
+            nonlocal meta
+            try:
+                meta = reading.stored(path)
+            except reading.Damaged as e:
+                return "damaged", str(e)
+            except reading.TooNew as e:
+                return "error", str(e)
+            except Exception as e:  # broad: any read error is shared, not raised
+                # on one process alone (the others would hang)
+                return "error", f"reading {path} failed: {one_line(e)}"
+            differs = mismatch(logical(meta[0], meta[2]), template, where)
+            return ("mismatch", differs) if differs else ("ok", "")
+        if self._shared or self.is_chief:
+            kind, detail = read()
+        else:
+            kind, detail = "ok", ""
+        kind, detail = self._agree(kind, detail, "a checkpoint's metadata",
+                                   chief_only=not self._shared)
+        return kind, detail, meta
+
+    def _read_everywhere(self, path: str, meta: tuple, template: Any,
+                         targets: list) -> tuple[Any, str | None]:
+        """Every process reads its shards of a format-2 step; the outcome is agreed,
+        then the digests are checked (collectively: the same answer everywhere)."""
+        tree, table, views, _ = meta
+        value, error = reading.load_placed(path, tree, views, template, targets)
+        kind, detail = self._agree("damaged" if error else "ok", error or "",
+                                   "reading a checkpoint")
+        if kind != "ok":
+            return None, detail
+        damage = reading.check_placed(value, tree, table)
+        if damage:
+            return None, damage
+        return reading.finish(value, tree, views, template, targets, self._place), None
+
+    def _read_on_chief(self, path: str, meta: tuple | None, template: Any,
+                       targets: list) -> tuple[Any, str | None]:
+        """The chief reads (format 1, or a directory only it sees) and broadcasts."""
+        value = None
+
+        def chief_reads() -> tuple[str, str]:
+            nonlocal value
+            if not self.is_chief:
+                return "ok", ""
+            tree, table, views, _ = meta
+            try:
+                value, damage = reading.read_host(path, tree, table, views, template)
+            except Exception as e:  # broad: shared, never raised on the chief alone
+                return "error", f"reading the checkpoints in {self._dir} failed: {one_line(e)}"
+            return ("damaged", damage) if damage else ("ok", "")
+        kind, detail = self._agree(*chief_reads(), "reading a checkpoint", chief_only=True)
+        if kind == "error":
+            raise CheckpointError(detail)
+        if kind != "ok":
+            return None, detail
+        host = self._broadcast(value if self.is_chief else
+                               zeros_like(template, "restore_or_initialize"))
+        treedef = jax.tree.structure(template)
+        return jax.tree.unflatten(treedef, [
+            self._place(x, t) for x, t in zip(treedef.flatten_up_to(host), targets,
+                                              strict=True)]), None
+
+    def _set_damaged_aside(self, damaged: list[tuple[int, str]]) -> None:
+        def chief_moves():
+            if not self.is_chief:
+                return None, None
+            for s, why in damaged:
+                try:
+                    self._set_aside(s, "damaged", why)
+                except OSError as e:
+                    return None, (f"checkpoint {s} in {self._dir} is damaged ({why}) and "
+                                  f"cannot be moved aside: {one_line(e)}. Remove "
+                                  f"{os.path.join(self._dir, str(s))}.")
+            return None, None
+        if damaged:
+            _, err = self._share(chief_moves, "moving damaged checkpoints aside")
             if err:
                 raise CheckpointError(err)
-        if step is None:
-            template = init_fn()
-            host = to_host(template, "restore_or_initialize: init_fn() returned")
-            restored = host
-        self._check_same_state(host)
-        state = self._broadcast(restored if self.is_chief else host)
-        placed = jax.tree.map(lambda x, t: self._place(x, self._placement(t)),
-                              state, template)
-        logger.info("jreplicate: %s state at step %d", "restored" if step is not None
-                    else "initialised", step or 0)
-        return (step or 0), placed
 
     def _place(self, x: np.ndarray, sharding: Any) -> jax.Array:
         """``x`` on ``sharding``, unchanged. Across processes every process holds the same
@@ -323,36 +513,31 @@ class CheckpointManager:
             return jax.device_put(x, sharding)
         return jax.make_array_from_callback(x.shape, sharding, lambda index: x[index])
 
-    def _placement(self, template_leaf: Any) -> Any:
-        """Where a restored leaf goes: where ``init_fn`` put it when that is on the
-        strategy's devices (model-sharded state, a logical device), else replicated."""
-        sharding = getattr(template_leaf, "sharding", None)
-        if isinstance(sharding, NamedSharding) and not isinstance(
-                template_leaf, jax.core.Tracer) and sharding.mesh.devices.size and set(
-                sharding.mesh.devices.flat) <= self._devices:
-            return sharding
-        return self._sharding
-
     # -- save ----------------------------------------------------------------------
     def should_save(self, step: int) -> bool:
         """Whether :meth:`save` writes at ``step`` (every ``save_interval_steps``)."""
         return step % self._interval == 0
 
     def save(self, step: int, state: Any, *, force: bool = False) -> bool:
-        """Writes ``state`` as checkpoint ``step`` from the chief; call on every process.
+        """Writes ``state`` as checkpoint ``step``; call on every process, at every step.
 
-        ``state`` must be replicated (what :meth:`jreplicate.Replicator.run` returns for
-        parameters and optimizer state), or a zero-argument function returning it, which
-        is called only when this call writes (so a loop may call ``save`` at every step:
-        ``mngr.save(step, lambda: (rep.join(), strategy.state())[1])`` joins a
-        parameter server's steps only at the steps it saves). Returns once the chief's
-        checkpoint is complete, with the same result on every process.
+        Every process writes the shards it holds (when every process sees the
+        directory; else the chief writes, and ``state`` must be replicated or held by
+        one process). With ``enable_async_checkpointing`` (the default) it returns once
+        the device-to-host copies are taken: the state may then be donated or changed,
+        and the files are written in the background. The step is listed
+        (:meth:`complete_steps`, :meth:`latest_step`) once committed; a write that
+        fails on any process is raised as the same :class:`CheckpointError` on every
+        process at the next :meth:`save`, :meth:`wait_until_finished`, :meth:`close` or
+        :meth:`restore_or_initialize`, and that step is never restored. Without it,
+        it returns once the checkpoint is complete. Costs nothing when it does not
+        write.
 
-        Call it on every process at every step (or run of steps): that is where a
-        preemption is noticed. The call at which the processes agree that the job is
-        preempted writes whatever ``save_interval_steps`` says, then (with
-        ``exit_on_preemption=True``) closes the manager and raises
-        :class:`jreplicate.checkpoint.Preempted`.
+        Args:
+          step: the step's number (the K-step counter in device loops).
+          state: a pytree of arrays, or a parameter-less function returning one,
+            called only when this call writes.
+          force: write whatever ``save_interval_steps`` says.
 
         Returns:
           True if a checkpoint was written; False if ``step`` is not a multiple of
@@ -360,81 +545,123 @@ class CheckpointManager:
 
         Raises:
           ValueError: ``step`` is not an int in ``[0, 2**63 - 1]``, or a leaf of
-            ``state`` is not replicated (e.g. a :class:`jreplicate.PerReplica`).
+            ``state`` cannot be saved (e.g. a :class:`jreplicate.PerReplica`, a donated
+            array).
           TypeError: a leaf's dtype cannot be checkpointed (``float0``, strings: the
             message names the leaf and the fix); nothing is written.
-          CheckpointError: the chief could not write (raised on every process).
-          jreplicate.checkpoint.Preempted: the job is preempted and this call's checkpoint
-            is written (every process; ``exit_on_preemption=True``).
+          CheckpointError: a process could not write this checkpoint (blocking saves)
+            or the previous one (background saves; raised on every process), or state
+            sharded across processes while not every process sees the directory.
         """
         if isinstance(step, bool) or not isinstance(step, (int, np.integer)) or not (
                 0 <= step <= _wire.MAX_INT64):
             raise ValueError(f"CheckpointManager.save(step={step!r}): step must be an int >= 0 "
                              f"that an int64 holds (at most {_wire.MAX_INT64}).")
         step = int(step)
-        preempted = self._preempt.check()
-        if preempted and self._preempted_at is None:
-            self._preempted_at = step
-        if not (force or preempted or self.should_save(step)):
+        call, self._calls = self._calls, self._calls + 1
+        if self._preempt.check(call):
+            self._preempted = True
+        if not (force or self._preempted or self.should_save(step)):
             return False
-        if not (preempted and step == self._last_written):
-            self._settle()
-            state = _evaluated(state)
-            host = to_host(state, "CheckpointManager.save(state)", saving=True)
-            name_clash(host, "CheckpointManager.save(state)")
-            _, err = self._share(
-                lambda: (None, self._write(step, host) if self.is_chief else None),
-                f"writing checkpoint {step}")
-            if err:
-                raise CheckpointError(err)
-            self._pending = step
-            self._last_written = step
-            if not self._async:
-                self._settle()
-        if preempted:
-            self._settle()  # the preemption checkpoint is committed before anyone exits
-            # The launcher reads this line (jreplicate.cluster.launch).
-            sys.stderr.write(f"jreplicate: preempted: every process saved checkpoint {step}"
-                             + (f"; exiting with status {Preempted(step).code}\n"
-                                if self._exit_on_preemption else "\n"))
-            sys.stderr.flush()
-            if self._exit_on_preemption:
-                self.close()
-                raise Preempted(step)
+        self._settle()
+        if _is_thunk(state):
+            state = state()
+        what = "CheckpointManager.save(state)"
+        if self._shared:
+            self._save_everywhere(step, state, what)
+        else:
+            self._save_on_chief(step, state, what)
         return True
 
-    def reached_preemption(self, step: int) -> bool:
-        """Whether the job was preempted at or before ``step``: True on every process
-        from the :meth:`save` call that wrote the preemption checkpoint on (call it
-        after ``save(step, ...)``). For ``exit_on_preemption=False``; with True, that
-        ``save`` raises :class:`jreplicate.checkpoint.Preempted` instead."""
-        return self._preempted_at is not None and step >= self._preempted_at
+    def _save_everywhere(self, step: int, state: Any, what: str) -> None:
+        tree = to_saved(state, what)
+        name_clash(tree, what)
+        stored = jax.tree.map(lambda x: x if isinstance(x, jax.Array) else as_stored(x), tree)
+        metadata = self._table(stored, tree)  # every process: the same table
+        self._write(step, stored, metadata)
 
-    def wait_until_finished(self) -> None:
-        """Blocks until the checkpoint being written is committed; call on every process.
+    def _save_on_chief(self, step: int, state: Any, what: str) -> None:
+        spanning = sharded_across_processes(state)
+        if spanning:
+            where, sharding = spanning[0]
+            p, detail = self._unseen
+            raise CheckpointError(
+                f"process {p} cannot see {os.path.join(self._dir, LOCK_NAME)} written by "
+                f"process 0 ({detail}): state sharded across processes ({where}, "
+                f"{getattr(sharding, 'spec', sharding)}) is written by every process into "
+                "one directory; give a directory every process can write (NFS, GCS), or "
+                "save replicated state.")
+        host = to_host(state, what, saving=True)
+        name_clash(host, what)
+        stored = jax.tree.map(as_stored, host)
+        metadata = self._table(stored, host) if self.is_chief else {}
+        self._write(step, stored, metadata)
 
-        Raises:
-          CheckpointError: on every process alike, when a process's write failed (the
-            message names the process and the error; the step is not restored).
-        """
-        self._settle()
+    def _table(self, stored: Any, state: Any) -> dict:
+        import orbax.checkpoint as ocp
+        serial = ocp.tree.serialize_tree(stored, keep_empty_nodes=True)
+        return table_v2(serial, [digest_array(x) for x in jax.tree.leaves(serial)],
+                        view_rows(state))
+
+    def _write(self, step: int, stored: Any, metadata: dict) -> None:
+        """Starts the write through the writer seam on every process that writes; its
+        outcome is agreed now (blocking saves, preemption) or at the next call."""
+        _, err = self._share(lambda: (None, self._new_step_problem(step) if self.is_chief
+                                      else None), f"writing checkpoint {step}")
+        if err:
+            raise CheckpointError(err)
+        if self._shared or self.is_chief:
+            self._writer.start(step, stored, metadata)
+        self._pending = step
+        if not self._async or self._preempted:
+            self._settle()
 
     def _settle(self) -> None:
-        """The outcome exchange of the pending write (every process, same point)."""
+        """The outcome exchange of the pending write, on every process at the same
+        call: wait for it (bounded), agree, then the chief applies ``max_to_keep``; or
+        every process raises the same error."""
         if self._pending is None:
             return
         step, self._pending = self._pending, None
-        outcome = settle(self._writer, self._agreement, step, latest=self._latest,
-                         is_chief=self.is_chief)
-        if outcome.failure is None:
-            if self.is_chief:
-                retain(self._dir, self.complete_steps(), self._max_to_keep)
-                if self._orbax is not None:
-                    self._orbax.reload()
-            return
+        writes = self._writer is not None and (self._shared or self.is_chief)
+        outcome = settle(self._writer if writes else None, self._agreement, step,
+                         latest=self._latest, is_chief=self.is_chief)
+        if outcome.failure is not None:
+            if self.is_chief:  # every process's write has ended: delete its files
+                remove_debris(self._dir)
+            raise CheckpointError(failure_message(step, outcome.failure, outcome.latest))
         if self.is_chief:
-            remove_debris(self._dir)
-        raise CheckpointError(failure_message(step, outcome.failure, outcome.latest))
+            self._retain()
+
+    def _new_step_problem(self, step: int) -> str | None:
+        self._tidy()
+        steps = self.complete_steps()
+        if step in steps:
+            return (f"checkpoint {step} already exists in {self._dir}; save each step "
+                    "once, or restore it with restore_or_initialize before training on.")
+        if steps and step < max(steps):
+            # Restore takes the newest step, so this one would never be restored, and
+            # max_to_keep would delete older checkpoints for it.
+            return (f"checkpoint {step} is older than checkpoint {max(steps)} in "
+                    f"{self._dir}, which restore_or_initialize would restore instead of "
+                    "it. Count steps on from the step restore_or_initialize returns, or "
+                    "give a new directory to start a new run.")
+        return None
+
+    def _retain(self) -> None:
+        """Deletes the oldest complete steps beyond ``max_to_keep`` (a warning if it
+        cannot: never an error, nothing else is deleted)."""
+        retain(self._dir, self.complete_steps(), self._max_to_keep)
+
+    def wait_until_finished(self) -> None:
+        """Blocks until the last save is committed; call it on every process.
+
+        Raises:
+          CheckpointError: on every process alike, when a process's write of the last
+            save failed (the message names the process and its error; that step is
+            incomplete and never restored). Each failure is raised once.
+        """
+        self._settle()
 
     def close(self) -> None:
         """Finishes pending writes, releases Orbax's resources and the directory's lock.
@@ -442,19 +669,18 @@ class CheckpointManager:
         Idempotent. A manager that is dropped, or whose process ends, without ``close()``
         releases the lock too.
         """
-        self._preempt.close()
         try:
-            self._settle()
+            self._settle()  # the last write's failure, raised after what follows
         finally:
-            if self._writer is not None:
-                self._writer.close()
-                self._writer = None
-            if self._orbax is not None:
-                self._orbax.close()
-                self._orbax = None
-            if self._lock is not None:
-                self._lock.release()
-                self._lock = None
+            try:
+                if self._writer is not None:
+                    self._writer.close()
+                    self._writer = None
+                self._preempt.close()
+            finally:
+                if self._lock is not None:
+                    self._lock.release()
+                    self._lock = None
 
     def __enter__(self) -> CheckpointManager:
         return self
@@ -480,31 +706,54 @@ class CheckpointManager:
         except OSError as e:
             return path_problem(path, e)
         weakref.finalize(self, self._lock.release)
-        remove_debris(path)
-        timeouts = getattr(self._strategy, "timeouts", None)
-        self._writer = BackgroundWriter(
-            path, key_prefix=f"jreplicate/checkpoint/{id(self)}",
-            processes=[self._strategy.process_index],
-            process_index=self._strategy.process_index,
-            timeout=timeouts.collective_timeout if timeouts is not None else 1200)
         return None
 
-    def _manager(self):
-        if self._orbax is None:
-            import orbax.checkpoint as ocp
-            self._set_aside_incomplete()
-            options = ocp.CheckpointManagerOptions(
-                max_to_keep=self._max_to_keep, create=False, enable_async_checkpointing=False,
-                # Debris of an interrupted save ("<step>.orbax-checkpoint-tmp-*") would
-                # later be deleted in place of step <step>, which then outlives max_to_keep.
-                cleanup_tmp_directories=True,
-                multiprocessing_options=ocp.options.MultiprocessingOptions(
-                    primary_host=jax.process_index(), active_processes={jax.process_index()}))
-            self._orbax = ocp.CheckpointManager(self._dir, options=options,
-                                                item_handlers=ocp.StandardCheckpointHandler())
-        return self._orbax
+    def _who_cannot_see(self) -> tuple[int, str] | None:
+        """``(process, why)`` of the first process that does not read the chief's lock
+        record in the directory (the directory is not shared), or None."""
+        if self._agreement is None:
+            return None
+        lock = os.path.join(self._dir, LOCK_NAME)
 
-    def _set_aside_incomplete(self) -> None:
+        def record() -> str | None:
+            with open(lock, encoding="utf-8") as f:
+                return f.read()
+        mine: str | None = None
+        error = None
+        if self.is_chief:
+            try:
+                mine = record()
+            except OSError as e:
+                error = f"the chief cannot read its lock {lock}: {one_line(e)}"
+        chief = self._agreement.exchange({"value": mine, "error": error},
+                                         "the checkpoint directory's lock",
+                                         _wire.CHIEF_TEXT)[0]
+        if chief["error"]:
+            raise CheckpointError(chief["error"])
+        kind, detail = "ok", ""
+        if not self.is_chief:
+            try:
+                if record() != chief["value"]:
+                    kind, detail = "error", "it reads another job's lock record there"
+            except OSError as e:
+                kind, detail = "error", one_line(e)
+        outcomes = self._agreement.exchange({"kind": kind, "detail": detail},
+                                            "a checkpoint outcome", _wire.CHECKPOINT_OUTCOME)
+        for p, o in enumerate(outcomes):
+            if o["kind"] != "ok":
+                logger.info("jreplicate: process %d cannot see the checkpoint directory %s "
+                            "(%s): the chief alone writes checkpoints", p, self._dir,
+                            o["detail"])
+                return p, o["detail"]
+        return None
+
+    def _tidy(self) -> None:
+        """The chief's first look at the directory: deletes the temporary directories of
+        interrupted saves and moves incomplete steps aside."""
+        if self._tidied:
+            return
+        self._tidied = True
+        remove_debris(self._dir)
         complete = set(self.complete_steps())
         for name in os.listdir(self._dir):
             path = os.path.join(self._dir, name)
@@ -517,135 +766,12 @@ class CheckpointManager:
         logger.warning("jreplicate: checkpoint %s is %s (%s); moved it to %s", path, kind,
                        why, aside)
         os.rename(path, aside)
-        if self._orbax is not None:
-            self._orbax.reload()  # forget the step, so that it can be written again
 
     def _latest(self) -> int | None:
         if not self.is_chief:
             return None
         steps = self.complete_steps()
         return steps[-1] if steps else None
-
-    def _read_newest(self, template: Any) -> tuple[int | None, Any, str | None]:
-        """``(step, state, error)`` of the newest undamaged checkpoint (step None: none).
-
-        A mismatch with ``template`` is an error at once, whatever older steps hold. The
-        damaged steps newer than the one restored are moved aside; when none is restored
-        nothing is moved.
-        """
-        damaged: list[tuple[int, str]] = []
-        for step in reversed(self.complete_steps()):
-            where = f"checkpoint {step} in {self._dir}"
-            try:
-                stored, table, views = self._stored(step)
-            except _Damaged as e:
-                damaged.append((step, str(e)))
-                continue
-            differs = mismatch(logical(stored, views), template, where)
-            if differs:
-                return None, None, differs + "".join(
-                    f"\n(Newer checkpoint {s} is damaged: {why}.)" for s, why in damaged)
-            value, damage = self._read(step, stored, (table, views), template)
-            if damage is not None:
-                damaged.append((step, damage))
-                continue
-            for s, why in damaged:
-                try:
-                    self._set_aside(s, "damaged", why)
-                except OSError as e:
-                    return None, None, (f"checkpoint {s} in {self._dir} is damaged ({why}) "
-                                        f"and cannot be moved aside: {one_line(e)}. Remove "
-                                        f"{os.path.join(self._dir, str(s))}.")
-            return step, value, None
-        if not damaged:
-            return None, None, None
-        listed = "; ".join(f"{s}: {why}" for s, why in damaged[:5]) + (
-            f"; and {len(damaged) - 5} more" if len(damaged) > 5 else "")
-        return None, None, (
-            f"every checkpoint in {self._dir} is damaged ({listed}). Nothing was moved and "
-            "training does not restart from step 0 on its own: restore the files from a "
-            f"copy, or move the step directories out of {self._dir} to start from "
-            "init_fn() at step 0.")
-
-    def _stored(self, step: int) -> tuple[Any, dict | None, dict]:
-        """The checkpoint's tree of array metadata (shapes and dtypes, as stored), its
-        checksum table (None for a checkpoint saved without one) and its record of
-        arrays stored as their bits (see :mod:`jreplicate.checkpoint.dtypes`), read
-        quietly.
-
-        Raises:
-          _Damaged: the metadata cannot be read, or disagrees with what was saved.
-        """
-        try:
-            with quiet_orbax():
-                metadata = _item_handler().metadata(_item_dir(self._dir, step))
-            tree = getattr(metadata, "tree", metadata)
-            if tree is None:
-                raise _Damaged("no metadata")
-            custom = getattr(metadata, "custom_metadata", None)
-            table, views = read_table(custom), read_views(custom)
-            logical(tree, views)  # raises ValueError when the record disagrees
-        except (_Damaged, MemoryError):  # no memory: not the checkpoint's fault
-            raise
-        except Exception as e:  # broad: whatever the damaged files make the reader
-            # raise, the checkpoint is named damaged (and kept)
-            raise _Damaged(f"its files cannot be read: {one_line(e)}") from None
-        problem = metadata_problem(tree, table)
-        if problem:
-            raise _Damaged(problem)
-        return tree, table, views
-
-    def _read(self, step: int, stored: Any, records: tuple[dict | None, dict],
-              template: Any) -> tuple[Any, str | None]:
-        """``(state in template's structure, None)``, or ``(None, what is damaged)``.
-
-        The data is read in the structure and dtypes it was saved in (so that only
-        damage can make the read fail), checked against its metadata and checksums
-        (``records``: the checksum table and the arrays stored as bits), the arrays
-        stored as bits viewed back as their dtypes, then placed in ``template``'s
-        structure by the rule of :mod:`jreplicate.checkpoint.tree`.
-        """
-        table, views = records
-        import orbax.checkpoint as ocp
-        target = jax.tree.map(lambda m: np.zeros(m.shape, m.dtype), stored)
-        try:
-            with quiet_orbax():
-                value = _item_handler().restore(_item_dir(self._dir, step),
-                                                args=ocp.args.StandardRestore(target))
-        except MemoryError:
-            raise
-        except Exception as e:  # the data of a committed checkpoint is damaged
-            return None, one_line(e)
-        damage = data_problem(value, stored, table)
-        if damage:
-            return None, damage
-        arrays = normalised(unviewed(value, stored, views))
-        leaves = [None] * jax.tree.structure(template).num_leaves
-        for norm, (_, i) in template_leaves(template).items():
-            leaves[i] = np.asarray(arrays[norm][1])
-        # Orbax restores containers as plain lists/dicts: rebuild the template's types.
-        return jax.tree.unflatten(jax.tree.structure(template), leaves), None
-
-    def _write(self, step: int, host: Any) -> str | None:
-        try:
-            mngr = self._manager()
-            steps = mngr.all_steps()
-            if step in steps:
-                return (f"checkpoint {step} already exists in {self._dir}; save each step "
-                        "once, or restore it with restore_or_initialize before training on.")
-            if steps and step < max(steps):
-                # Restore takes the newest step, so this one would never be restored, and
-                # max_to_keep would delete older checkpoints for it.
-                return (f"checkpoint {step} is older than checkpoint {max(steps)} in "
-                        f"{self._dir}, which restore_or_initialize would restore instead of "
-                        "it. Count steps on from the step restore_or_initialize returns, or "
-                        "give a new directory to start a new run.")
-            self._writer.start(step, save_args(host))
-        except OSError as e:  # reported to every process
-            return f"could not write checkpoint {step}: " + path_problem(self._dir, e)
-        except Exception as e:  # reported to every process
-            return f"could not write checkpoint {step} to {self._dir} ({one_line(e)})"
-        return None
 
     # -- agreement -----------------------------------------------------------------
     def _share(self, chief_fn: Callable[[], tuple[Any, str | None]], what: str):
@@ -657,6 +783,40 @@ class CheckpointManager:
             {"value": None, "error": None}
         chief = self._agreement.exchange(mine, what, _wire.CHIEF_RESULT)[0]
         return chief["value"], chief["error"]
+
+    def _share_steps(self) -> tuple[list[int], str | None]:
+        """The chief's complete steps, newest first, given to everyone."""
+        steps, err = None, None
+        if self.is_chief:
+            try:
+                self._tidy()
+                steps = sorted(self.complete_steps(), reverse=True)
+            except OSError as e:
+                err = f"reading the checkpoints in {self._dir} failed: {one_line(e)}"
+        if self._agreement is not None:
+            chief = self._agreement.exchange({"value": steps, "error": err},
+                                             "the checkpoints to restore",
+                                             _wire.CHECKPOINT_STEPS)[0]
+            steps, err = chief["value"], chief["error"]
+        return steps or [], err
+
+    def _agree(self, kind: str, detail: str, what: str, *,
+               chief_only: bool = False) -> tuple[str, str]:
+        """Every process's outcome, combined alike everywhere: the first process's
+        mismatch or error, else the first damage, else ok (``chief_only``: the chief's)."""
+        if self._agreement is None:
+            return kind, detail
+        outcomes = self._agreement.exchange({"kind": kind, "detail": detail}, what,
+                                            _wire.CHECKPOINT_OUTCOME)
+        if chief_only:
+            return outcomes[0]["kind"], outcomes[0]["detail"]
+        for wanted in (("mismatch", "error"), ("damaged",)):
+            for p, o in enumerate(outcomes):
+                if o["kind"] in wanted:
+                    named = o["detail"] if p == 0 or o["kind"] == "mismatch" else \
+                        f"process {p}: {o['detail']}"
+                    return o["kind"], named
+        return "ok", ""
 
     def _check_same_state(self, host: Any) -> None:
         """Raises on every process alike when init_fn() builds another structure, shape
@@ -686,18 +846,23 @@ class CheckpointManager:
             for r, x in zip(raw, leaves, strict=True)])
 
 
-def _item_dir(directory: str, step: int) -> Any:
-    """Where step ``step``'s arrays are: ``<step>/default`` (written by
-    ``ocp.CheckpointManager``) or ``<step>``."""
-    from etils import epath
-    step_dir = epath.Path(directory) / str(step)
-    legacy = step_dir / "default"
-    return legacy if legacy.is_dir() else step_dir
+def _is_thunk(state: Any) -> bool:
+    """Whether ``state`` is a parameter-less function to call (not a pytree: an
+    equinox module is callable, but a pytree with leaves of its own)."""
+    if not callable(state):
+        return False
+    leaves = jax.tree.leaves(state)
+    return len(leaves) == 1 and leaves[0] is state
 
 
-def _item_handler() -> Any:
-    import orbax.checkpoint as ocp
-    return ocp.StandardCheckpointHandler()  # reads only
+def _abstract_leaves(template: Any, what: str) -> Any:
+    """The template's leaves as ShapeDtypeStructs (keys refused), for the structure
+    checks; nothing is allocated."""
+    def leaf(path, x):
+        check_not_key(x, path, what)
+        return jax.ShapeDtypeStruct(np.shape(x), x.dtype)
+    from jreplicate._tree import map_checked
+    return map_checked(leaf, template, what)
 
 
 def _abstract(init_fn: Callable[[], Any]) -> Any:
@@ -714,11 +879,3 @@ def _as_held(x: Any) -> Any:
         a = np.asarray(x)
         return jax.ShapeDtypeStruct(a.shape, jax.dtypes.canonicalize_dtype(native(a.dtype)))
     return x
-
-
-def _evaluated(state: Any) -> Any:
-    """``state()`` when ``state`` is a zero-argument function (a callable pytree leaf:
-    never a pytree such as an NNX module with a ``__call__``), else ``state``."""
-    if callable(state) and jax.tree_util.treedef_is_leaf(jax.tree.structure(state)):
-        return state()
-    return state

@@ -44,8 +44,10 @@ import numpy as np
 
 from jreplicate._tree import path_str
 from jreplicate.checkpoint import dtypes
+from jreplicate.checkpoint.digest import digest_np
 
-FORMAT = 1  # of the checksum table in the checkpoint's custom metadata
+FORMAT = 1  # of the checksum table in the checkpoint's custom metadata (CRC-32, chief)
+FORMAT_2 = 2  # digests per array and per box, written by every process
 Norm = tuple  # a normalised path: ("k", name) and ("i", index) entries
 
 
@@ -117,28 +119,17 @@ def state_digest(tree: Any) -> str:
 
 
 # -- checksums ---------------------------------------------------------------------------
+def tokens(path: tuple) -> list[str]:
+    """A stored path's entries as strings (the rows of the checkpoint's table)."""
+    return _tokens(path)
+
+
 def _tokens(path: tuple) -> list[str]:
     return [str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))) for k in path]
 
 
 def _crc(x: np.ndarray) -> int:
     return zlib.crc32(np.ascontiguousarray(x).reshape(-1).view(np.uint8))
-
-
-def checksum_table(host: Any) -> dict:
-    """What the chief saves beside the arrays (Orbax's custom metadata): each array's
-    stored path, stored dtype, shape and CRC-32, so that a restore can tell a changed
-    file; and ``views``, the path and dtype of each array stored as its bits (see
-    :mod:`jreplicate.checkpoint.dtypes`)."""
-    import orbax.checkpoint as ocp
-    serial = ocp.tree.serialize_tree(host, keep_empty_nodes=True)
-    rows, views = [], []
-    for p, x in jax.tree_util.tree_leaves_with_path(serial):
-        stored = dtypes.storage_dtype(x.dtype)
-        rows.append([_tokens(p), stored.name, list(np.shape(x)), _crc(np.asarray(x))])
-        if stored != x.dtype:
-            views.append([_tokens(p), np.dtype(x.dtype).name])
-    return {"jreplicate": {"format": FORMAT, "arrays": rows, "views": views}}
 
 
 def name_clash(host: Any, what: str) -> None:
@@ -160,28 +151,56 @@ def name_clash(host: Any, what: str) -> None:
         seen[name] = here
 
 
-def save_args(host: Any) -> Any:
-    """Orbax's save arguments for ``host`` with its checksum table (where this Orbax
-    takes custom metadata; an older one saves without, and restores read unchecked)."""
-    import dataclasses
+def table_v2(serial: Any, digests: list, views: list) -> dict:
+    """Format 2's custom metadata: for each stored array (``serial``: the saved tree in
+    Orbax's serialized form, leaves as stored), its path tokens, stored dtype, shape,
+    digest and per-box digests (``digests``: :func:`jreplicate.checkpoint.digest.
+    digest_array`'s result per leaf, in flatten order); and ``views``, ``[tokens,
+    dtype name]`` of each array stored as its bits."""
+    rows = []
+    pairs = jax.tree_util.tree_leaves_with_path(serial)
+    for (p, x), (total, boxes) in zip(pairs, digests, strict=True):
+        rows.append([_tokens(p), np.dtype(x.dtype).name, list(np.shape(x)), list(total),
+                     [[[list(b) for b in box], list(d)] for box, d in boxes]])
+    return {"jreplicate": {"format": FORMAT_2, "arrays": rows, "views": views}}
 
+
+def view_rows(state: Any) -> list:
+    """``[tokens, dtype name]`` of each leaf of ``state`` (its own dtypes) that is
+    stored as its bits."""
     import orbax.checkpoint as ocp
-    if "custom_metadata" in {f.name for f in dataclasses.fields(ocp.args.StandardSave)}:
-        stored = jax.tree.map(dtypes.as_stored, host)  # the bits of what TensorStore lacks
-        return ocp.args.StandardSave(stored, custom_metadata=checksum_table(host))
-    return ocp.args.StandardSave(host)
+    serial = ocp.tree.serialize_tree(state, keep_empty_nodes=True)
+    return [[_tokens(p), np.dtype(x.dtype).name]
+            for p, x in jax.tree_util.tree_leaves_with_path(serial)
+            if dtypes.storage_dtype(x.dtype) != np.dtype(x.dtype)]
+
+
+def read_format(custom: Any) -> int | None:
+    """The format of jreplicate's record in a checkpoint's custom metadata (None: none)."""
+    entry = custom.get("jreplicate") if isinstance(custom, dict) else None
+    if not isinstance(entry, dict):
+        return None
+    fmt = entry.get("format")
+    return fmt if isinstance(fmt, int) and not isinstance(fmt, bool) else None
 
 
 def read_table(custom: Any) -> dict[tuple, tuple] | None:
-    """``{stored path tokens: (dtype, shape, crc)}``, or None for a checkpoint without
-    one (written by an older jreplicate, or by Orbax directly). Raises ValueError when
-    the table is there but malformed (the metadata file was changed)."""
-    entry = custom.get("jreplicate") if isinstance(custom, dict) else None
-    if not isinstance(entry, dict) or entry.get("format") != FORMAT:
-        return None  # none, or a format of a later jreplicate: read without checksums
+    """``{stored path tokens: (dtype, shape, crc)}`` (format 1) or ``{tokens: (dtype,
+    shape, digest, {box: digest})}`` (format 2), or None for a checkpoint without one
+    (written by an older jreplicate, or by Orbax directly). Raises ValueError when the
+    table is there but malformed (the metadata file was changed)."""
+    fmt = read_format(custom)
+    if fmt not in (FORMAT, FORMAT_2):
+        return None  # none, or a format of a later jreplicate (refused by the caller)
+    entry = custom["jreplicate"]
     try:
-        return {tuple(t): (d, tuple(s), int(c)) for t, d, s, c in entry["arrays"]}
-    except (KeyError, TypeError, ValueError) as e:
+        if fmt == FORMAT:
+            return {tuple(t): (d, tuple(s), int(c)) for t, d, s, c in entry["arrays"]}
+        return {tuple(t): (d, tuple(s), (int(g[0]), int(g[1])),
+                           {tuple(tuple(int(v) for v in b) for b in box): (int(h[0]), int(h[1]))
+                            for box, h in boxes})
+                for t, d, s, g, boxes in entry["arrays"]}
+    except (KeyError, TypeError, ValueError, IndexError) as e:
         raise ValueError(f"its checksum table is malformed ({e!r})") from None
 
 
@@ -189,11 +208,10 @@ def read_views(custom: Any) -> dict[tuple, str]:
     """``{stored path tokens: dtype name}`` of the arrays stored as their bits (empty
     for a checkpoint without a table, or saved before views were recorded). Raises
     ValueError when the record is malformed (the metadata file was changed)."""
-    entry = custom.get("jreplicate") if isinstance(custom, dict) else None
-    if not isinstance(entry, dict) or entry.get("format") != FORMAT:
+    if read_format(custom) not in (FORMAT, FORMAT_2):
         return {}
     try:
-        return {tuple(t): str(d) for t, d in entry.get("views", [])}
+        return {tuple(t): str(d) for t, d in custom["jreplicate"].get("views", [])}
     except (TypeError, ValueError) as e:
         raise ValueError(f"its record of arrays stored as bits is malformed ({e!r})") from None
 
@@ -253,7 +271,8 @@ def metadata_problem(stored: Any, table: dict | None) -> str | None:
 
 
 def data_problem(value: Any, stored: Any, table: dict | None) -> str | None:
-    """How the restored arrays differ from their metadata and checksums, or None."""
+    """How the restored arrays differ from their metadata and checksums (format 1's
+    CRC-32 or format 2's digest, computed on the host), or None."""
     meta = dict(jax.tree_util.tree_leaves_with_path(stored))
     got = jax.tree_util.tree_leaves_with_path(value)
     if len(got) != len(meta):
@@ -263,7 +282,8 @@ def data_problem(value: Any, stored: Any, table: dict | None) -> str | None:
         if m is None or x.shape != tuple(m.shape) or x.dtype != np.dtype(m.dtype):
             return (f"the data at {path_str(path)} ({spec(x)}) disagrees with its metadata"
                     f" ({spec(m) if m is not None else 'none'})")
-        if table is not None and _crc(x) != table[tuple(_tokens(path))][2]:
+        want = table[tuple(_tokens(path))][2] if table is not None else None
+        if want is not None and (digest_np(x) if isinstance(want, tuple) else _crc(x)) != want:
             return (f"the data at {path_str(path)} does not match its checksum (a file was "
                     "changed after the save)")
     return None
