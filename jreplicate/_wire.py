@@ -408,6 +408,10 @@ CHECKPOINT_STEPS = record(value=optional(list_of(natural)), error=optional(strin
 CHECKPOINT_OUTCOME = record(kind=one_of("ok", "mismatch", "damaged", "error"),
                             detail=string)
 
+#: One process's outcome of the last background checkpoint write (error None: it
+#: committed), and the chief's latest complete step once it ended.
+CHECKPOINT_WRITE = record(error=optional(string), latest=optional(natural))
+
 #: The chief's record of the directory's lock (or its error), compared by every process
 #: with the lock file it reads.
 CHIEF_TEXT = record(value=optional(string), error=optional(string))
@@ -428,6 +432,7 @@ RUN_ARGUMENTS = record(
 MESSAGES = {"this step's input": input_report, "a checkpoint decision": CHIEF_RESULT,
             "the checkpoints to restore": CHECKPOINT_STEPS,
             "a checkpoint outcome": CHECKPOINT_OUTCOME,
+            "the outcome of a checkpoint write": CHECKPOINT_WRITE,
             "the checkpoint directory's lock": CHIEF_TEXT,
             "building this step's padded input": BUILD_RESULT,
             "the arguments of a call": RUN_ARGUMENTS}

@@ -47,10 +47,6 @@ DELETING_SUFFIX = ".deleting"
 #: What a process whose write was abandoned because a peer's failed reports.
 ABORTED = "aborted: another process's write failed"
 
-#: One process's outcome of the pending write, as exchanged (error None: written), and
-#: the chief's latest complete step once it ended.
-WRITE_OUTCOME = _wire.record(error=_wire.optional(_wire.string),
-                             latest=_wire.optional(_wire.natural))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -186,63 +182,74 @@ class _Pending:
 class BackgroundWriter:
     """Writes checkpoints with one Orbax ``AsyncCheckpointer``, one at a time.
 
+    The manager's writer seam: :meth:`start`, :meth:`poll`, :meth:`wait`, :meth:`close`.
+    The data goes to ``<directory>/<step>/default`` (Orbax's composite layout, as
+    :mod:`jreplicate.checkpoint.restore` reads it).
+
     Args:
-      directory: the checkpoint directory; step ``s`` is written to ``<directory>/<s>``.
+      directory: the checkpoint directory.
       key_prefix: a key-value prefix unique to the manager and equal on every process.
-      processes: the processes that write (every process, or the chief alone).
+      every_process: every process writes its own shards (else this process alone).
+      num_processes: the job's processes.
       process_index: this process.
       timeout: seconds Orbax's background thread may take (the writes and its
         barriers), at least 1.
     """
 
-    def __init__(self, directory: str, *, key_prefix: str, processes: Sequence[int],
-                 process_index: int, timeout: float):
+    def __init__(self, directory: str, *, key_prefix: str, every_process: bool,
+                 num_processes: int, process_index: int, timeout: float):
         import orbax.checkpoint as ocp
         self._dir = directory
         self._timeout = max(1, math.ceil(timeout))
+        processes = range(num_processes) if every_process else [process_index]
         self.barrier = AbortableBarrier(f"{key_prefix}/writes", processes, process_index)
+        options = (ocp.options.MultiprocessingOptions(primary_host=0) if every_process else
+                   ocp.options.MultiprocessingOptions(primary_host=process_index,
+                                                      active_processes={process_index}))
         handler, self._save_args = _handler_class()
-        self.handler = handler(
-            multiprocessing_options=ocp.options.MultiprocessingOptions(
-                primary_host=min(processes), active_processes=set(processes)))
+        self.handler = handler(multiprocessing_options=options)
         self._orbax = ocp.AsyncCheckpointer(
-            self.handler,
+            ocp.CompositeCheckpointHandler(
+                default=self.handler,
+                composite_options=ocp.CompositeOptions(multiprocessing_options=options)),
             async_options=ocp.options.AsyncOptions(
                 timeout_secs=self._timeout, barrier_sync_fn=self.barrier,
                 create_directories_asynchronously=False),
-            multiprocessing_options=ocp.options.MultiprocessingOptions(
-                primary_host=min(processes), active_processes=set(processes),
-                barrier_sync_key_prefix=key_prefix.replace("/", "_")))
+            multiprocessing_options=dataclasses.replace(
+                options, barrier_sync_key_prefix=key_prefix.replace("/", "_")))
         self._count = 0
         self._pending: _Pending | None = None
         self._last: list[_Pending | None] = [None]  # read by the finaliser
         weakref.finalize(self, _report_at_exit, self._last)
 
     @property
+    def timeout(self) -> int:
+        """Seconds Orbax's background thread may take."""
+        return self._timeout
+
+    @property
     def pending(self) -> _Pending | None:
         """The write whose outcome is not yet agreed (None: none)."""
         return self._pending
 
-    def start(self, step: int, args: Any, metadata: dict | None = None) -> None:
-        """Starts writing checkpoint ``step``; returns once the device-to-host copies are
-        taken. ``args``: Orbax's ``StandardSave`` (or the pytree itself). A failure,
-        here or in the background, is this write's outcome (see :meth:`wait`), never
-        raised here, so that every process learns it at the same call."""
+    def start(self, step: int, tree: Any, metadata: dict | None = None) -> None:
+        """Starts writing ``tree`` as checkpoint ``step``, with Orbax custom metadata
+        ``metadata``; returns once the device-to-host copies are taken. A failure, here
+        or in the background, is this write's outcome (see :meth:`wait`), never raised
+        here, so that every process learns it at the same call."""
         import orbax.checkpoint as ocp
-        if self._pending is not None:
+        if self._pending is not None and not self._pending.reported:
             raise RuntimeError("BackgroundWriter.start: the previous write is not settled")
-        if not isinstance(args, ocp.args.StandardSave):
-            args = ocp.args.StandardSave(args)
-        args = self._save_args(item=args.item, save_args=args.save_args,
-                               custom_metadata=args.custom_metadata)
+        if self._pending is not None:  # every process is past its barriers: agreed
+            self.barrier.clear(self._pending.number)
         self._count += 1
         pending = _Pending(step, self._count, time.monotonic())
         self._pending = self._last[0] = pending
         self.barrier.begin(pending.number)
+        args = ocp.args.Composite(default=self._save_args(tree, custom_metadata=metadata))
         try:
             with quiet_orbax():
-                self._orbax.save(os.path.join(self._dir, str(step)), args=args,
-                                 custom_metadata=metadata)
+                self._orbax.save(os.path.join(self._dir, str(step)), args=args)
         except Exception as e:  # broad: the outcome of this process's write, agreed later
             self._finish(pending, one_line(e))
             return
@@ -267,36 +274,32 @@ class BackgroundWriter:
             pending.returned = pending.finished
         pending.done.set()
 
-    def poll(self) -> str | None:
-        """The pending write's error if it already failed, without waiting (else None)."""
+    def poll(self) -> bool:
+        """Whether the last write has ended (committed or failed); never blocks."""
         p = self._pending
-        return p.error if p is not None and p.done.is_set() else None
+        return p is None or p.done.is_set()
 
-    def wait(self, timeout: float | None = None) -> str | None:
-        """Waits for the pending write; returns its error (None: committed or nothing
-        pending). After ``timeout`` seconds (None: Orbax's own bound plus a margin) the
-        write is aborted and reported as not finished."""
+    def wait(self, deadline: float | None = None) -> str | None:
+        """Waits for the last write until ``time.monotonic()`` passes ``deadline`` (None:
+        Orbax's own bound, plus a margin); returns None once it committed (or nothing
+        was written), else its error, which is then reported: each write's outcome is
+        returned once. A write not ended by the deadline is aborted and reported as
+        not finished."""
         p = self._pending
-        if p is None:
+        if p is None or p.reported:
             return None
-        bound = self._timeout + 30 if timeout is None else timeout
+        bound = (self._timeout + 30 if deadline is None
+                 else max(0.0, deadline - time.monotonic()))
         if not p.done.wait(bound):
-            why = f"TimeoutError: the write did not finish within {bound:g}s"
+            why = f"TimeoutError: the write did not end within {bound:.0f}s"
             self.barrier.abort(why)
+            p.reported = True
             return why
+        p.reported = True
         return p.error
 
-    def settled(self) -> _Pending | None:
-        """Forgets the pending write once its outcome is agreed; returns it."""
-        p, self._pending = self._pending, None
-        if p is not None:
-            p.reported = True
-            if p.done.is_set():
-                self.barrier.clear(p.number)
-        return p
-
     def close(self) -> None:
-        """Waits for a pending write (its outcome is lost if not settled) and closes."""
+        """Waits for the last write (the manager reads its outcome first) and closes."""
         if self._pending is not None:
             self._pending.done.wait(self._timeout + 30)
         with quiet_orbax():
@@ -304,6 +307,9 @@ class BackgroundWriter:
 
 
 def _report_at_exit(last: list[_Pending | None]) -> None:
+    """Logs the failure of the last write if nobody settled it. A write still pending
+    when the program ends fails too: Python (3.12) starts no thread once it shuts down,
+    and Orbax's commit needs one, so a program must ``close()`` its manager."""
     p = last[0]
     if p is not None and not p.reported and p.done.is_set() and p.error is not None:
         logger.error("jreplicate: checkpoint %d was not written (%s); the error was never "
@@ -328,23 +334,20 @@ class Outcome:
 
 
 def settle(writer: BackgroundWriter | None, agreement: Any, step: int, *,
-           latest: Callable[[], int | None], is_chief: bool,
-           timeout: float | None = None) -> Outcome:
-    """Waits (bounded) for the pending write of checkpoint ``step`` and agrees its outcome.
+           latest: Callable[[], int | None], is_chief: bool) -> Outcome:
+    """Waits (bounded) for the last write, of checkpoint ``step``, and agrees its outcome.
 
     Call it on every process at the same point whenever a write is pending; a process
     that does not write passes ``writer=None`` and reports success. ``latest`` runs on
     the chief, after its write ended.
     """
-    mine = {"error": writer.wait(timeout) if writer is not None else None,
+    mine = {"error": writer.wait(None) if writer is not None else None,
             "latest": latest() if is_chief else None}
     if agreement is None:
         outcomes = [mine]
     else:
         outcomes = agreement.exchange(mine, f"the outcome of writing checkpoint {step}",
-                                      WRITE_OUTCOME)
-    if writer is not None:
-        writer.settled()
+                                      _wire.CHECKPOINT_WRITE)
     failed = [(p, m["error"]) for p, m in enumerate(outcomes) if m["error"] is not None]
     causes = [(p, e) for p, e in failed if ABORTED not in e] or failed
     return Outcome(step, Failure(*causes[0]) if causes else None, outcomes[0]["latest"])
@@ -381,7 +384,7 @@ def retain(directory: str, steps: Sequence[int], max_to_keep: int | None) -> lis
     if max_to_keep is None:
         return []
     gone = []
-    for step in sorted(steps)[:-max_to_keep]:
+    for step in sorted(steps)[:max(0, len(steps) - max_to_keep)]:
         path = os.path.join(directory, str(step))
         try:
             doomed = f"{path}{DELETING_SUFFIX}-{time.time_ns()}"

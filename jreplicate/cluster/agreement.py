@@ -62,6 +62,11 @@ class Agreement:
         # Messages already checked (each step's input report is usually the last one's).
         self._checked: dict[tuple[Callable, bytes], Any] = {}
 
+    @property
+    def prefix(self) -> str:
+        """The channel's key-value prefix, the same on every process (unique per channel)."""
+        return self._prefix
+
     def all_gather(self, value: bytes, what: str) -> list[bytes]:
         """Publishes ``value`` and returns every process's value, in process order.
 
