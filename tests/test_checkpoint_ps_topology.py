@@ -9,6 +9,7 @@ apply the same gradients in the same order whatever the workers' timing (adam's 
 included), and the parameters are a function of the step count alone.
 """
 
+import json
 import os
 import signal
 
@@ -84,6 +85,9 @@ def saved(tmp_path_factory):
     with jr.CheckpointManager(directory, job[1], save_interval_steps=3) as mngr:
         calls = _train(job, 6, mngr)
     assert calls == 2  # steps 3 and 6 only
+    # Written in format 2 (each array's digest recorded), as the SPMD strategies' state.
+    meta = json.loads((directory / "6" / "default" / "_METADATA").read_text())
+    assert meta["custom_metadata"]["jreplicate"]["format"] == 2
     state = jax.tree.map(np.array, job[0].state())
     job[0].shutdown()
     ref = _job(**SOURCE)
@@ -193,7 +197,10 @@ def test_a_preempted_parameter_server_loop_saves_its_state_at_the_agreed_step(tm
         rep.join()
         return s.state()
 
-    at, before = 0, signal.getsignal(signal.SIGTERM)
+    # A handler of the test's own, which the manager's chains to: were the manager not
+    # watching, the signal would end here (the test fails) instead of ending pytest.
+    original = signal.signal(signal.SIGTERM, lambda *_: None)
+    guard, at = signal.getsignal(signal.SIGTERM), 0
     try:
         with jr.CheckpointManager(tmp_path, rep, save_interval_steps=100) as mngr:
             with pytest.raises(jr.checkpoint.Preempted) as e:
@@ -203,10 +210,11 @@ def test_a_preempted_parameter_server_loop_saves_its_state_at_the_agreed_step(tm
                         os.kill(os.getpid(), signal.SIGTERM)
                     mngr.save(at, state)
         assert (e.value.code, e.value.step, at, len(calls)) == (42, 4, 4, 1)
+        assert signal.getsignal(signal.SIGTERM) is guard  # the manager's handler is gone
         saved = jax.tree.map(np.array, s.state())
     finally:
+        signal.signal(signal.SIGTERM, original)
         s.shutdown()
-    assert signal.getsignal(signal.SIGTERM) == before  # the manager's handler is gone
     target = _job(**TARGETS["1_worker_on_3_devices"])
     try:
         with jr.CheckpointManager(tmp_path, target[1]) as mngr:
