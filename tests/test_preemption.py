@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import random
@@ -27,6 +28,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 import jreplicate as jr
 from jreplicate.checkpoint import EXIT_PREEMPTED, CheckpointManager, Preempted
@@ -102,7 +105,7 @@ def test_sigterm_in_a_step_saves_that_step_exits_42_and_resumes_bit_exact(tmp_pa
     assert isinstance(e, SystemExit) and e.code == EXIT_PREEMPTED == 42
     # The signal arrives during step 4's computation: save(4) is where the job stops.
     assert e.step == 4
-    assert mngr.reached_preemption(e.step) and not mngr.reached_preemption(e.step - 1)
+    assert mngr.reached_preemption(e.step)
     assert sorted(p.name for p in tmp_path.iterdir() if p.name.isdigit()) == [str(e.step)]
     assert signal.getsignal(signal.SIGTERM) == before  # closed: the handler given back
     with CheckpointManager(tmp_path, rep, save_interval_steps=100) as again:
@@ -320,3 +323,112 @@ def test_sigterm_to_one_of_two_processes_saves_restarts_and_resumes_bit_exact(
     assert len(final.files) == len(ref.files)
     for name in ref.files:
         assert final[name].tobytes() == ref[name].tobytes(), name
+
+
+# -- JAX's sync protocol, simulated: where the processes stop ---------------------------
+class _SyncProtocol:
+    """tsl's PreemptionSyncManagerImpl for simulated processes: each process's last id
+    passed is recorded; the notice sets the sync point to the largest recorded id plus
+    one (every process reports its counter, then all agree on the max); a process gets
+    True exactly when it passes that id."""
+
+    def __init__(self, n: int):
+        self.last = [0] * n
+        self.point: int | None = None
+        self.current = 0  # the simulated process calling
+
+    def reached(self, sync_id: int) -> bool:
+        self.last[self.current] = sync_id
+        return self.point == sync_id
+
+    def notice(self) -> None:
+        self.point = max(self.last) + 1
+
+
+def _simulate(managers, n, choose, ids_per_manager, monkeypatch):
+    """Runs ``n`` simulated processes through the same program: managers one after the
+    other, ``managers[m] = (calls, interval)``. ``choose(actions)`` picks the next action
+    (a process's next save call, or the notice). A writing save is collective: every
+    process must reach it. Returns where each process stopped (None: finished), or
+    raises AssertionError when the processes can no longer move (a hang)."""
+    from jax.experimental import multihost_utils
+    sync = _SyncProtocol(n)
+    monkeypatch.setattr(preemption_mod, "_service_running", lambda: True)
+    monkeypatch.setattr(multihost_utils, "reached_preemption_sync_point", sync.reached)
+    program = [(m, c) for m, (calls, _) in enumerate(managers) for c in range(calls)]
+    shared = [itertools.count() for _ in range(n)]
+    watches = [[preemption_mod.PreemptionWatch(
+        None, ids=itertools.count() if ids_per_manager else shared[p]) for _ in managers]
+        for p in range(n)]
+    pos, waiting, stopped, done = [0] * n, [None] * n, [None] * n, [False] * n
+    noticed = False
+    while not all(done):
+        live = [p for p in range(n) if not done[p] and waiting[p] is None]
+        keys = {waiting[p] for p in range(n)}
+        if len(keys) == 1 and None not in keys:  # everyone at the same collective save
+            for p in range(n):
+                i, preempted = waiting[p]
+                waiting[p], pos[p] = None, i + 1
+                stopped[p] = i if preempted else None
+                done[p] = preempted or pos[p] == len(program)
+            continue
+        actions = [("run", p) for p in live] + ([] if noticed else [("notice", None)])
+        assert [a for a in actions if a[0] == "run"], (
+            f"hang: processes wait at {waiting}, stopped at {stopped}")
+        kind, p = choose(actions)
+        if kind == "notice":
+            sync.notice()
+            noticed = True
+            continue
+        m, c = program[pos[p]]
+        sync.current = p
+        preempted = watches[p][m].check(c)
+        if preempted or (c + 1) % managers[m][1] == 0:
+            waiting[p] = (pos[p], preempted)
+        else:
+            pos[p] += 1
+        if pos[p] == len(program):
+            done[p] = True
+    return stopped
+
+
+@settings(deadline=None, max_examples=150, suppress_health_check=[HealthCheck.too_slow,
+          HealthCheck.function_scoped_fixture])
+@given(n=st.integers(2, 3),
+       managers=st.lists(st.tuples(st.integers(1, 6), st.integers(1, 4)), min_size=1,
+                         max_size=3),
+       data=st.data())
+def test_every_process_stops_at_the_same_save_whatever_the_schedule(
+        n, managers, data, monkeypatch):
+    """Processes drift apart between collective saves (asynchronous dispatch), managers
+    follow one another, the notice comes at any moment: every process stops at the same
+    save call of the same manager, or none does (the notice came after the last)."""
+    notice_after = data.draw(st.integers(0, n * sum(c for c, _ in managers)))
+    moves = itertools.count()
+
+    def choose(actions):
+        runs = [a for a in actions if a[0] == "run"]
+        if next(moves) >= notice_after and len(runs) < len(actions) or not runs:
+            return ("notice", None)
+        return data.draw(st.sampled_from(runs))
+
+    stopped = _simulate(managers, n, choose, ids_per_manager=False,
+                        monkeypatch=monkeypatch)
+    assert len(set(stopped)) == 1, stopped
+
+
+def test_sync_ids_counted_per_manager_would_split_the_processes(monkeypatch):
+    """The schedule hypothesis finds for ids counted per manager (the seam's ``call``):
+    process 1 is in the second manager when the notice comes, process 0 still in the
+    first; counted per manager, process 0 stops in the first and process 1 waits in the
+    second (a hang); counted per process, both stop at the same call."""
+    def script():
+        steps = iter([("run", 0), ("run", 0), ("run", 1), ("run", 1), ("run", 1),
+                      ("run", 1), ("notice", None)])
+        return lambda actions: next(steps, None) or actions[0]
+
+    managers = [(3, 100), (3, 100)]
+    with pytest.raises(AssertionError, match="hang"):
+        _simulate(managers, 2, script(), ids_per_manager=True, monkeypatch=monkeypatch)
+    assert _simulate(managers, 2, script(), ids_per_manager=False,
+                     monkeypatch=monkeypatch) == [4, 4]

@@ -71,13 +71,16 @@ Two seams (for the background writer and the preemption hook):
   :meth:`CheckpointManager.save` with the manager's own count of ``save`` calls (0, 1,
   2, ..., the same on every process; never the user's step), True when every process
   saves at this call because a process is being preempted; ``close()``.
-  :class:`_NoPreemption` never is.
+  :class:`_NoPreemption` never is (until the directory is open);
+  :class:`jreplicate.checkpoint.preemption.PreemptionWatch` watches SIGTERM and JAX's
+  preemption notice (it numbers JAX's sync points process-wide, across managers).
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import sys
 import time
 import weakref
 from collections.abc import Callable
@@ -104,6 +107,7 @@ from jreplicate.checkpoint.leaves import (
     to_saved,
     zeros_like,
 )
+from jreplicate.checkpoint.preemption import Preempted, PreemptionWatch
 from jreplicate.checkpoint.targets import resolve
 from jreplicate.checkpoint.tree import (
     FORMAT_2,
@@ -168,13 +172,15 @@ class CheckpointManager:
         decision.
       max_to_keep: the number of most recent checkpoints kept (``None``: all).
       save_interval_steps: :meth:`save` writes only at steps divisible by this (unless
-        ``force=True``).
+        ``force=True``, or the job is preempted).
       enable_async_checkpointing: write in the background (Orbax's name): :meth:`save`
         returns once the device-to-host copies are taken, and a failed write is raised
         at the next call (see :meth:`save`). False: :meth:`save` returns once the
         checkpoint is committed.
-      exit_on_preemption: when a process is preempted, :meth:`save` saves and ends the
-        process (see :meth:`reached_preemption`).
+      exit_on_preemption: once any process gets SIGTERM (or the platform's preemption
+        notice), every process writes the state of the same :meth:`save` call and,
+        when True, raises :class:`jreplicate.checkpoint.Preempted` (exit status 42);
+        when False, :meth:`reached_preemption` says so and the program decides.
 
     Raises:
       CheckpointError: on every process, when the chief cannot create or write
@@ -271,6 +277,8 @@ class CheckpointManager:
             process_index=strategy.process_index,
             key_prefix=getattr(self._agreement, "prefix", f"jreplicate/ckpt/{id(self)}"),
             timeout=timeouts.collective_timeout if timeouts is not None else 1200)
+        self._preempt = PreemptionWatch(strategy.agreement("preemption"))
+        self._last_written: int | None = None
 
     # -- facts ---------------------------------------------------------------------
     @property
@@ -306,8 +314,11 @@ class CheckpointManager:
         return step
 
     def reached_preemption(self, step: int) -> bool:
-        """Whether a process was preempted, as agreed at the last :meth:`save` call
-        (the same on every process). ``step`` is the caller's, for Orbax's signature."""
+        """Whether the job is preempted: True on every process from the :meth:`save`
+        call that wrote the preemption checkpoint on (call it after ``save``). For
+        ``exit_on_preemption=False``; with True, that ``save`` raises
+        :class:`jreplicate.checkpoint.Preempted` instead. ``step`` is the caller's, for
+        Orbax's signature."""
         del step
         return self._preempted
 
@@ -552,6 +563,9 @@ class CheckpointManager:
           CheckpointError: a process could not write this checkpoint (blocking saves)
             or the previous one (background saves; raised on every process), or state
             sharded across processes while not every process sees the directory.
+          jreplicate.checkpoint.Preempted: the job is preempted and this call's checkpoint
+            is committed (every process; ``exit_on_preemption=True``): see
+            docs/guides/multi_process.md, "Preemption".
         """
         if isinstance(step, bool) or not isinstance(step, (int, np.integer)) or not (
                 0 <= step <= _wire.MAX_INT64):
@@ -559,19 +573,36 @@ class CheckpointManager:
                              f"that an int64 holds (at most {_wire.MAX_INT64}).")
         step = int(step)
         call, self._calls = self._calls, self._calls + 1
-        if self._preempt.check(call):
-            self._preempted = True
-        if not (force or self._preempted or self.should_save(step)):
+        preempted = self._preempt.check(call)
+        self._preempted = self._preempted or preempted
+        if not (force or preempted or self.should_save(step)):
             return False
-        self._settle()
-        if _is_thunk(state):
-            state = state()
-        what = "CheckpointManager.save(state)"
-        if self._shared:
-            self._save_everywhere(step, state, what)
-        else:
-            self._save_on_chief(step, state, what)
+        if not (preempted and step == self._last_written):  # not written twice
+            self._settle()
+            if _is_thunk(state):
+                state = state()
+            what = "CheckpointManager.save(state)"
+            if self._shared:
+                self._save_everywhere(step, state, what)
+            else:
+                self._save_on_chief(step, state, what)
+            self._last_written = step
+        if preempted:
+            self._stop(step)
         return True
+
+    def _stop(self, step: int) -> None:
+        """After the preemption checkpoint ``step`` is written: waits for its commit,
+        says so (the launcher reads the line), and with ``exit_on_preemption`` closes
+        the manager and raises :class:`Preempted` (every process alike)."""
+        self.wait_until_finished()
+        sys.stderr.write(f"jreplicate: preempted: every process saved checkpoint {step}"
+                         + (f"; exiting with status {Preempted(step).code}\n"
+                            if self._exit_on_preemption else "\n"))
+        sys.stderr.flush()
+        if self._exit_on_preemption:
+            self.close()
+            raise Preempted(step)
 
     def _save_everywhere(self, step: int, state: Any, what: str) -> None:
         tree = to_saved(state, what)

@@ -17,8 +17,10 @@ How the processes agree (:meth:`PreemptionWatch.check`, once per ``save`` call):
   reports the last id it passed, and every process returns True at ``max + 1``. The id
   passed is this process's count of ``check`` calls, never the user's step: the
   protocol needs ids that every process passes in the same order and that grow by one
-  (a device loop's steps jump by K; two managers would count two ways). The count is
-  process-wide, so several managers, one after the other or side by side, share it.
+  (a device loop's steps jump by K). The count is process-wide, not per manager, so
+  several managers, one after the other or side by side, share it: with a count per
+  manager, the ids would start again at 0 in the next manager, and a process still in
+  the first one and a process already in the next could stop in different managers.
 * **Otherwise** (one process without ``jax.distributed``, or the service switched
   off with ``jax_enable_preemption_service=False``): a Python SIGTERM handler, which
   can only be installed from the main thread, sets a flag and calls the handler that
@@ -40,6 +42,7 @@ import itertools
 import logging
 import signal
 import threading
+from collections.abc import Iterator
 from typing import Any
 
 import jax
@@ -62,6 +65,19 @@ class Preempted(SystemExit):
 
     Attributes:
       step: the step of the checkpoint written before raising.
+
+    Example (one process: the SIGTERM a preemptible host gets, then the next save):
+      >>> import os, signal, tempfile, jax.numpy as jnp, jreplicate as jr
+      >>> rep = jr.Replicator(jr.MirroredStrategy())
+      >>> mngr = jr.CheckpointManager(tempfile.mkdtemp(), rep, save_interval_steps=100)
+      >>> mngr.save(1, {"w": jnp.zeros(2)})  # not a multiple of 100: nothing written
+      False
+      >>> os.kill(os.getpid(), signal.SIGTERM)
+      >>> try:
+      ...     mngr.save(2, {"w": jnp.ones(2)})
+      ... except jr.checkpoint.Preempted as e:
+      ...     print(e.code, e.step, mngr.complete_steps())
+      42 2 [2]
     """
 
     def __init__(self, step: int):
@@ -155,10 +171,14 @@ class PreemptionWatch:
       agreement: the processes' channel for the flags when JAX's service does not run
         (``None`` for one process). It must be opened on every process alike.
       where: what is watching, for messages.
+      ids: the sync ids given to JAX's service (tests); by default this process's
+        count of checks, shared by every watch.
     """
 
-    def __init__(self, agreement: Agreement | None, where: str = "CheckpointManager"):
+    def __init__(self, agreement: Agreement | None, where: str = "CheckpointManager", *,
+                 ids: Iterator[int] | None = None):
         self._agreement = agreement
+        self._ids = _sync_ids if ids is None else ids
         self._service = _service_running()
         self._flag = False
         self._closed = False
@@ -178,14 +198,22 @@ class PreemptionWatch:
         or ``"none"`` (not watched on this process)."""
         return "jax" if self._service else "signal" if self._flag else "none"
 
-    def check(self) -> bool:
+    def check(self, call: int | None = None) -> bool:
         """Whether this call is where every process stops; the same on every process.
         Call it exactly once per ``save`` call, on every process.
+
+        Args:
+          call: the manager's own count of its ``save`` calls, for messages. JAX's
+            sync point is given this process's count of checks instead, over every
+            manager: with one count per manager, a manager closed and the next one
+            opened would pass ids 0, 1, ... again, and processes on either side of the
+            switch when the notice arrives could stop in different managers.
 
         Raises:
           ClusterError: a process did not take part in the agreement in time.
         """
-        sync_id = next(_sync_ids)
+        del call
+        sync_id = next(self._ids)
         if self._service:
             from jax.experimental import multihost_utils
             return bool(multihost_utils.reached_preemption_sync_point(sync_id))
