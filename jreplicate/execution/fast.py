@@ -27,8 +27,10 @@ running, see ``_refused``, go to the full path):
 * a donated array (NNX state, ``donate_argnums``) that another live object holds,
   directly or through a container of its argument (a reference count above its
   holder's, :mod:`jreplicate.execution.donation`): the full path, which donates a copy;
-* with several logical devices per replica, a leaf whose sharding differs from the
-  recorded one (the program keeps model shardings it was built for): the full path;
+* with several logical devices per replica, or with ``weight_update_sharding``, a leaf
+  whose sharding differs from the recorded one (the program keeps model shardings it
+  was built for; a sharded program takes its state as its plan stores it, so an old
+  replicated copy passed again is resharded there): the full path;
 * an NNX Variable now shared, holding something other than an array, or of another
   type or metadata than the recorded one (``nnx_args.variable_signature``): the full
   path.
@@ -143,9 +145,12 @@ class FastPath:
                     or donation.held_elsewhere(inputs, entry.limit, args, entry.arg_limit,
                                                entry.plans):
                 return MISS  # the full path copies what another object holds
-        if entry.shardings is not None and any(
-                x.sharding != s for x, s in zip(inputs, entry.shardings)):
-            return MISS
+        if entry.shardings is not None:
+            for x, s in zip(inputs, entry.shardings):  # (`is`: the recorded object, as
+                # jax.jit gives it back call after call; `!=` costs ~1 us a leaf)
+                have = x.sharding
+                if have is not s and have != s:
+                    return MISS
         _GUARD.on = True
         try:
             flat = entry.jitted(*inputs)

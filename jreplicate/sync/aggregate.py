@@ -209,18 +209,20 @@ def complete_step(
     The accumulators are read only when a previous call left gradients in them
     (``num_accumulated > 0``, e.g. from the host driver), and are left as they are
     (they are only read while ``num_accumulated > 0``): neither copied nor written.
+    They are read after the sum over the replicas, never inside a branch holding it, so
+    that only the update (identical on every replica) reads them: with
+    ``weight_update_sharding`` they stay sharded like the optimizer state.
     """
     axis, acc = cfg.axis_name, state.accumulators
-
-    def fresh_start(grads, acc):
-        if cfg.k == n:  # all n replicas contribute: no masking pass
-            return jax.lax.psum(jax.tree.map(checks.cast_like, grads, acc), axis)
-        return jax.lax.psum(_masked(grads, contrib, acc), axis)
-
-    def continued(grads, acc):
-        return jax.tree.map(jnp.add, jax.lax.psum(_masked(grads, contrib, acc), axis), acc)
-
-    total = jax.lax.cond(state.num_accumulated == 0, fresh_start, continued, grads, acc)
+    first = state.num_accumulated == 0
+    if cfg.k == n:  # all n replicas contribute unless earlier pushes were accumulated
+        mine = jax.lax.cond(first, lambda g: jax.tree.map(checks.cast_like, g, acc),
+                            lambda g: _masked(g, contrib, acc), grads)
+    else:
+        mine = _masked(grads, contrib, acc)
+    summed = jax.lax.psum(mine, axis)
+    total = jax.lax.cond(first, lambda s, a: s, lambda s, a: jax.tree.map(jnp.add, s, a),
+                         summed, acc)
     avg = jax.tree.map(lambda a: a / cfg.k, total)
     upd, inner_state = cfg.inner.update(avg, state.inner_state, params, **extra_args)
     _, counters = accumulate(state, push, cfg.k, n - cfg.k)
