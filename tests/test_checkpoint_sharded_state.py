@@ -14,8 +14,6 @@ same program on the same shards), and on another replica count the 8-device run 
 float tolerance: the reduction order differs), both trained here, never restored.
 """
 
-import inspect
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -23,14 +21,6 @@ import optax
 import pytest
 
 import jreplicate as jr
-
-# Until weight-update sharding (rep.state_shardings) and format-2 restores (shardings=)
-# are both on this branch, there is nothing to test: say which piece is missing.
-_MISSING = [what for what, here in (
-    ("Replicator.state_shardings", hasattr(jr.Replicator, "state_shardings")),
-    ("restore_or_initialize(shardings=)", "shardings" in inspect.signature(
-        jr.CheckpointManager.restore_or_initialize).parameters)) if not here]
-pytestmark = pytest.mark.skipif(bool(_MISSING), reason=f"not built yet: {_MISSING}")
 
 D_IN, D_OUT, GLOBAL_BATCH, STEPS, SAVE_AT = 64, 32, 32, 8, 4
 rng = np.random.default_rng(0)
@@ -187,3 +177,19 @@ def test_restored_onto_4_replicas_resharded(saved):
     for got, want in zip(jax.tree.leaves(final), jax.tree.leaves(saved["final"]),
                          strict=True):
         np.testing.assert_allclose(got, want, rtol=2e-5, atol=1e-6)
+
+
+def test_an_init_fn_jitted_with_the_state_shardings_restores_sharded_too(saved):
+    """The other way to say where state goes: ``init_fn`` jitted with
+    ``out_shardings=rep.state_shardings(...)`` (``jax.eval_shape`` keeps a jitted
+    function's output shardings), as docs/guides/weight_update_sharding.md shows."""
+    rep = jr.Replicator(strategy(saved["mode"]))
+    shardings = rep.state_shardings(step, rep.prepare_input(input_fn_starting_at(0)),
+                                    *jax.eval_shape(init), steps=loop(saved["k"]))
+    with jr.CheckpointManager(saved["directory"], rep) as mngr:
+        _, state = mngr.restore_or_initialize(jax.jit(init, out_shardings=shardings))
+    assert bits(state) == bits(saved["values"])
+    for x, (_, per_device) in zip(jax.tree.leaves(state), jax.tree.leaves(
+            saved["layout"], is_leaf=lambda t: isinstance(t, tuple) and len(t) == 2
+            and isinstance(t[1], set)), strict=True):
+        assert bytes_per_device(x) == per_device
