@@ -210,8 +210,10 @@ def test_every_exchange_uses_a_walked_schema():
     calls = []
     for p in (ROOT / "jreplicate").rglob("*.py"):
         calls += re.findall(r"\.exchange\((?:[^()]|\([^()]*\))*\)", p.read_text())
-    known = ("_wire.CHIEF_RESULT", "_wire.BUILD_RESULT", "_wire.RUN_ARGUMENTS",
-             "ReadOutcome.from_wire")
+    walked = list(_wire.MESSAGES.values())
+    known = tuple(f"_wire.{name}" for name, value in vars(_wire).items()
+                  if any(value is s for s in walked)) + ("ReadOutcome.from_wire",)
+    assert "_wire.CHIEF_RESULT" in known and "_wire.CHECKPOINT_OUTCOME" in known
     assert calls and all(any(k in c for k in known) for c in calls), calls
     assert "_wire.input_report(payload)" in (ROOT / "jreplicate" / "input" /
                                              "protocol.py").read_text()
