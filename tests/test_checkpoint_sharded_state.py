@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from jax.sharding import PartitionSpec as P
 
 import jreplicate as jr
 
@@ -193,3 +194,88 @@ def test_an_init_fn_jitted_with_the_state_shardings_restores_sharded_too(saved):
             saved["layout"], is_leaf=lambda t: isinstance(t, tuple) and len(t) == 2
             and isinstance(t[1], set)), strict=True):
         assert bytes_per_device(x) == per_device
+
+
+# -- Flax NNX on logical devices (replica x model), restored onto fewer replicas -------
+
+nnx = pytest.importorskip("flax.nnx")
+NNX_BATCH = 16
+NNX_X = rng.normal(size=(6 * NNX_BATCH, 16)).astype(np.float32)
+NNX_Y = rng.normal(size=(6 * NNX_BATCH, 5)).astype(np.float32)
+
+
+class Net(nnx.Module):
+    def __init__(self, rngs):
+        split = nnx.with_partitioning(nnx.initializers.lecun_normal(), (None, "model"))
+        self.l1 = nnx.Linear(16, 32, kernel_init=split, rngs=rngs)
+        self.l2 = nnx.Linear(32, 5, rngs=rngs)
+
+    def __call__(self, x):
+        return self.l2(jnp.tanh(self.l1(x)))
+
+
+def nnx_step(ctx, batch, model, opt):
+    x, y = batch
+    loss, grads = nnx.value_and_grad(lambda m: jr.compute_average_loss(
+        jnp.sum((m(x) - y) ** 2, -1), NNX_BATCH))(model)
+    opt.update(model, grads)
+    return ctx.all_sum(loss)
+
+
+def nnx_job(devices):
+    rep = jr.Replicator(jr.MirroredStrategy(
+        devices=jax.devices()[:devices], logical_devices_per_replica=2,
+        weight_update_sharding="optimizer", min_weight_shard_size=0))
+    with rep.scope():
+        model = Net(nnx.Rngs(0))
+        opt = nnx.Optimizer(model, optax.adam(0.01), wrt=nnx.Param)
+    return rep, model, opt
+
+
+def nnx_train(job, first, last):
+    rep, model, opt = job
+
+    def input_fn(ctx):
+        b = ctx.get_per_replica_batch_size(NNX_BATCH)
+        for i in range(first * NNX_BATCH, last * NNX_BATCH, b):
+            yield NNX_X[i:i + b], NNX_Y[i:i + b]
+
+    inputs = rep.prepare_input(input_fn)
+    for _ in range(first, last):
+        rep.run(nnx_step, inputs, model, opt)
+    return inputs
+
+
+def test_nnx_state_on_logical_devices_restores_onto_fewer_replicas(tmp_path):
+    """An NNX model split over "model" with its adam moments also split over the
+    replicas (P('replica', 'model')), saved from 4 replicas x 2 (through a state
+    function), restored onto 2 replicas x 2 with the shardings that job's step keeps,
+    bit for bit, then trained on like the 8-device job (to float tolerance)."""
+    job = nnx_job(8)
+    nnx_train(job, 0, 3)
+    with jr.CheckpointManager(tmp_path, job[0]) as mngr:
+        mngr.save(3, lambda: (nnx.state(job[1]), nnx.state(job[2])))
+    mu = job[2].opt_state[0].mu["l1"]["kernel"][...]
+    assert mu.sharding.spec == P("replica", "model") and bytes_per_device(mu) == {
+        mu.nbytes // 8}
+    saved = jax.tree.map(np.array, (nnx.state(job[1]), nnx.state(job[2])))
+    nnx_train(job, 3, 6)
+    final = jax.tree.map(np.array, nnx.state(job[1]))
+
+    rep, model, opt = small = nnx_job(4)
+    probe = jax.ShapeDtypeStruct((NNX_BATCH // 2, 16), np.float32), jax.ShapeDtypeStruct(
+        (NNX_BATCH // 2, 5), np.float32)  # a batch: only its shapes and dtypes
+    shardings = rep.state_shardings(nnx_step, probe, model, opt)
+    with jr.CheckpointManager(tmp_path, rep) as mngr:
+        at, (m_state, o_state) = mngr.restore_or_initialize(
+            lambda: (nnx.state(model), nnx.state(opt)), shardings=shardings)
+    assert at == 3 and bits((m_state, o_state)) == bits(saved)
+    nnx.update(model, m_state)
+    nnx.update(opt, o_state)
+    mu = opt.opt_state[0].mu["l1"]["kernel"][...]
+    assert mu.sharding.spec == P("replica", "model") and len(mu.sharding.device_set) == 4
+    assert bytes_per_device(mu) == {mu.nbytes // 4}
+    nnx_train(small, 3, 6)
+    for got, want in zip(jax.tree.leaves(nnx.state(model)), jax.tree.leaves(final),
+                         strict=True):
+        np.testing.assert_allclose(got, want, rtol=2e-5, atol=1e-6)
