@@ -232,6 +232,7 @@ class CheckpointManager:
             raise TypeError(
                 f"CheckpointManager(directory=...) must be a path, got {directory!r}."
             )
+        _refuse_url(os.fspath(directory))
         if max_to_keep is not None and (isinstance(max_to_keep, bool)
                                         or not isinstance(max_to_keep, int) or max_to_keep < 1):
             raise ValueError(
@@ -910,3 +911,16 @@ def _as_held(x: Any) -> Any:
         a = np.asarray(x)
         return jax.ShapeDtypeStruct(a.shape, jax.dtypes.canonicalize_dtype(native(a.dtype)))
     return x
+
+
+def _refuse_url(directory: str) -> None:
+    """Raises for a URL (``gs://bucket/ckpt``): the manager works through the local file
+    system, where ``os.path.abspath`` would make it a relative directory ``gs:/bucket``
+    on each host's own disk, lost with the host."""
+    scheme, sep, _ = directory.partition("://")
+    if sep and scheme.isidentifier():
+        raise ValueError(
+            f"CheckpointManager(directory={directory!r}): a {scheme}:// URL is not a "
+            "path. CheckpointManager writes through the file system, so it would write "
+            f"into a local directory named {scheme}: on each host. Mount the bucket "
+            "(e.g. gcsfuse) on every host and give the mount's path.")
