@@ -280,3 +280,46 @@ def test_token_gated_state_restores_onto_other_worker_counts(tmp_path):
         assert _bits(s3.state()) == before
     finally:
         s3.shutdown()
+
+
+def test_a_state_restored_into_renamed_parameters_is_refused(tmp_path):
+    """The shards keep parameters by position: ``{"a", "b"}`` saved and restored into
+    ``{"b", "z"}`` (same shapes) would put ``a``'s values into ``b``. The state records
+    the names, so ``restore`` refuses it, naming the parameter and the fix, and the
+    shards stay as they were; a state saved before names were recorded still restores."""
+    def job(names):
+        s, rep, w, opt, tx = sgd_job({n: 4 for n in names}, num_ps=2, num_workers=1)
+
+        def step(ctx, w, opt):
+            g = {n: jnp.full(4, float(k + 1)) for k, n in enumerate(sorted(w))}
+            u, opt = tx.update(g, opt, w)
+            return optax.apply_updates(w, u), opt
+        return s, rep, w, opt, step
+
+    saved_job = job("ab")
+    try:
+        with jr.CheckpointManager(tmp_path, saved_job[1]) as mngr:
+            _train(saved_job, 2, mngr)
+        saved = jax.tree.map(np.array, saved_job[0].state())
+    finally:
+        saved_job[0].shutdown()
+    renamed = job("bz")
+    try:
+        with jr.CheckpointManager(tmp_path, renamed[1]) as mngr:
+            _, got = mngr.restore_or_initialize(renamed[0].state)
+        before = _bits(renamed[0].state())
+        with pytest.raises(ValueError, match=r"restore\(state\): the state's parameters are "
+                           r"not this job's: parameter 0 in flattening order is \['b'\] "
+                           r"here(.|\n)*Restore into a job whose parameters have the names"):
+            renamed[0].restore(got)
+        assert _bits(renamed[0].state()) == before
+    finally:
+        renamed[0].shutdown()
+    same = job("ab")
+    try:
+        old = {k: v for k, v in saved.items() if k != "names"}  # saved before names were
+        same[0].restore(old)
+        assert _bits(same[0].parameters()) == _bits({"a": np.full(4, -1.0, np.float32),
+                                                     "b": np.full(4, -2.0, np.float32)})
+    finally:
+        same[0].shutdown()
