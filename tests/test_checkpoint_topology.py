@@ -7,7 +7,10 @@ and 1 device: bit for bit equal to the NumPy references, on the shardings asked 
 file, deleted data files, a truncated manifest, a flipped byte) moves it aside only when an
 older step restores, and the error names the array or its box; a target that does not
 divide a leaf is refused naming it; a format-1 directory written by jreplicate before
-issue 31 (``tests/data/checkpoint_format1.tar.gz``) still restores.
+issue 31 (``tests/data/checkpoint_format1.tar.gz``) still restores. The class: hypothesis
+draws leaves (dtypes stored as they are and as their bits, NumPy or sharded any way on
+any of the topologies) and targets on any other, and every one restores bit for bit on
+its target.
 """
 
 from __future__ import annotations
@@ -22,6 +25,8 @@ import jax
 import ml_dtypes
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -282,3 +287,58 @@ def test_a_later_format_is_refused_naming_the_fix(saved, tmp_path):
             CheckpointError, match="written by a later jreplicate .* upgrade jreplicate"):
         m.restore_or_initialize(_abstract)
     assert sorted(os.listdir(path)) == ["1", "2"]
+
+
+# -- the class: any saved sharding, any target ---------------------------------------------
+PROPERTY_DTYPES = ["float32", "bfloat16", "int8", "uint4", "bool", "complex64", "float8_e4m3"]
+
+
+def _spec(draw, mesh) -> P:
+    axes = list(mesh.axis_names)
+    first = draw(st.sampled_from([None, *axes]))
+    rest = [a for a in axes if a != first]
+    second = draw(st.sampled_from([None, *rest]))
+    return P(first, second)
+
+
+@settings(max_examples=10, deadline=None)
+@given(st.data())
+def test_any_saved_sharding_restores_bit_for_bit_on_any_target(data):
+    import tempfile
+    draw = data.draw
+    savers = {**TOPOLOGIES, "4x2": lambda: jr.MirroredStrategy(logical_devices_per_replica=2)}
+    saver = savers[draw(st.sampled_from(sorted(savers)))]()
+    restorer = savers[draw(st.sampled_from(sorted(savers)))]()
+    rng = np.random.default_rng(draw(st.integers(0, 2**16)))
+    want, saved, targets = {}, {}, {}
+    for i in range(draw(st.integers(1, 3))):
+        name = draw(st.sampled_from(PROPERTY_DTYPES))
+        dtype = np.dtype(getattr(ml_dtypes, name, None) or name)
+        shape = (8 * draw(st.integers(1, 2)), 8 * draw(st.integers(1, 2)))
+        raw = rng.integers(0, 256, int(np.prod(shape)) * dtype.itemsize, np.uint8)
+        value = raw.view(dtype).reshape(shape) if dtype.kind not in "b" else \
+            (raw % 2).astype(bool).reshape(shape)
+        if jax.dtypes.itemsize_bits(dtype) == 4:
+            value = (raw % 16).view(dtype).reshape(shape)
+        key = f"leaf{i}"
+        want[key] = value
+        if draw(st.booleans()):
+            saved[key] = value  # a NumPy leaf
+        else:
+            saved[key] = jax.device_put(value, NamedSharding(saver.mesh, _spec(draw, saver.mesh)))
+        targets[key] = draw(st.sampled_from([None, NamedSharding(
+            restorer.mesh, _spec(draw, restorer.mesh))]))
+    path = tempfile.mkdtemp()
+    try:
+        with CheckpointManager(path, saver) as m:
+            m.save(5, saved, force=True)
+        abstract = {k: jax.ShapeDtypeStruct(v.shape, v.dtype) for k, v in want.items()}
+        with CheckpointManager(path, restorer) as m:
+            step, got = m.restore_or_initialize(lambda: abstract, shardings=targets)
+    finally:
+        shutil.rmtree(path)
+    assert step == 5
+    _assert_equal(got, want)
+    for k, target in targets.items():
+        expected = target or NamedSharding(restorer.mesh, P())
+        assert got[k].sharding.is_equivalent_to(expected, 2), (k, got[k].sharding, expected)

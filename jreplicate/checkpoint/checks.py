@@ -56,8 +56,9 @@ def quiet_orbax():
     """Keeps the noise of an Orbax failure that jreplicate reports itself, in one line,
     off the output: Orbax's and absl's error logs, asyncio's "Task exception was never
     retrieved" for the reads abandoned with it, and TensorStore's late callbacks into
-    Orbax's closed event loop ("RuntimeError: Event loop is closed", printed as
-    unraisable exceptions, possibly later: filtered for good)."""
+    Orbax's closed event loop ("RuntimeError: Event loop is closed") and Orbax's read
+    coroutines closed with their error pending, printed as unraisable exceptions,
+    possibly later: filtered for good (logged at debug level)."""
     _install_unraisable_filter()
     loggers = [logging.getLogger(name) for name in ("absl", "orbax", "asyncio")]
     levels = [lg.level for lg in loggers]
@@ -138,6 +139,13 @@ def _install_unraisable_filter() -> None:
         e = unraisable.exc_value
         if isinstance(e, RuntimeError) and str(e) == "Event loop is closed":
             return  # a read abandoned by a restore that already failed (and was reported)
+        code = getattr(unraisable.object, "cr_code", None)
+        if code is not None and "orbax" in code.co_filename:
+            # An Orbax read coroutine closed with its error pending: the restore of
+            # damaged files that abandoned it failed, and that was reported.
+            logging.getLogger("jreplicate").debug(
+                "jreplicate: an abandoned Orbax read: %s", one_line(e) if e else None)
+            return
         previous(unraisable)
 
     hook._jreplicate = True  # type: ignore[attr-defined]

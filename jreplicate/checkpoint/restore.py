@@ -201,12 +201,3 @@ def finish(value: Any, tree: Any, views: dict, template: Any, targets: list,
     for n, (p, x) in arrays.items():
         out[n] = (p, x if isinstance(x, jax.Array) else place(np.asarray(x), targets[index[n]]))
     return in_template(out, template)
-
-
-def step_format(path: str) -> int:
-    """1 for a format-1 step (``<step>/default``), else 2 (the metadata says more)."""
-    return 1 if os.path.basename(path) == "default" else FORMAT_2
-
-
-__all__ = ["Damaged", "TooNew", "check_placed", "finish", "in_template", "item_dir",
-           "load_placed", "read_host", "step_format", "stored"]
