@@ -15,6 +15,10 @@ Moving jreplicate to a new JAX release should be a change to this file alone:
 * :func:`aval_varying_axes`, :func:`transform_names`, :func:`user_source` and their
   neighbours read a traced step's jaxpr (the detection of pmap habits in
   :mod:`jreplicate.execution.habits`);
+* :func:`shard_map_equation`, :func:`replica_collective`, :func:`sum_over`,
+  :func:`eval_equation` and :func:`atom_value` read a traced step's ``shard_map`` body
+  and bind its equations one by one, inside or outside the manual region (the split
+  program of ``weight_update_sharding``: :mod:`jreplicate.execution.split`);
 * :func:`unbound_axis_in` reads the axis name out of JAX's error for a collective over
   an unbound mesh axis (a bare AssertionError in jax 0.12, for a replica-invariant
   value);
@@ -485,7 +489,7 @@ def has_effects(eqn: Any) -> bool:
 def atom_value(atom: Any, env: dict, *, manual: bool = True) -> Any:
     """An equation operand's value: a literal's constant, else ``env[atom]``.
 
-    ``manual=False``: a literal traced inside ``shard_map`` used outside it: jax 0.12's
+    ``manual=False``: a literal of a ``shard_map`` body returned outside it. jax 0.12's
     literal (a ``TypedNdArray``) carries an abstract value typed on the manual mesh,
     which a primitive bound on global arrays refuses ("Mesh for all inputs should be
     equal"); it is rebuilt with the same dtype and weak type, untyped by any mesh."""
@@ -503,37 +507,19 @@ def atom_value(atom: Any, env: dict, *, manual: bool = True) -> Any:
     return TypedNdArray(np.asarray(val), aval=aval)
 
 
-def eval_equation(eqn: Any, invals: Sequence[Any], *, manual: bool = True) -> list:
+def eval_equation(eqn: Any, invals: Sequence[Any]) -> list:
     """Binds one jaxpr equation to ``invals`` as ``jax.core.eval_jaxpr`` does (jax 0.12:
-    ``get_bind_params`` returns the params dict; bound under ``eqn.ctx.manager``);
-    returns the list of its outputs.
-
-    ``manual=False`` binds an equation traced inside ``shard_map`` outside it, on global
-    arrays: not under its context (whose abstract mesh is the manual one), and with the
-    shardings its params name on the manual mesh (``out_sharding=``, ``sharding=``)
-    left to the compiler."""
+    ``get_bind_params`` returns the params dict; bound under ``eqn.ctx.manager``, also
+    for an equation of a ``shard_map`` body bound outside it on global arrays, which
+    jax 0.12 accepts: binding it outside its context fails on the literals and
+    sub-jaxprs typed on the manual mesh); returns the list of its outputs."""
     params = eqn.primitive.get_bind_params(eqn.params)
     if isinstance(params, tuple):  # older JAX: (subfuns, params)
         subfuns, params = params
         invals = [*subfuns, *invals]
-    if manual:
-        with eqn.ctx.manager:
-            out = eqn.primitive.bind(*invals, **params)
-    else:
-        out = eqn.primitive.bind(*invals, **_auto_params(params))
+    with eqn.ctx.manager:
+        out = eqn.primitive.bind(*invals, **params)
     return list(out) if eqn.primitive.multiple_results else [out]
-
-
-def _auto_params(params: dict) -> dict:
-    """``params`` with shardings over a mesh with manual axes replaced by None."""
-    out = params
-    for key in ("out_sharding", "sharding"):
-        s = params.get(key)
-        types = getattr(getattr(s, "mesh", None), "axis_types", ())
-        if any(getattr(t, "name", "") == "Manual" for t in types):
-            out = dict(out) if out is params else out
-            out[key] = None
-    return out
 
 
 def is_var(atom: Any) -> bool:

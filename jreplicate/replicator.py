@@ -283,7 +283,10 @@ class Replicator:
         Returns:
           ``fn``'s outputs: each leaf identical on all replicas comes back as one
           replicated ``jax.Array``; each leaf that differs comes back as a
-          :class:`PerReplica`.
+          :class:`PerReplica`. With the strategy's ``weight_update_sharding``, the new
+          values of state arguments come back as global ``jax.Array`` s sharded over
+          the replica axis where the level allows (see :meth:`state_shardings`); passed
+          replicated (created in ``scope()``, restored), they are resharded once.
 
         Raises:
           StopIteration: ``inputs`` is exhausted.

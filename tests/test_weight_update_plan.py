@@ -5,7 +5,8 @@ scalars, zero-size, rank 0-3) and replica counts: the plan partitions the body's
 equations; part B reads no per-replica value and holds no collective over the replica
 axis; every reduce-scatter replaces a sum over the replica axis that only part B reads;
 what is stored sharded obeys the shard rule and the level; and the split program
-computes what the body computes.
+computes what the body computes. A stateful test alternates single runs, device loops,
+donation and replicated copies of the state (as restored), against a reference.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import optax
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 from jax.sharding import AxisType, Mesh
 from jax.sharding import PartitionSpec as P
 
@@ -117,7 +119,7 @@ def _check_plan(closed, roles, level, n, min_size):
     return plan, index
 
 
-@settings(deadline=None, max_examples=25)
+@settings(deadline=None, max_examples=20)
 @given(tx=st.sampled_from(sorted(TXS)), shapes=SHAPES, n=st.sampled_from([1, 2, 4, 8]),
        level=st.sampled_from(["optimizer", "parameters"]),
        min_size=st.sampled_from([0, 16]))
@@ -126,7 +128,7 @@ def test_plan_partitions_the_body(tx, shapes, n, level, min_size):
     _check_plan(closed, roles, level, n, min_size)
 
 
-@settings(deadline=None, max_examples=5)
+@settings(deadline=None, max_examples=4)
 @given(tx=st.sampled_from(sorted(TXS)), shapes=SHAPES, n=st.sampled_from([2, 4, 8]),
        level=st.sampled_from(["optimizer", "parameters"]))
 def test_split_program_computes_the_body(tx, shapes, n, level):
@@ -175,3 +177,106 @@ def test_shard_rule(shape, spec, n, min_size, want):
     if 0 in shape:
         want = None
     assert weight_shard_dim(shape, spec, n, min_size) == want
+
+
+# -- stateful: runs, device loops, donation and replicated copies, against a reference --
+
+class _Training:
+    """One Replicator and step shared by every example (its programs compile once)."""
+
+    def __init__(self):
+        import jreplicate as jr
+        self.jr = jr
+        self.tx = optax.adamw(1e-2, weight_decay=0.1)
+        self.rep = jr.Replicator(jr.MirroredStrategy(weight_update_sharding="parameters",
+                                                     min_weight_shard_size=0))
+        rng = np.random.default_rng(0)
+        self.x = rng.normal(size=(12, 16, 8)).astype(np.float32)
+        tx = self.tx
+
+        def loss(p, x):
+            out = jnp.tanh(x @ p["w"]) @ p["v"] + p["b"]
+            return (jnp.sum(out ** 2) + jnp.sum(jnp.tanh(x[:, :6] * p["c"]))) / 20
+
+        def step(ctx, x, p, s):
+            g = jax.grad(loss)(p, x)
+            u, s = tx.update(g, s, p)
+            return optax.apply_updates(p, u), s
+
+        @jax.jit
+        def reference(p, s, x):
+            g = jax.grad(loss)(p, x)
+            u, s = tx.update(g, s, p)
+            return optax.apply_updates(p, u), s
+
+        self.step, self.reference = step, reference
+        self.params0 = {"w": jnp.asarray(rng.normal(size=(8, 16)), jnp.float32) / 4,
+                        "v": jnp.asarray(rng.normal(size=(16, 8)), jnp.float32) / 4,
+                        "b": jnp.zeros((8,), jnp.float32),
+                        "c": jnp.ones((6,), jnp.float32)}  # no dimension divisible
+
+    def iterator(self, start, k):
+        def input_fn(ctx):
+            bs = ctx.get_per_replica_batch_size(16)
+            r = ctx.input_pipeline_id
+            for t in range(start, start + k):
+                yield self.x[t][r * bs:(r + 1) * bs]
+
+        return self.rep.prepare_input(
+            input_fn, replication_mode=self.jr.InputReplicationMode.PER_REPLICA)
+
+
+_TRAINING: list = []
+
+
+def _training() -> _Training:
+    if not _TRAINING:
+        _TRAINING.append(_Training())
+    return _TRAINING[0]
+
+
+class ShardedTrainingMachine(RuleBasedStateMachine):
+    def __init__(self):
+        super().__init__()
+        self.t = _training()
+        self.want = (self.t.params0, self.t.tx.init(self.t.params0))
+        self.state = jax.tree.map(jnp.copy, self.want)  # (donated by the rules)
+        self.step = 0
+
+    def _advance(self, k):
+        for i in range(self.step, self.step + k):
+            self.want = self.t.reference(*self.want, self.t.x[i])
+        self.step += k
+
+    @precondition(lambda self: self.step < 12)
+    @rule(donate=st.booleans())
+    def run_one(self, donate):
+        p, s = self.state
+        self.state = None
+        self.state = self.t.rep.run(self.t.step, self.t.x[self.step], p, s,
+                                    donate_argnums=(0, 1) if donate else ())
+        self._advance(1)
+
+    @precondition(lambda self: self.step <= 10)
+    @rule(donate=st.booleans())
+    def run_loop(self, donate):
+        p, s = self.state
+        self.state = None
+        self.state = self.t.rep.run(self.t.step, self.t.iterator(self.step, 2), p, s,
+                                    steps=2, donate_argnums=(0, 1) if donate else ())
+        self._advance(2)
+
+    @rule()
+    def replicated_copy(self):
+        # as restored from a checkpoint, or created in scope(): resharded by the next run
+        self.state = jax.device_put(self.state, self.t.rep.strategy.layout.replicated)
+
+    @invariant()
+    def equals_reference(self):
+        for a, b in zip(jax.tree.leaves(self.state), jax.tree.leaves(self.want), strict=True):
+            np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-5, atol=1e-6)
+
+
+TestShardedTraining = ShardedTrainingMachine.TestCase
+TestShardedTraining.settings = settings(max_examples=8, stateful_step_count=6, deadline=None,
+                                       database=None, derandomize=True)

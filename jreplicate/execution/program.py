@@ -29,7 +29,7 @@ from jreplicate import _jax_compat
 from jreplicate._jax_compat import varying_axes
 from jreplicate._tree import flatten_arrays, path_str
 from jreplicate.context import MaskedBatch, ReplicaContext, tracing_step
-from jreplicate.execution import fast, nnx_args, nnx_rngs, sharded_program, weight_update
+from jreplicate.execution import fast, nnx_args, nnx_rngs, sharded_program
 from jreplicate.layout import Layout
 
 
@@ -108,10 +108,13 @@ class Program:
             loop = None if sig.steps is None else sharded_program.Loop(
                 sig.steps, sig.has_batch, *[c.num_leaves for c in sig.treedef.children()])
             self.split = sharded_program.SplitJit(
-                call, lambda: _roles(sig, self), layout, sig.donate, options, manual,
-                _step_name(fn), loop, lambda: (self.num_out, self.outputs_per_replica()))
+                call, lambda: sharded_program.roles(
+                    sig.treedef, sig.kinds, sig.node_pos, self.returns_args, self.num_out,
+                    sig.graphdef),
+                layout, sig.donate, options, manual, sharded_program.step_name(fn), loop,
+                lambda: (self.num_out, self.outputs_per_replica()))
             self.jitted = self.split
-            self.jitted_nested = _nested_refused(layout.weight_update_sharding)
+            self.jitted_nested = sharded_program.nested_refused(layout.weight_update_sharding)
             return
         self.jitted = jax.jit(call, donate_argnums=sig.donate, compiler_options=options)
         # Under an outer jax.jit, whose compilation options are the caller's.
@@ -122,62 +125,6 @@ class Program:
         if self.per_replica is None:
             self.per_replica = tuple(s != P() for s in self.specs)
         return self.per_replica
-
-
-def _roles(sig: Signature, program: Program) -> tuple:
-    """Per flat input, its :class:`weight_update.InputRole`, once the body was traced:
-    the plain arguments' leaves are carried to the outputs the step returns first, the
-    NNX state's to the state outputs."""
-    batch_t, plain_t, state_t = sig.treedef.children()
-    nb, np_ = batch_t.num_leaves, plain_t.num_leaves
-    names = _leaf_names(sig)
-    out = []
-    for k, kind in enumerate(sig.kinds):
-        spec = kind.spec if kind.kind is ArgKind.MODEL_SHARDED else None
-        if k < nb or kind.kind is ArgKind.PER_REPLICA:
-            out.append(weight_update.InputRole(False, None, spec, names[k]))
-            continue
-        if k < nb + np_:
-            t = k - nb
-            to = t if program.returns_args and t < program.num_out else None
-        else:
-            to = program.num_out + k - nb - np_
-        out.append(weight_update.InputRole(True, to, spec, names[k]))
-    return tuple(out)
-
-
-def _leaf_names(sig: Signature) -> list[str]:
-    """Each flat input's name as the user passed it (``argument [1].mu['w']``)."""
-    dummy = jax.tree.unflatten(sig.treedef, list(range(sig.treedef.num_leaves)))
-    out = []
-    for path, _ in jax.tree_util.tree_flatten_with_path(dummy)[0]:
-        head = path[0].idx if path else 0
-        if head == 1 and len(path) > 1:
-            k = path[1].idx  # among the plain arguments; NNX arguments were taken out
-            i = [j for j in range(k + len(sig.node_pos) + 1) if j not in sig.node_pos][k]
-            out.append(f"argument [{i}]{path_str(path[2:])}")
-        else:
-            out.append(("NNX state " if head == 2 else "batch ") + path_str(path[1:]))
-    return out
-
-
-def _step_name(fn: Callable) -> str:
-    inner = getattr(fn, "_ref", None)  # the cache's weak call: the user's function
-    fn = inner() if callable(inner) else fn
-    return getattr(fn, "__qualname__", type(fn).__name__)
-
-
-def _nested_refused(level: str) -> Callable:
-    def refuse(*arrays):
-        raise TypeError(
-            f"Replicator.run was called inside jax.jit (or another JAX transformation) "
-            f"with a strategy created with weight_update_sharding={level!r}; the sharded "
-            "step is compiled by Replicator.run itself, which needs concrete arrays. "
-            "Call rep.run outside jax.jit (it compiles the step once already), or create "
-            "the strategy without weight_update_sharding.")
-
-    refuse.lower = refuse.trace = refuse
-    return refuse
 
 
 def _body(fn: Callable, sig: Signature, layout: Layout, program: Program) -> Callable:

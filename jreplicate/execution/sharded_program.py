@@ -21,7 +21,8 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jreplicate import _jax_compat as jc
-from jreplicate.execution import split, weight_update
+from jreplicate._tree import path_str
+from jreplicate.execution import fast, nnx_args, split, weight_update
 from jreplicate.execution.weight_update import InputRole, UpdatePlan
 from jreplicate.layout import Layout
 
@@ -103,13 +104,13 @@ class SplitJit:
         out_index = {v: k for k, v in enumerate(eqn.outvars)}
         self.out_shardings = tuple(
             NamedSharding(mesh, body_out[out_index[v]])
-            if v in out_index and body_out[out_index[v]] is not None else None
-            for v in outer.outvars)
+            if jc.is_var(v) and v in out_index and body_out[out_index[v]] is not None
+            else None for v in outer.outvars)
         program = split.build(closed, index, plan, mesh, self._manual, body_out)
         if loop is not None:
             num_out, per_replica = self._outputs()
             program = _scanned(program, loop, num_out, per_replica)
-        self._jitted = jax.jit(program, donate_argnums=self._donate,
+        self._jitted = jax.jit(_guarded(program), donate_argnums=self._donate,
                                compiler_options=self._options)
         self.plan = plan
         _report(plan, roles, layout, self._name)
@@ -127,6 +128,87 @@ class SplitJit:
     def lower(self, *arrays):
         self.ensure(list(arrays))
         return self._jitted.lower(*arrays)
+
+
+def roles(treedef: Any, kinds: tuple, node_pos: tuple, returns_args: bool,
+          num_out: int, graphdef: Any = None) -> tuple[InputRole, ...]:
+    """Per flat input of a program of ``(batch, plain args, NNX state)`` leaves, its
+    :class:`InputRole`, once the body was traced: the plain arguments' leaves are carried
+    to the outputs the step returns first (``returns_args``), the NNX state's to the
+    state outputs after the ``num_out`` step outputs."""
+    batch_t, plain_t, _ = treedef.children()
+    nb, np_ = batch_t.num_leaves, plain_t.num_leaves
+    names = _leaf_names(treedef, node_pos, graphdef)
+    out = []
+    for k, kind in enumerate(kinds):
+        spec = kind.spec if kind.kind.value == "model_sharded" else None
+        if k < nb or kind.kind.value == "per_replica":
+            out.append(InputRole(False, None, spec, names[k]))
+            continue
+        if k < nb + np_:
+            t = k - nb
+            to = t if returns_args and t < num_out else None
+        else:
+            to = num_out + k - nb - np_
+        out.append(InputRole(True, to, spec, names[k]))
+    return tuple(out)
+
+
+def _leaf_names(treedef: Any, node_pos: tuple, graphdef: Any = None) -> list[str]:
+    """Each flat input's name as the user passed it (``argument [1].mu['w']``; an NNX
+    module's state as ``argument [0].linear.kernel``)."""
+    dummy = jax.tree.unflatten(treedef, list(range(treedef.num_leaves)))
+    state_names = None
+    if graphdef is not None:
+        try:
+            state_names = nnx_args.state_paths(graphdef, dummy[2], node_pos)
+        except Exception as e:  # noqa: BLE001 - names for a log line only
+            _log.debug("jreplicate: no names for the NNX state leaves (%s)", e)
+    out = []
+    for path, _ in jax.tree_util.tree_flatten_with_path(dummy)[0]:
+        head = path[0].idx if path else 0
+        if head == 1 and len(path) > 1:
+            k = path[1].idx  # among the plain arguments; NNX arguments were taken out
+            i = [j for j in range(k + len(node_pos) + 1) if j not in node_pos][k]
+            out.append(f"argument [{i}]{path_str(path[2:])}")
+        elif head == 2 and state_names is not None:
+            out.append(state_names[len(out) - treedef.num_leaves + len(state_names)])
+        else:
+            out.append(("NNX state " if head == 2 else "batch ") + path_str(path[1:]))
+    return out
+
+
+def step_name(fn: Callable) -> str:
+    """The user's step's name (``fn`` may be the program cache's weak call of it)."""
+    inner = getattr(fn, "_ref", None)
+    fn = inner() if callable(inner) else fn
+    return getattr(fn, "__qualname__", type(fn).__name__)
+
+
+def nested_refused(level: str) -> Callable:
+    """What a program under an outer ``jax.jit`` calls instead: an error with the fix."""
+    def refuse(*arrays):
+        raise TypeError(
+            f"Replicator.run was called inside jax.jit (or another JAX transformation) "
+            f"with a strategy created with weight_update_sharding={level!r}; the sharded "
+            "step is compiled by Replicator.run itself, which needs concrete arrays. "
+            "Call rep.run outside jax.jit (it compiles the step once already), or create "
+            "the strategy without weight_update_sharding.")
+
+    refuse.lower = refuse.trace = refuse
+    return refuse
+
+
+def _guarded(program: Callable) -> Callable:
+    """``program``, refusing to be traced again by a steady-state call (jax.jit traces
+    again only for inputs of other shapes or types, which the program's fixed jaxpr
+    does not describe): the full path then builds the program of that signature."""
+    def traced_once(*flat):
+        if fast.retrace_guarded():
+            raise fast.Retrace
+        return program(*flat)
+
+    return traced_once
 
 
 def _scanned(one_step: Callable, loop: Loop, num_out: int, per_replica: tuple) -> Callable:
@@ -171,7 +253,7 @@ def _body_roles(outer: Any, eqn: Any, flat: tuple[InputRole, ...]) -> tuple[Inpu
             new = outer.outvars[r.carried_to]
             same = (tuple(new.aval.shape), new.aval.dtype) == \
                 (tuple(atom.aval.shape), atom.aval.dtype)
-            to = body_out.get(new) if same else None
+            to = body_out.get(new) if same and jc.is_var(new) else None
         out.append(r._replace(carried_to=to))
     return tuple(out)
 
@@ -209,12 +291,15 @@ def _input_sharding(outer: Any, eqn: Any, plan: UpdatePlan, roles: tuple, k: int
 
 def _report(plan: UpdatePlan, roles: tuple, layout: Layout, name: str) -> None:
     sharded = sum(d is not None for d in plan.in_dims)
-    if not sharded and not any(r.carried_to is not None for r in roles):
+    carried = any(r.carried_to is not None for r in roles)
+    if not sharded and not carried and plan.sums_state_gradients:
         _log.warning(
             "jreplicate: weight_update_sharding=%r found no state the step %s updates: "
             "return the new state first (`return params, opt_state, loss`) or update an "
             "NNX Optimizer in place; nothing is sharded.",
             layout.weight_update_sharding, name)
+        return
+    if not carried:  # an evaluation step: nothing to report
         return
     kept = weight_update.report(plan, roles)
     _log.info(

@@ -63,7 +63,8 @@ def _run_split(eqn: Any, invals: list, plan: UpdatePlan, mesh: Any, manual: froz
                        if plan.in_dims[j] is not None else in_specs[j] for j in a_in)
     outspec_of = {}
     for v, s in zip(body.outvars, body_out_specs):
-        outspec_of.setdefault(v, s)
+        if jc.is_var(v):  # (a literal output is no value of part A)
+            outspec_of.setdefault(v, s)
     a_out_specs = tuple(
         spec_with(d, None, axis) if d is not None else outspec_of.get(v, P())
         for v, d in zip(plan.a_out, plan.a_out_dims))

@@ -285,21 +285,9 @@ class SPMDExecutor(Executor):
             stored = program.split.in_shardings
         else:
             stored = ()
-        flat = []
-        for i, kind in enumerate(program.kinds):
-            s = stored[i] if i < len(stored) else None
-            if s is None:
-                spec = kind.spec if kind.kind is ArgKind.MODEL_SHARDED else \
-                    (P(self._axis) if kind.kind is ArgKind.PER_REPLICA else P())
-                s = NamedSharding(self._mesh, spec)
-            flat.append(s)
-        _, plain, state = jax.tree.unflatten(call.treedef, flat)
-        if not call.node_pos:
-            return tuple(plain)
-        nodes = _nnx_shardings(args, call, jax.tree.leaves(state))
-        plain_it = iter(plain)
-        return tuple(nodes[i] if i in call.node_pos else next(plain_it)
-                     for i in range(len(args)))
+        return weight_sharding.argument_shardings(
+            program.kinds, stored, self.layout, call.treedef, call.node_pos, args,
+            call.variables, call.state)
 
     def _abstract_batch(self, batch: Any) -> Any:
         """A global batch of ``jax.ShapeDtypeStruct`` leaves as the PerReplica blocks a
@@ -591,19 +579,6 @@ class SPMDExecutor(Executor):
         return jax.make_array_from_single_device_arrays(
             x.shape, NamedSharding(sub, x.sharding.spec),
             [on[d].data for d in sub.devices.flat])
-
-
-def _nnx_shardings(args: tuple, call: Prepared, flat: list) -> dict:
-    """Per NNX argument position, an ``nnx.State`` of the shardings of its Variables'
-    new values (``flat``: per NNX state leaf, in the program's order)."""
-    from flax import nnx
-    if call.variables is not None:  # the Variables, in the order of flat
-        by_id = {id(v): s for v, s in zip(call.variables, flat)}
-        return {i: jax.tree.map(lambda v: by_id[id(v)], nnx.state(args[i]),
-                                is_leaf=nnx_args.is_variable)
-                for i in call.node_pos}
-    whole = jax.tree.unflatten(jax.tree.structure(call.state), flat)
-    return {i: whole[k] for k, i in enumerate(call.node_pos)}
 
 
 # Reductions over the leading replica axis of a PerReplica's global array.

@@ -73,3 +73,43 @@ def _same(s: Any, want: NamedSharding, ndim: int) -> bool:
 def _reshard(sharding: NamedSharding) -> Any:
     """A jitted copy onto ``sharding`` (works for global arrays across processes)."""
     return jax.jit(lambda x: x, out_shardings=sharding)
+
+
+def argument_shardings(kinds: tuple, stored: tuple, layout: Layout, treedef: Any,
+                       node_pos: tuple, args: tuple, variables: list | None,
+                       state: Any) -> tuple:
+    """Per argument, the shardings of its new value (``Replicator.state_shardings``):
+    the program's stored sharding per flat input (``stored``, None where it keeps the
+    input's kind: replicated, model-sharded or per-replica), arranged as the arguments;
+    an NNX argument's as an ``nnx.State``."""
+    flat = []
+    for i, kind in enumerate(kinds):
+        s = stored[i] if i < len(stored) else None
+        if s is None:
+            value = kind.kind.value
+            spec = kind.spec if value == "model_sharded" else \
+                (P(layout.replica_axis) if value == "per_replica" else P())
+            s = NamedSharding(layout.mesh, spec)
+        flat.append(s)
+    _, plain, new_state = jax.tree.unflatten(treedef, flat)
+    if not node_pos:
+        return tuple(plain)
+    nodes = _nnx_shardings(args, node_pos, jax.tree.leaves(new_state), variables, state)
+    plain_it = iter(plain)
+    return tuple(nodes[i] if i in node_pos else next(plain_it) for i in range(len(args)))
+
+
+def _nnx_shardings(args: tuple, node_pos: tuple, flat: list, variables: list | None,
+                   state: Any) -> dict:
+    """Per NNX argument position, an ``nnx.State`` of the shardings of its Variables'
+    new values (``flat``: per NNX state leaf, in the program's order)."""
+    from flax import nnx
+
+    from jreplicate.execution import nnx_args
+    if variables is not None:  # the Variables, in the order of flat
+        by_id = {id(v): s for v, s in zip(variables, flat)}
+        return {i: jax.tree.map(lambda v: by_id[id(v)], nnx.state(args[i]),
+                                is_leaf=nnx_args.is_variable)
+                for i in node_pos}
+    whole = jax.tree.unflatten(jax.tree.structure(state), flat)
+    return {i: whole[k] for k, i in enumerate(node_pos)}

@@ -64,6 +64,8 @@ class UpdatePlan:
       a_out: the body variables part A returns (read by B, or body outputs).
       a_out_dims: per ``a_out``, the dimension its value is scattered on (None: whole).
       replicated: ``(input index, reason)`` of state leaves kept replicated.
+      sums_state_gradients: a replica sum of a value shaped like a state input (a
+        gradient) exists: a training step, whatever it returns.
     """
 
     axis: str
@@ -75,6 +77,7 @@ class UpdatePlan:
     a_out: tuple[Any, ...]
     a_out_dims: tuple[int | None, ...]
     replicated: tuple[tuple[int, str], ...]
+    sums_state_gradients: bool = False
 
     def in_spec(self, i: int, spec: Any) -> Any:
         """Body input ``i``'s stored spec, from its own ``spec`` (or None)."""
@@ -129,6 +132,9 @@ def plan(body: Any, roles: tuple[InputRole, ...], axis: str, level: str, n: int,
             if d is not None and shape[d] % n == 0:
                 scatter.append((i, k, d))
                 scattered[v] = d
+    state_shapes = {tuple(v.aval.shape) for v, r in zip(body.invars, roles) if r.state}
+    grads = any(jc.sum_over(e, axis) and any(
+        tuple(v.aval.shape) in state_shapes for v in e.outvars) for e in eqns)
     a_made = [v for i in range(len(eqns)) if in_a[i] for v in eqns[i].outvars]
     a_out = tuple(v for v in a_made if jc.is_var(v) and (v in read_b or v in out_set))
     return UpdatePlan(
@@ -136,7 +142,7 @@ def plan(body: Any, roles: tuple[InputRole, ...], axis: str, level: str, n: int,
         b_eqns=tuple(i for i in range(len(eqns)) if not in_a[i]),
         in_dims=tuple(in_dims), out_dims=tuple(out_dims), scatter=tuple(scatter),
         a_out=a_out, a_out_dims=tuple(scattered.get(v) for v in a_out),
-        replicated=tuple(replicated))
+        replicated=tuple(replicated), sums_state_gradients=grads)
 
 
 def _part_a(eqns: list, axis: str) -> list[bool]:
