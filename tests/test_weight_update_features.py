@@ -240,10 +240,15 @@ def test_donated_state_is_deleted_and_a_snapshot_survives(level):
         o = tx.init(p)
     snapshot = {"w1": p["w1"], "mu": _adam_moments(o).mu}  # shares sub-trees
     want = jax.tree.map(np.asarray, snapshot)
-    for t in range(len(xs)):
+    for t in range(len(xs) + 1):
+        if t == 2:  # a snapshot of sharded state, taken from the program's own output
+            snapshot["sharded"] = {"w1": p["w1"], "nu": _adam_moments(o).nu}
+            want["sharded"] = jax.tree.map(np.asarray, snapshot["sharded"])
+        if t == len(xs):
+            break
         out = rep.run(step, inputs, p, o, donate_argnums=(0, 1))
         assert not any(x.is_deleted() for x in jax.tree.leaves(snapshot))
-        if t:  # the program's own (sharded) state: donated, nothing copied
+        if t == 1:  # the program's own (sharded) state: donated, nothing copied
             assert all(x.is_deleted() for x in jax.tree.leaves((p, o)))
         p, o, _ = out
         del out  # (else it holds the state passed next: copied, not donated)
@@ -321,6 +326,53 @@ def test_nnx_optimizer_in_place(level, steps):
     assert _sharded(model.l1.kernel[...]) == (level == "parameters")
 
 
+class _NormNet(nnx.Module):
+    def __init__(self, rngs):
+        # (no bias before the norm: its gradient is zero but for rounding, which adam
+        # would turn into updates that differ with the order of summation)
+        self.l1 = nnx.Linear(16, 32, use_bias=False, rngs=rngs)
+        self.bn = nnx.BatchNorm(32, axis_name="replica", rngs=rngs)
+        self.drop = nnx.Dropout(0.2, rngs=rngs)
+        self.l2 = nnx.Linear(32, 5, rngs=rngs)
+
+    def __call__(self, x):
+        return self.l2(self.drop(jax.nn.relu(self.bn(self.l1(x)))))
+
+
+@functools.cache
+def _norm_net_run(level):
+    """Losses and state of 2 steps, then a device loop of 2, of a model with batch
+    statistics (updated in the step, read only in evaluation) and dropout."""
+    xs, ys = _data(4)
+    rep = _rep(level)
+    with rep.scope():
+        model = _NormNet(nnx.Rngs(0, dropout=1))
+        opt = nnx.Optimizer(model, ADAM, wrt=nnx.Param)
+    inputs = _input(rep, xs, ys)
+    losses = [rep.run(_nnx_step, inputs, model, opt) for _ in range(2)]
+    losses += list(rep.run(_nnx_step, inputs, model, opt, steps=2))
+    return np.asarray(losses), model, opt
+
+
+@_needs_option
+@pytest.mark.parametrize("level", LEVELS)
+def test_nnx_batch_statistics_and_dropout(level):
+    losses, model, opt = _norm_net_run(level)
+    want_losses, want_model, want_opt = _norm_net_run(None)
+    np.testing.assert_allclose(losses, want_losses, rtol=1e-5)
+    keep = nnx.Not(nnx.RngState)  # (the keys: the same streams, advanced alike)
+    _close(jax.tree.leaves(nnx.state((model, opt), keep)),
+           jax.tree.leaves(nnx.state((want_model, want_opt), keep)))
+    def raw(x):
+        return jax.random.key_data(x) if jnp.issubdtype(x.dtype, jax.dtypes.prng_key) else x
+
+    _exact(jax.tree.map(raw, jax.tree.leaves(nnx.state(model, nnx.RngState))),
+           jax.tree.map(raw, jax.tree.leaves(nnx.state(want_model, nnx.RngState))))
+    # The running statistics are only updated, never read, by a training step.
+    assert _sharded(model.bn.mean[...])
+    assert _sharded(_adam_moments(opt.opt_state).mu["l1"]["kernel"][...])
+
+
 # -- logical devices (replica x model) --------------------------------------------------
 
 @_needs_option
@@ -341,6 +393,29 @@ def test_model_sharded_state_keeps_its_model_axis(level, dtype):
     assert "model" in _spec_axes(kernel)
     assert _sharded(kernel) == (level == "parameters")
     assert kernel.dtype == dtype
+
+
+@_needs_option
+@pytest.mark.parametrize("level", LEVELS)
+@pytest.mark.parametrize("model_sharded", [False, True])
+def test_device_loop_keeps_the_planned_layout_with_logical_devices(level, model_sharded):
+    """A device loop's carried state comes back as the plan stores it (a parameter kept
+    whole at "optimizer" must not come back split over the replicas, to be gathered
+    again before the next call), with and without a "model" split."""
+    tx = ADAM
+    xs, ys = _data(2)
+    rep = _rep(level, logical_devices_per_replica=2)
+    with rep.scope():
+        p = jax.tree.map(jnp.asarray, _init())
+        if model_sharded:
+            p["w1"] = jax.device_put(p["w1"], NamedSharding(rep.mesh, P(None, "model")))
+        o = tx.init(p)
+    p, o, _ = rep.run(_train_step(tx), _input(rep, xs, ys), p, o, steps=2)
+    _check_layout(level, p, o)
+    if model_sharded:
+        assert "model" in _spec_axes(p["w1"]) and "model" in _spec_axes(
+            _adam_moments(o).mu["w1"]), (p["w1"].sharding, _adam_moments(o).mu["w1"].sharding)
+    _close((p, o), _reference(tx, _init(), xs, ys))
 
 
 # -- padded input, axis_name, prefetch ---------------------------------------------------
@@ -536,6 +611,24 @@ def test_checkpoint_restores_sharded_and_training_continues(level, tmp_path):
         state = (p, o)
     assert len(rep._executor._cache) == traced  # restored sharded: the same program
     _close(state, _reference(tx, _init(), xs, ys))
+
+
+@_needs_option
+@pytest.mark.parametrize("level", LEVELS)
+def test_state_moves_between_sharded_and_replicated_strategies(level):
+    """Sharded state passed to a replicated strategy on the same devices, and back."""
+    tx = ADAM
+    xs, ys = _data(3)
+    sharded, plain = _rep(level), _rep(None)
+    step = _train_step(tx)
+    with sharded.scope():
+        p = jax.tree.map(jnp.asarray, _init())
+        o = tx.init(p)
+    for rep, t in ((sharded, 0), (plain, 1), (sharded, 2)):
+        p, o, _ = rep.run(step, (xs[t], ys[t]), p, o)
+        if rep is sharded:
+            _check_layout(level, p, o)
+    _close((p, o), _reference(tx, _init(), xs, ys))
 
 
 # -- the old replicated copy passed again -----------------------------------------------

@@ -109,7 +109,7 @@ class SplitJit:
         program = split.build(closed, index, plan, mesh, self._manual, body_out)
         if loop is not None:
             num_out, per_replica = self._outputs()
-            program = _scanned(program, loop, num_out, per_replica)
+            program = _scanned(program, loop, num_out, per_replica, self.out_shardings)
         self._jitted = jax.jit(_guarded(program), donate_argnums=self._donate,
                                compiler_options=self._options)
         self.plan = plan
@@ -211,23 +211,35 @@ def _guarded(program: Callable) -> Callable:
     return traced_once
 
 
-def _scanned(one_step: Callable, loop: Loop, num_out: int, per_replica: tuple) -> Callable:
+def _scanned(one_step: Callable, loop: Loop, num_out: int, per_replica: tuple,
+             out_shardings: tuple = ()) -> Callable:
     """K steps of ``one_step`` (the split program of one step) in a ``lax.scan`` outside
     the manual region: the plain arguments' and NNX state's leaves are carried, the
-    other outputs stacked ``[K, ...]`` (per-replica ones ``[replicas, K, ...]``)."""
+    other outputs stacked ``[K, ...]`` (per-replica ones ``[replicas, K, ...]``). The
+    carry keeps the shardings one step stores its state with (``out_shardings``, per
+    output of one step): else GSPMD picks the loop's (e.g. a parameter kept whole at
+    ``"optimizer"`` split like its moments, then resharded before every call)."""
     nb, np_, ns = loop.num_batch, loop.num_plain, loop.num_state
+    kept = [*range(np_), *range(num_out, num_out + ns)]
+    carried = [out_shardings[k] if k < len(out_shardings) else None for k in kept]
+
+    def keep(xs):
+        return [x if s is None else jax.lax.with_sharding_constraint(x, s)
+                for x, s in zip(xs, carried)]
 
     def program(*flat):
         batch = [jnp.moveaxis(x, 1, 0) for x in flat[:nb]]  # [K, replicas, ...]
-        carry0 = [jax.lax.convert_element_type(x, x.dtype) for x in flat[nb:]]  # strong
+        carry0 = keep([jax.lax.convert_element_type(x, x.dtype)  # strong
+                       for x in flat[nb:]])
 
         def one(carry, xs):
             outs = one_step(*(xs or []), *carry)
             new = outs[:np_] + outs[num_out:]
-            return [n.astype(c.dtype) for n, c in zip(new, carry)], outs[np_:num_out]
+            return keep([n.astype(c.dtype) for n, c in zip(new, carry)]), outs[np_:num_out]
 
         final, ys = jax.lax.scan(one, carry0, batch if loop.has_batch and nb else None,
                                  length=loop.steps)
+        final = keep(final)
         ys = [jnp.moveaxis(y, 0, 1) if r else y
               for y, r in zip(ys, per_replica[np_:num_out])]
         return [*final[:np_], *ys, *final[np_:np_ + ns]]
