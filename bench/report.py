@@ -88,6 +88,7 @@ BENCHES: tuple[Bench, ...] = (
     Bench("ps_input", "bench/ps_input.py", quick=("--steps", "60", "--rounds", "1"),
           json=False),
     Bench("donation", "bench/donation.py", quick=(), json=False),
+    Bench("checkpoint_background", "bench/checkpoint_background.py"),
     Bench("memory_per_step_fn", "bench/memory_per_step_fn.py", quick=("--n", "20"),
           json=False),
     Bench("multi_worker", "bench/multi_worker.py", json=False),

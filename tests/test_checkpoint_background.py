@@ -7,6 +7,7 @@ cases below, through tests/mp_scripts/ckpt_faults_async.py."""
 
 from __future__ import annotations
 
+import ast
 import os
 import re
 import subprocess
@@ -106,9 +107,12 @@ def test_a_failed_write_surfaces_once_at_the_next_call(tmp_path, rep, where):
              "close": m.close,
              "restore_or_initialize": lambda: m.restore_or_initialize(_template())}
     with pytest.raises(CheckpointError, match=re.escape(
-            "checkpoint 2 was not written: process 0 failed (OSError: [Errno 28] No space "
-            "left on device (injected by jreplicate.testing.fail_checkpoint_write)); it is "
-            "incomplete and will not be restored; checkpoint 1 is the latest.")):
+            f"checkpoint 2 was not written: process 0 failed (cannot write to {tmp_path}: "
+            "the disk is full (No space left on device (injected by jreplicate.testing."
+            f"fail_checkpoint_write): {tmp_path}). Nothing older was deleted for it. Free "
+            "space on that disk (or raise the quota), or give a directory on another "
+            "disk.); it is incomplete and will not be restored; checkpoint 1 is the "
+            "latest.")):
         calls[where]()
     assert m.complete_steps() == [1]
     assert sorted(os.listdir(tmp_path)) == ["1", "jreplicate.lock"][:2 if where != "close" else 1]
@@ -140,6 +144,17 @@ def test_max_to_keep_counts_committed_steps(tmp_path, rep):
             m.wait_until_finished()
         assert m.complete_steps() == [4, 5]  # a failed write deletes nothing
     assert sorted(os.listdir(tmp_path)) == ["4", "5"]
+
+
+def test_a_manager_dropped_while_writing_finishes_before_a_new_one_opens(tmp_path, rep):
+    import gc
+    m = CheckpointManager(tmp_path, rep)
+    jrt.delay_checkpoint_write(m, 1.0)
+    m.save(1, _state(1))
+    del m  # no close(): its lock goes with it, its write goes on
+    gc.collect()
+    step, state = _restored(tmp_path, rep)  # waited for the write, did not delete it
+    assert step == 1 and _bits_equal(state, _state(1))
 
 
 def test_arguments_are_checked(tmp_path, rep):
@@ -301,3 +316,58 @@ def test_checkpoint_state_machine(rep):
         max_examples=30, stateful_step_count=10, deadline=None,
         suppress_health_check=list(HealthCheck))
     CheckpointMachine.TestCase().runTest()
+
+
+# -- two processes, each writing its own shards ------------------------------------------
+def _launch_async(tmp_path, *args, timeout=120):
+    from tests.test_multi_worker_processes import SCRIPTS, _launch
+    t0 = time.monotonic()
+    r = _launch(["--nproc", "2", "--devices-per-proc", "4",
+                 str(SCRIPTS / "ckpt_faults_async.py"), "--dir", str(tmp_path), *args],
+                timeout=timeout)
+    return r, time.monotonic() - t0
+
+
+def test_a_write_failing_on_one_process_is_the_same_error_on_every_process(tmp_path):
+    r, _ = _launch_async(tmp_path, "--mode", "fail")
+    out = r.stdout + r.stderr
+    assert r.returncode == 0, out[-4000:]
+    results = dict(re.findall(r"\[p\d\] RESULT fail (\d) ([\d.]+ .*)", r.stdout))
+    assert set(results) == {"0", "1"}, out[-4000:]
+    errors = {p: v.split(" ", 1)[1] for p, v in results.items()}
+    assert errors["0"] == errors["1"], errors  # the same error on both
+    assert errors["0"].startswith("checkpoint 2 was not written: process 1 failed (cannot "
+                                  f"write to {tmp_path}: the disk is full"), errors
+    assert errors["0"].endswith("it is incomplete and will not be restored; checkpoint 1 "
+                                "is the latest."), errors
+    # promptly: process 0 was not left in Orbax's barrier until the timeout (20 s)
+    assert all(float(v.split(" ", 1)[0]) < 10 for v in results.values()), results
+    assert "ClusterError" not in out and "Timed out" not in out, out[-4000:]
+    assert re.findall(r"LISTED \d \[1, 3\]", r.stdout) and len(
+        re.findall(r"LISTED \d \[1, 3\]", r.stdout)) == 2, out[-4000:]
+    assert sorted(os.listdir(tmp_path)) == ["1", "3"]
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_a_process_killed_mid_write_leaves_a_step_never_restored(tmp_path, seed):
+    import random
+    rng = random.Random(seed)
+    victim, delay = seed % 2, rng.uniform(0.05, 2.5)  # the write takes 2 s more
+    r, _ = _launch_async(tmp_path, "--mode", "kill", "--victim", str(victim),
+                         "--delay", f"{delay:.2f}")
+    out = r.stdout + r.stderr
+    assert r.returncode != 0 and f"process {victim} of 2 failed first: killed by signal 9" \
+        in r.stderr, out[-4000:]
+    assert "SURVIVED" not in r.stdout, out[-4000:]
+    r, wall = _launch_async(tmp_path, "--mode", "restore")
+    out = r.stdout + r.stderr
+    assert r.returncode == 0, out[-4000:]
+    restored = re.findall(r"RESTORED (\d) (\d+) (\w+)", r.stdout)
+    assert len(restored) == 2 and {s for _, s, _ in restored} <= {"1", "2"}, out[-4000:]
+    assert len({s for _, s, _ in restored}) == 1  # the same step on both
+    assert all(same == "True" for _, _, same in restored), out[-4000:]  # bit-equal
+    after = ast.literal_eval(re.search(r"AFTER 0 (\[.*\])", r.stdout).group(1))
+    step = int(restored[0][1])
+    assert not any(".orbax-checkpoint-tmp" in n for n in after), after  # debris gone
+    assert str(step + 1) in after, after
+    assert wall < 60, wall

@@ -169,17 +169,20 @@ def test_a_full_disk_is_named(tmp_path, rep, monkeypatch):
     with CheckpointManager(tmp_path, rep, max_to_keep=2) as m:
         m.save(1, {"w": jnp.ones(2)})
         m.save(2, {"w": jnp.ones(2) * 2})
+        m.wait_until_finished()  # written before the disk fills
 
         def full(self, *a, **k):
             raise OSError(errno.ENOSPC, "No space left on device", str(self))
 
         with monkeypatch.context() as mp:
             mp.setattr(cls, "write_text", full)
-            with pytest.raises(CheckpointError, match=r"could not write checkpoint 3: .*"
-                                                      r"the disk is full .*Free space"):
-                m.save(3, {"w": jnp.ones(2) * 3})
+            m.save(3, {"w": jnp.ones(2) * 3})  # written in the background: raised next
+            with pytest.raises(CheckpointError, match=r"checkpoint 3 was not written: process "
+                               r"0 failed \(cannot write to .*the disk is full .*Free space"):
+                m.wait_until_finished()
         assert m.complete_steps() == [1, 2]  # max_to_keep kept both: nothing lost
         m.save(3, {"w": jnp.ones(2) * 3})  # space again: the same step writes
+        m.wait_until_finished()
         assert m.complete_steps() == [2, 3]
         _, got = m.restore_or_initialize(lambda: {"w": jnp.zeros(2)})
     assert _bits(got, {"w": np.full(2, 3.0, np.float32)})
@@ -378,6 +381,7 @@ directory, target, nth = sys.argv[1], sys.argv[2], int(sys.argv[3])
 m = jr.CheckpointManager(directory, jr.MirroredStrategy(), max_to_keep=2)
 for s in (1, 2):
     m.save(s, {"w": np.full(3, s, np.float32), "n": np.array(s, np.int32)})
+m.wait_until_finished()  # steps 1 and 2 committed; step 3's write is killed
 cls = type(epath.Path(directory))
 orig, calls = getattr(cls, target), [0]
 def hook(self, *a, **k):
@@ -388,6 +392,7 @@ def hook(self, *a, **k):
     return orig(self, *a, **k)
 setattr(cls, target, hook)
 m.save(3, {"w": np.full(3, 3, np.float32), "n": np.array(3, np.int32)})
+m.wait_until_finished()
 print("SURVIVED", flush=True)
 """
 
@@ -429,6 +434,7 @@ def test_a_step_older_than_the_newest_is_an_error_that_deletes_nothing(tmp_path,
         assert "Count steps on from the step restore_or_initialize returns" in str(e.value)
         assert m.complete_steps() == [5, 6]
         m.save(7, {"w": jnp.ones(2) * 7})
+        m.wait_until_finished()
         assert m.complete_steps() == [6, 7]
 
 

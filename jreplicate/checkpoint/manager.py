@@ -123,6 +123,7 @@ from jreplicate.checkpoint.writer import (
     remove_debris,
     retain,
     settle,
+    wait_for_writes,
 )
 from jreplicate.strategies.base import Strategy
 
@@ -264,6 +265,7 @@ class CheckpointManager:
         self._calls = 0  # save() calls: the preemption seam's counter
         self._preempted = False
         self._tidied = False
+        wait_for_writes(self._dir)  # of a manager dropped without close()
         # The chief's failure (no permission, a file in the way, another job's lock) is
         # everybody's, at once: not a ClusterError on the others at their next agreement.
         _, err = self._share(lambda: (None, self._open_directory() if self.is_chief else None),
@@ -699,7 +701,14 @@ class CheckpointManager:
         """Finishes pending writes, releases Orbax's resources and the directory's lock.
 
         Idempotent. A manager that is dropped, or whose process ends, without ``close()``
-        releases the lock too.
+        releases the lock too, but a write still in flight when the program ends fails
+        (Python starts no threads at exit, and Orbax's commit needs one): close the
+        manager (or use ``with``) before the program ends. A new manager on the
+        directory waits for this process's writes of a dropped one.
+
+        Raises:
+          CheckpointError: on every process alike, when the last write failed on a
+            process (the resources and the lock are released first).
         """
         try:
             self._settle()  # the last write's failure, raised after what follows

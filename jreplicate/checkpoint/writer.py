@@ -35,7 +35,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from jreplicate import _jax_compat, _wire
-from jreplicate.checkpoint.checks import one_line, quiet_orbax
+from jreplicate.checkpoint.checks import one_line, path_problem, quiet_orbax
 
 logger = logging.getLogger("jreplicate")
 
@@ -221,6 +221,11 @@ class BackgroundWriter:
         self._pending: _Pending | None = None
         self._last: list[_Pending | None] = [None]  # read by the finaliser
         weakref.finalize(self, _report_at_exit, self._last)
+        _live.add(self)
+
+    @property
+    def directory(self) -> str:
+        return self._dir
 
     @property
     def timeout(self) -> int:
@@ -251,7 +256,8 @@ class BackgroundWriter:
             with quiet_orbax():
                 self._orbax.save(os.path.join(self._dir, str(step)), args=args)
         except Exception as e:  # broad: the outcome of this process's write, agreed later
-            self._finish(pending, one_line(e))
+            self._drain()
+            self._finish(pending, self._describe(e))
             return
         pending.returned = time.monotonic()
         threading.Thread(target=self._watch, args=(pending,), name=f"jreplicate-ckpt-{step}",
@@ -261,9 +267,30 @@ class BackgroundWriter:
         try:
             self._orbax.wait_until_finished()
         except BaseException as e:  # broad: the outcome, agreed by every process
-            self._finish(pending, one_line(e))
+            self._drain()
+            self._finish(pending, self._describe(e))
             return
         self._finish(pending, None)
+
+    def _drain(self) -> None:
+        """Collects the errors Orbax still holds from a failed write (its metadata
+        writes raise theirs one at a time), so that none is raised again by the next
+        write, which they do not concern."""
+        for _ in range(16):
+            try:
+                with quiet_orbax():
+                    self._orbax.wait_until_finished()
+                return
+            except BaseException:  # broad: the failed write's, already reported
+                logger.debug("jreplicate: a further error of the failed checkpoint write",
+                             exc_info=True)
+
+    def _describe(self, e: BaseException) -> str:
+        """An error's text for the message every process raises: what is wrong with
+        the directory and the fix for an ``OSError`` (a full disk...), else one line."""
+        if isinstance(e, OSError) and e.errno is not None and not isinstance(e, TimeoutError):
+            return path_problem(self._dir, e)
+        return one_line(e)
 
     def _finish(self, pending: _Pending, error: str | None) -> None:
         if error is not None and not error.startswith(f"RuntimeError: {ABORTED}"):
@@ -304,6 +331,29 @@ class BackgroundWriter:
             self._pending.done.wait(self._timeout + 30)
         with quiet_orbax():
             self._orbax.close()
+
+
+_live: weakref.WeakSet[BackgroundWriter] = weakref.WeakSet()  # kept alive while writing
+
+
+def wait_for_writes(directory: str) -> None:
+    """Waits for this process's unfinished writes into ``directory`` (of a manager
+    dropped without ``close()``), so that a new manager there neither deletes their
+    temporary files nor misses their step; a failure nobody was told of is logged."""
+    for writer in list(_live):
+        p = writer.pending
+        if writer.directory != directory or p is None or p.reported:
+            continue
+        if not p.done.is_set():
+            logger.warning("jreplicate: a CheckpointManager on %s was dropped without close() "
+                           "while writing checkpoint %d; waiting for that write", directory,
+                           p.step)
+            p.done.wait(writer.timeout + 30)
+        if p.done.is_set() and p.error is not None:
+            p.reported = True
+            logger.error("jreplicate: checkpoint %d in %s was not written (%s); its manager "
+                         "was dropped without close(), which would have raised it", p.step,
+                         directory, p.error)
 
 
 def _report_at_exit(last: list[_Pending | None]) -> None:

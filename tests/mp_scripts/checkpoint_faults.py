@@ -65,6 +65,7 @@ def main() -> None:
             _, state = m.restore_or_initialize(f32)
             m.save(1, state)
             m.save(2, {"w": state["w"] * 2, "b": state["b"]})
+            m.wait_until_finished()  # committed (it is written in the background)
             if me == 0:  # the data of step 2 is lost after its commit
                 shutil.rmtree(os.path.join(path, "2", "default", "d"))
             step, restored = m.restore_or_initialize(f32)

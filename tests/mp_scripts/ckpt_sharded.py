@@ -99,6 +99,7 @@ def main() -> None:
             start = time.monotonic()
             m.save(step, s, force=True)
             out[f"save_seconds_{step}"] = time.monotonic() - start
+            m.wait_until_finished()  # written in the background: that memory counts too
             out[f"hwm_increase_{step}"] = _status("VmHWM") - rss
             del s
         del s1
