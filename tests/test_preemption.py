@@ -219,7 +219,12 @@ def test_exit_42_on_one_process_only_is_a_failure(monkeypatch, capsys):
                            "--max-preemptions", "5", SCRIPT, "one42")
     assert code == EXIT_PREEMPTED and "preemption 1 of" not in err, err
     assert ("processes [1] of 2 exited 42 (preempted) but processes [0] did not stop within "
-            "--grace 1s") in err
+            "--grace 1s (stopped them)") in err
+    code, _, err = _launch(monkeypatch, capsys, "--nproc", "2", "--max-preemptions", "5",
+                           SCRIPT, "mixed42")
+    assert code == EXIT_PREEMPTED and "preemption 1 of" not in err, err
+    assert ("processes [1] of 2 exited 42 (preempted) but processes [0] ended otherwise "
+            "(exit code 0)") in err
 
 
 def test_describe_status_names_preemption():
@@ -295,7 +300,8 @@ def test_sigterm_to_one_of_two_processes_saves_restarts_and_resumes_bit_exact(
                 "--grace", "20", "--timeout", "150", SCRIPT, "train",
                 "--ckpt", str(tmp_path / "ckpt"), "--out", str(tmp_path),
                 "--report", str(report), "--steps", str(TRAIN_STEPS),
-                "--save-every", "3", "--steps-per-run", str(k), "--sleep", "0.15"])
+                "--save-every", "3", "--steps-per-run", str(k), "--sleep", "0.1",
+                "--slow-writes", "0.5"])
     sent = None
     deadline = time.monotonic() + 120
     while sent is None and time.monotonic() < deadline and p.poll() is None:

@@ -179,9 +179,10 @@ class CheckpointManager:
         at the next call (see :meth:`save`). False: :meth:`save` returns once the
         checkpoint is committed.
       exit_on_preemption: once any process gets SIGTERM (or the platform's preemption
-        notice), every process writes the state of the same :meth:`save` call and,
-        when True, raises :class:`jreplicate.checkpoint.Preempted` (exit status 42);
-        when False, :meth:`reached_preemption` says so and the program decides.
+        notice), every process writes the state of the same :meth:`save` call, waits
+        until it is committed and, when True, raises
+        :class:`jreplicate.checkpoint.Preempted` (exit status 42); when False,
+        :meth:`reached_preemption` says so and the program decides.
 
     Raises:
       CheckpointError: on every process, when the chief cannot create or write

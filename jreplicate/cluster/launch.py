@@ -392,12 +392,13 @@ def _preempted(group: _Group, grace: float) -> Outcome | None:
         return None
     stragglers = [r for r, c in enumerate(codes) if c != EXIT_PREEMPTED]
     group.stop(grace)
-    how = ("did not stop" if None in codes else
-           "exited " + ", ".join(describe_status(codes[r]) for r in stragglers))
+    how = (f"did not stop within --grace {grace:g}s (stopped them)" if None in codes else
+           "ended otherwise (" + ", ".join(describe_status(codes[r]) for r in stragglers)
+           + ")")
     return Outcome(False, EXIT_PREEMPTED, (
         f"processes {out} of {nproc} exited {EXIT_PREEMPTED} (preempted) but processes "
-        f"{stragglers} {how} within --grace {grace:g}s: they did not stop at the same save "
-        "(every process must call CheckpointManager.save at every step); stopped them"))
+        f"{stragglers} {how}: they did not stop at the same save (every process must call "
+        "CheckpointManager.save at every step); not a preemption"))
 
 
 def _forwarded(group: _Group, grace: float) -> Outcome:
@@ -504,8 +505,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                      "(the default), ::1 or localhost")
 
     terminate = threading.Event()
-    signal.signal(signal.SIGTERM, lambda signum, frame: terminate.set())
-    return _attempts(cmd, ns, terminate)
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: terminate.set())
+    try:
+        return _attempts(cmd, ns, terminate)
+    finally:  # main() may run inside another program (tests): give SIGTERM back
+        signal.signal(signal.SIGTERM, previous if previous is not None else signal.SIG_DFL)
 
 
 def _attempts(cmd: list[str], ns: argparse.Namespace, terminate: threading.Event) -> int:

@@ -5,7 +5,10 @@
 processes, calling ``CheckpointManager.save`` after every run of K steps; each process
 appends ``<rank> <pid> <step> <restart>`` to F after every run (the test picks its
 moment to send SIGTERM from it), and ``P <rank> <step> <restart>`` when it is preempted.
-On the first attempt each run sleeps T seconds first, so that the test can aim. The
+On the first attempt each run sleeps T seconds first, so that the test can aim, and
+with ``--slow-writes W`` each background save takes W seconds more to commit, so that
+one is being written when the notice arrives ("under load"); the state carries 4 MiB of
+ballast that changes every step. The
 chief writes the final parameters to ``D/final_k<K>.npz``. ``reference`` runs the same
 training uninterrupted for K = 1 and K = 4, one after the other (the second manager
 shares the process's count of save calls with the first).
@@ -13,7 +16,8 @@ shares the process's count of save calls with the first).
 JAX-free modes for the launcher's own tests (no cluster is joined):
 ``exit42-once`` (every process exits 42 on the first attempt, 0 after),
 ``exit42-always``, ``term42`` (SIGTERM makes a process exit 42, after printing
-READY), ``one42`` (process 1 exits 42, process 0 sleeps).
+READY), ``one42`` (process 1 exits 42, process 0 sleeps), ``mixed42`` (process 1 exits
+42, process 0 exits 0).
 """
 
 from __future__ import annotations
@@ -46,6 +50,8 @@ def plain(mode: str) -> None:
         if RANK == 1:
             sys.exit(42)
         time.sleep(60)
+    if mode == "mixed42":
+        sys.exit(42 if RANK == 1 else 0)
     raise SystemExit(f"unknown mode {mode}")
 
 
@@ -58,6 +64,7 @@ def train(args: argparse.Namespace, k: int, ckpt: str, report) -> None:
     from jreplicate.input.context import InputReplicationMode
     from jreplicate.losses import compute_average_loss
     from jreplicate.replicator import Replicator
+    from jreplicate.testing import delay_checkpoint_write
     from tests._models import init_mlp, make_data, mlp, per_example_loss
 
     rep = Replicator(STRATEGY)
@@ -66,9 +73,11 @@ def train(args: argparse.Namespace, k: int, ckpt: str, report) -> None:
 
     def init():
         params = init_mlp(jax.random.key(0))
-        return params, tx.init(params)
+        # Ballast that changes every step, so that each background save writes MiBs.
+        return params, (tx.init(params), jax.numpy.zeros(args.ballast, "float32"))
 
-    def step_fn(ctx, batch, params, opt):
+    def step_fn(ctx, batch, params, state):
+        opt, ballast = state
         xb, yb = batch
 
         def loss_fn(p):
@@ -76,7 +85,7 @@ def train(args: argparse.Namespace, k: int, ckpt: str, report) -> None:
 
         g = jax.grad(loss_fn)(params)
         u, opt = tx.update(g, opt, params)
-        return optax.apply_updates(params, u), opt
+        return optax.apply_updates(params, u), (opt, ballast + 1.0)
 
     def input_fn(start):
         def fn(ctx):
@@ -104,6 +113,8 @@ def train(args: argparse.Namespace, k: int, ckpt: str, report) -> None:
             step += k
             report.write(f"{RANK} {os.getpid()} {step} {RESTART}\n")
             report.flush()
+            if RESTART == 0 and args.slow_writes and mngr.should_save(step):
+                delay_checkpoint_write(mngr, args.slow_writes)  # still writing at the next
             mngr.save(step, lambda p=params, o=opt: (p, o))
     except Preempted as e:
         report.write(f"P {RANK} {e.step} {RESTART}\n")
@@ -127,6 +138,8 @@ def main() -> None:
     ap.add_argument("--save-every", type=int, default=3)
     ap.add_argument("--steps-per-run", type=int, default=1)
     ap.add_argument("--sleep", type=float, default=0.0)
+    ap.add_argument("--ballast", type=int, default=1 << 20)
+    ap.add_argument("--slow-writes", type=float, default=0.0)
     args = ap.parse_args()
     if args.mode not in ("train", "reference"):
         plain(args.mode)
