@@ -585,6 +585,10 @@ class CheckpointManager:
             self._settle()
             if _is_thunk(state):
                 state = state()
+            if jax.tree_util.treedef_is_leaf(jax.tree.structure(state)) and state is not None:
+                # Orbax's StandardSave takes no bare array; a one-element tuple around it
+                # does not count when matched with init_fn()'s state (tree.py's rule).
+                state = (state,)
             what = "CheckpointManager.save(state)"
             if self._shared:
                 self._save_everywhere(step, state, what)
