@@ -342,7 +342,7 @@ class CheckpointManager:
 
         Args:
           init_fn: builds the initial state.
-          shardings: a pytree of :class:`jax.sharding.Sharding` (or of
+          shardings: a pytree of ``jax.sharding.Sharding`` (or of
             ``jax.ShapeDtypeStruct`` with shardings; ``None`` for the default) in
             ``init_fn()``'s structure, or a prefix of it: where each leaf goes on this
             topology. Needed for state sharded over the replicas, whose sharding
@@ -542,8 +542,9 @@ class CheckpointManager:
         the device-to-host copies are taken: the state may then be donated or changed,
         and the files are written in the background. The step is listed
         (:meth:`complete_steps`, :meth:`latest_step`) once committed; a write that
-        fails on any process is raised as the same :class:`CheckpointError` on every
-        process at the next :meth:`save`, :meth:`wait_until_finished`, :meth:`close` or
+        fails on any process is raised as the same
+        :class:`~jreplicate.checkpoint.CheckpointError` on every process at the next
+        :meth:`save`, :meth:`wait_until_finished`, :meth:`close` or
         :meth:`restore_or_initialize`, and that step is never restored. Without it,
         it returns once the checkpoint is complete. Costs nothing when it does not
         write.
