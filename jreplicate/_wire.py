@@ -416,6 +416,10 @@ CHECKPOINT_WRITE = record(error=optional(string), latest=optional(natural))
 #: with the lock file it reads.
 CHIEF_TEXT = record(value=optional(string), error=optional(string))
 
+#: Whether a process got a preemption notice (SIGTERM) not yet acted on, exchanged at
+#: every ``CheckpointManager.save`` when JAX's preemption service does not run.
+PREEMPTION_NOTICE = record(noticed=boolean)
+
 #: Whether a process could build the input elements of a step it had to build from
 #: the agreed spec (None: it could, or had none to build).
 BUILD_RESULT = record(error=optional(string))
@@ -434,5 +438,6 @@ MESSAGES = {"this step's input": input_report, "a checkpoint decision": CHIEF_RE
             "a checkpoint outcome": CHECKPOINT_OUTCOME,
             "the outcome of a checkpoint write": CHECKPOINT_WRITE,
             "the checkpoint directory's lock": CHIEF_TEXT,
+            "whether a process was preempted": PREEMPTION_NOTICE,
             "building this step's padded input": BUILD_RESULT,
             "the arguments of a call": RUN_ARGUMENTS}

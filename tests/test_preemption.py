@@ -289,9 +289,11 @@ def _reports(path: Path) -> list[list[str]]:
     return [ln.split() for ln in path.read_text().splitlines() if ln.strip()]
 
 
-@pytest.mark.parametrize("seed,k", [(0, 1), (1, 1), (2, 4)])
+@pytest.mark.parametrize("seed,k,service", [(0, 1, True), (1, 1, False), (2, 4, True)])
 def test_sigterm_to_one_of_two_processes_saves_restarts_and_resumes_bit_exact(
-        tmp_path, reference, seed, k):
+        tmp_path, reference, seed, k, service):
+    """``service``: JAX's preemption service; else (switched off) the manager's SIGTERM
+    handler, the processes' notices all-gathered at every save."""
     rng = random.Random(seed)
     target, at = rng.randrange(2), rng.randrange(2, 12)
     report = tmp_path / "report.txt"
@@ -301,7 +303,7 @@ def test_sigterm_to_one_of_two_processes_saves_restarts_and_resumes_bit_exact(
                 "--ckpt", str(tmp_path / "ckpt"), "--out", str(tmp_path),
                 "--report", str(report), "--steps", str(TRAIN_STEPS),
                 "--save-every", "3", "--steps-per-run", str(k), "--sleep", "0.1",
-                "--slow-writes", "0.5"])
+                "--slow-writes", "0.5"] + ([] if service else ["--no-preemption-service"]))
     sent = None
     deadline = time.monotonic() + 120
     while sent is None and time.monotonic() < deadline and p.poll() is None:
@@ -321,7 +323,9 @@ def test_sigterm_to_one_of_two_processes_saves_restarts_and_resumes_bit_exact(
     assert step >= sent and step % k == 0 and step < TRAIN_STEPS, (sent, step)
     assert all(r[3] == "0" for r in rows if r[0] == "P")
     # The restarted attempt resumed from the step the first one stopped at.
-    assert f"START k={k} at step {step} (restart 1)" in out
+    watched = "jax" if service else "signal"
+    assert f"START k={k} at step 0 (restart 0; preemption watched by {watched})" in out
+    assert f"START k={k} at step {step} (restart 1; preemption watched by {watched})" in out
     assert f"preempted: every process saved checkpoint {step} and exited 42" in err
     assert "preemption 1 of 100; not counted against --max-restarts" in err
     final = np.load(tmp_path / f"final_k{k}.npz")

@@ -47,6 +47,7 @@ from typing import Any
 
 import jax
 
+from jreplicate import _wire
 from jreplicate.cluster.agreement import Agreement
 from jreplicate.cluster.watchdog import EXIT_PREEMPTED
 
@@ -158,12 +159,6 @@ def _service_running() -> bool:
         jax.config.jax_enable_preemption_service)
 
 
-def _flag_message(value: Any) -> bool:
-    if not isinstance(value, bool):
-        raise TypeError(f"expected true or false, got {value!r}")
-    return value
-
-
 class PreemptionWatch:
     """Says, at each ``save`` call, whether every process stops there (module docstring).
 
@@ -220,8 +215,9 @@ class PreemptionWatch:
         pending = _FLAG.pending() if self._flag else 0
         stop = bool(pending)
         if self._agreement is not None:
-            stop = any(self._agreement.exchange(
-                stop, "whether a process was preempted (SIGTERM)", _flag_message))
+            stop = any(m["noticed"] for m in self._agreement.exchange(
+                {"noticed": stop}, "whether a process was preempted (SIGTERM)",
+                _wire.PREEMPTION_NOTICE))
         if stop and pending:
             _FLAG.consume(pending)
         return stop

@@ -14,6 +14,9 @@ training uninterrupted for K = 1 and K = 4, one after the other (the second mana
 shares the process's count of save calls with the first).
 
 JAX-free modes for the launcher's own tests (no cluster is joined):
+With ``--no-preemption-service`` JAX's preemption service is off: the manager's own
+SIGTERM handler and an all-gather at every save call take its place.
+
 ``exit42-once`` (every process exits 42 on the first attempt, 0 after),
 ``exit42-always``, ``term42`` (SIGTERM makes a process exit 42, after printing
 READY), ``one42`` (process 1 exits 42, process 0 sleeps), ``mixed42`` (process 1 exits
@@ -99,7 +102,8 @@ def train(args: argparse.Namespace, k: int, ckpt: str, report) -> None:
     with rep.scope():
         mngr = CheckpointManager(ckpt, rep, max_to_keep=2, save_interval_steps=args.save_every)
         step, (params, opt) = mngr.restore_or_initialize(init)
-    print(f"START k={k} at step {step} (restart {RESTART})", flush=True)
+    print(f"START k={k} at step {step} (restart {RESTART}; preemption watched by "
+          f"{mngr._preempt.mechanism})", flush=True)
     inputs = rep.prepare_input(input_fn(step),
                                replication_mode=InputReplicationMode.PER_WORKER)
     try:
@@ -140,10 +144,14 @@ def main() -> None:
     ap.add_argument("--sleep", type=float, default=0.0)
     ap.add_argument("--ballast", type=int, default=1 << 20)
     ap.add_argument("--slow-writes", type=float, default=0.0)
+    ap.add_argument("--no-preemption-service", action="store_true")
     args = ap.parse_args()
     if args.mode not in ("train", "reference"):
         plain(args.mode)
     global STRATEGY
+    import jax
+    if args.no_preemption_service:  # the fallback: a Python handler, flags all-gathered
+        jax.config.update("jax_enable_preemption_service", False)
     from jreplicate.strategies.multi_worker import MultiWorkerStrategy
     STRATEGY = MultiWorkerStrategy()  # joins the cluster before any computation
     with open(args.report, "a") as report:
