@@ -168,6 +168,16 @@ def test_every_dtype_one_device_numpy_and_reference_agree(name):
         assert digest.digest_array(put)[0] == want
 
 
+@pytest.mark.parametrize("name", SAVABLE)
+def test_host_digest_through_xla_equals_numpy_for_every_dtype(name, monkeypatch):
+    host = np.resize(patterns(DTYPES[name]), (3, 50))
+    want = ref_digest(host)
+    assert digest.numpy_digest(host) == want
+    monkeypatch.setattr(digest, "XLA_FROM", 0)  # large arrays go through XLA on the CPU
+    assert digest.digest_np(host) == want
+    assert digest.digest_np(_flip(host, 77)) != want
+
+
 def test_two_seeds_give_64_bits_and_a_scalar_works():
     x = np.float32(1.5)
     a, b = digest.digest_np(x)

@@ -79,7 +79,34 @@ def lanes_np(x: Any) -> np.ndarray:
 
 
 def digest_np(x: Any) -> tuple[int, int]:
-    """The digest of a host array (the same as :func:`digest_array` gives on device)."""
+    """The digest of a host array (the same as :func:`digest_array` gives on device).
+
+    Arrays of at least ``XLA_FROM`` elements that XLA computes on exactly (JAX holds
+    their dtype as it is) are digested by the jitted code on a CPU device, ten times
+    faster than NumPy's passes; the rest, and everything where JAX has no CPU device,
+    by NumPy (:func:`numpy_digest`)."""
+    x = np.asarray(x)
+    cpu = _cpu_device() if x.size >= XLA_FROM and on_device(x.dtype) and \
+        jax.dtypes.canonicalize_dtype(x.dtype) == x.dtype else None
+    if cpu is None:
+        return numpy_digest(x)
+    total = np.asarray(_total_fn(x.ndim)(jax.device_put(x, cpu)))
+    return int(total[0]), int(total[1])
+
+
+XLA_FROM = 1 << 16  # elements: below, NumPy's passes cost less than a dispatch
+
+
+@functools.cache
+def _cpu_device() -> Any:
+    try:
+        return jax.local_devices(backend="cpu")[0]
+    except RuntimeError:  # JAX_PLATFORMS leaves the CPU backend out: NumPy then
+        return None
+
+
+def numpy_digest(x: Any) -> tuple[int, int]:
+    """:func:`digest_np` computed by NumPy alone (any dtype, any size)."""
     lanes = lanes_np(x)
     out = []
     for seed in SEEDS:
@@ -157,6 +184,10 @@ def _digest_fn(sharding: NamedSharding, shape: tuple):
     spec = tuple(sharding.spec) + (None,) * (len(shape) - len(sharding.spec))
     everywhere = NamedSharding(mesh, P())
 
+    used = {a for entry in spec if entry is not None
+            for a in (entry if isinstance(entry, tuple) else (entry,))}
+    copies = [a for a in mesh.axis_names if a not in used]  # axes the array is copied on
+
     def local(block):  # one device's block: its offsets from the mesh position
         offsets = []
         for d, entry in enumerate(spec):
@@ -165,7 +196,11 @@ def _digest_fn(sharding: NamedSharding, shape: tuple):
             for a in axes:
                 k = k * jnp.uint32(mesh.shape[a]) + lax.axis_index(a).astype(jnp.uint32)
             offsets.append(k * jnp.uint32(block.shape[d] & 0xFFFFFFFF))
-        return _sums(_terms(block, shape, offsets))[None]
+        first = jnp.bool_(True)  # only the first copy of a box is digested (in mesh
+        for a in copies:         # order: the one digest_array keeps); others give 0
+            first = first & (lax.axis_index(a) == 0)
+        return lax.cond(first, lambda b: _sums(_terms(b, shape, offsets)),
+                        lambda b: jnp.zeros(len(SEEDS), jnp.uint32), block)[None]
 
     # The whole array's digest is the sum of its distinct boxes' (they tile it): no
     # second pass, and nothing but the sums leaves the fused per-device loop.
