@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import logging
 
 import jax
 import jax.numpy as jnp
@@ -25,18 +26,6 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jreplicate as jr
-
-
-def _has_option() -> bool:
-    try:
-        jr.MirroredStrategy(weight_update_sharding="optimizer")
-    except TypeError:
-        return False
-    return True
-
-
-_needs_option = pytest.mark.skipif(not _has_option(),
-                                   reason="weight_update_sharding is not built yet")
 
 LEVELS = ["optimizer", "parameters"]
 GB = 32  # global batch: 4 rows per replica on 8 replicas
@@ -194,7 +183,6 @@ def _train(rep, tx, xs, ys, *, steps=None, level=None, **input_kw):
 
 # -- device loops ---------------------------------------------------------------------
 
-@_needs_option
 @pytest.mark.parametrize("level", LEVELS)
 @pytest.mark.parametrize("decay", [False, True])
 def test_device_loop_equals_separate_runs_and_reference(level, decay):
@@ -214,7 +202,6 @@ def test_device_loop_equals_separate_runs_and_reference(level, decay):
     _close(looped, _train(_rep(None), tx, xs, ys, steps=4))
 
 
-@_needs_option
 @pytest.mark.parametrize("level", LEVELS)
 def test_tpu_steps_per_run(level):
     tx = ADAM
@@ -227,7 +214,6 @@ def test_tpu_steps_per_run(level):
 
 # -- donation -------------------------------------------------------------------------
 
-@_needs_option
 @pytest.mark.parametrize("level", LEVELS)
 def test_donated_state_is_deleted_and_a_snapshot_survives(level):
     tx = ADAM
@@ -307,7 +293,6 @@ def _values(tree):
     return [np.asarray(x, np.float32) for x in jax.tree.leaves(nnx.state(tree))]
 
 
-@_needs_option
 @pytest.mark.parametrize("level", LEVELS)
 @pytest.mark.parametrize("steps", [None, 2])
 def test_nnx_optimizer_in_place(level, steps):
@@ -354,7 +339,6 @@ def _norm_net_run(level):
     return np.asarray(losses), model, opt
 
 
-@_needs_option
 @pytest.mark.parametrize("level", LEVELS)
 def test_nnx_batch_statistics_and_dropout(level):
     losses, model, opt = _norm_net_run(level)
@@ -375,7 +359,6 @@ def test_nnx_batch_statistics_and_dropout(level):
 
 # -- logical devices (replica x model) --------------------------------------------------
 
-@_needs_option
 @pytest.mark.parametrize("level", LEVELS)
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_model_sharded_state_keeps_its_model_axis(level, dtype):
@@ -395,7 +378,6 @@ def test_model_sharded_state_keeps_its_model_axis(level, dtype):
     assert kernel.dtype == dtype
 
 
-@_needs_option
 @pytest.mark.parametrize("level", LEVELS)
 @pytest.mark.parametrize("model_sharded", [False, True])
 def test_device_loop_keeps_the_planned_layout_with_logical_devices(level, model_sharded):
@@ -420,9 +402,9 @@ def test_device_loop_keeps_the_planned_layout_with_logical_devices(level, model_
 
 # -- padded input, axis_name, prefetch ---------------------------------------------------
 
-@_needs_option
 @pytest.mark.parametrize("level", LEVELS)
-def test_padded_final_batch_counts_real_rows_only(level):
+@pytest.mark.parametrize("steps", [None, 2])
+def test_padded_final_batch_counts_real_rows_only(level, steps):
     tx = ADAM
     xs, ys = _data(3)
     rows = GB * 3 - 10  # the final global batch has 22 real rows of 32
@@ -445,15 +427,17 @@ def test_padded_final_batch_counts_real_rows_only(level):
     with rep.scope():
         p = jax.tree.map(jnp.asarray, _init())
         o = tx.init(p)
-    for _ in range(3):
-        p, o = rep.run(step, inputs, p, o)
+    while True:  # steps=2: a loop of 2, then the padded step as a loop of 1
+        try:
+            p, o = rep.run(step, inputs, p, o, steps=steps)
+        except StopIteration:
+            break
     masks = np.ones((3, GB), np.float32)
     masks[2, 22:] = 0
     _check_layout(level, p, o)
     _close((p, o), _reference(tx, _init(), xs, ys, masks))
 
 
-@_needs_option
 @pytest.mark.parametrize("level", LEVELS)
 def test_axis_name_batch(level):
     tx = optax.sgd(0.1, momentum=0.9)
@@ -466,20 +450,18 @@ def test_axis_name_batch(level):
     _close((p, o), _reference(tx, _init(), xs, ys))
 
 
-@_needs_option
 @pytest.mark.parametrize("level", LEVELS)
 def test_prefetched_input(level):
     tx = ADAM
     xs, ys = _data(4)
     rep = _rep(level)
-    p, o = _train(rep, tx, xs, ys, steps=2, prefetch_on_device=True)
+    p, o = _train(rep, tx, xs, ys, steps=4, prefetch_on_device=True)  # (the loop's program)
     _check_layout(level, p, o)
     _close((p, o), _reference(tx, _init(), xs, ys))
 
 
 # -- optax wrappers ---------------------------------------------------------------------
 
-@_needs_option
 @pytest.mark.parametrize("level", LEVELS)
 def test_multi_steps(level):
     tx = optax.MultiSteps(optax.chain(optax.clip_by_global_norm(1.0), optax.adam(1e-2)), 2)
@@ -490,7 +472,6 @@ def test_multi_steps(level):
     assert _sharded(acc["w1"]) and not _sharded(acc["b2"])
 
 
-@_needs_option
 @pytest.mark.parametrize("level", LEVELS)
 def test_sync_replicas_spmd(level):
     inner = ADAM
@@ -577,7 +558,6 @@ def test_sync_replicas_reads_accumulators_after_the_sum_only(k):
 
 # -- checkpoints ------------------------------------------------------------------------
 
-@_needs_option
 @pytest.mark.parametrize("level", LEVELS)
 def test_checkpoint_restores_sharded_and_training_continues(level, tmp_path):
     tx = ADAM
@@ -613,7 +593,6 @@ def test_checkpoint_restores_sharded_and_training_continues(level, tmp_path):
     _close(state, _reference(tx, _init(), xs, ys))
 
 
-@_needs_option
 @pytest.mark.parametrize("level", LEVELS)
 def test_state_moves_between_sharded_and_replicated_strategies(level):
     """Sharded state passed to a replicated strategy on the same devices, and back."""
@@ -633,7 +612,6 @@ def test_state_moves_between_sharded_and_replicated_strategies(level):
 
 # -- the old replicated copy passed again -----------------------------------------------
 
-@_needs_option
 @pytest.mark.parametrize("level", LEVELS)
 def test_old_replicated_copy_again_one_program(level):
     tx = ADAM
@@ -653,17 +631,34 @@ def test_old_replicated_copy_again_one_program(level):
     _check_layout(level, p1, o1)
     p2, o2, _ = rep.run(step, batch, p1, o1)  # sharded in
     n_traces, n_programs = len(traces), len(rep._executor._cache)
-    for _ in range(2):  # the old replicated copy again, then the sharded state again
-        again_p, again_o, _ = rep.run(step, batch, p0, o0)
-        _exact((again_p, again_o), (p1, o1))
-        _check_layout(level, again_p, again_o)
-        assert all(not x.is_deleted() for x in jax.tree.leaves((p0, o0)))
-        got = rep.run(step, batch, p1, o1)
-        _exact(got[:2], (p2, o2))
+    compiles = _Compiles()
+    logging.getLogger("jax").addHandler(compiles)
+    try:
+        with jax.log_compiles(True):
+            for _ in range(2):  # the old replicated copy again, then the sharded state
+                again_p, again_o, _ = rep.run(step, batch, p0, o0)
+                _exact((again_p, again_o), (p1, o1))
+                _check_layout(level, again_p, again_o)
+                assert all(not x.is_deleted() for x in jax.tree.leaves((p0, o0)))
+                got = rep.run(step, batch, p1, o1)
+                _exact(got[:2], (p2, o2))
+    finally:
+        logging.getLogger("jax").removeHandler(compiles)
     assert (len(traces), len(rep._executor._cache)) == (n_traces, n_programs)
-    with jax.log_compiles(True):  # (nothing compiles: the count above is the proof)
-        rep.run(step, batch, p0, o0)
+    assert not compiles.seen, compiles.seen  # (the resharding copies too are compiled once)
     _close((p1, o1), _reference(tx, _init(), xs[:1], ys[:1]))
+
+
+class _Compiles(logging.Handler):
+    """The compilations ``jax.log_compiles`` reports."""
+
+    def __init__(self):
+        super().__init__(logging.DEBUG)
+        self.seen = []
+
+    def emit(self, record):
+        if record.getMessage().startswith("Compiling"):
+            self.seen.append(record.getMessage()[:120])
 
 
 # -- features mixed at random: a stateful machine against the reference ---------------
@@ -672,9 +667,15 @@ _TX = ADAMW
 _XS, _YS = _data(16, seed=3)
 
 
+def _eval_step(ctx, batch, p):
+    x, y = batch
+    return ctx.all_sum(jr.compute_average_loss(_per_example(p, x, y), GB))
+
+
 class WeightUpdateMachine(RuleBasedStateMachine):
-    """Runs one step, K steps, donated steps, a checkpoint round trip and a switch to a
-    replicated copy in any order; after each, the state equals the reference's."""
+    """Runs one step, K steps, donated steps, an evaluation step, a checkpoint round trip
+    and a switch to a replicated copy in any order; after each, the state equals the
+    reference's."""
 
     @initialize(level=st.sampled_from(LEVELS))
     def start(self, level):
@@ -705,6 +706,14 @@ class WeightUpdateMachine(RuleBasedStateMachine):
         self.state = (p, o)
         self._advance(n)
 
+    @rule(t=st.integers(0, len(_XS) - 1))
+    def evaluate(self, t):
+        """An evaluation step reads the state (sharded or not) and returns no state."""
+        loss = self.rep.run(_eval_step, (_XS[t], _YS[t]), self.state[0])
+        want = jnp.mean(_per_example(self.ref[0], _XS[t], _YS[t]))
+        np.testing.assert_allclose(float(loss), float(want), rtol=5e-5)
+        assert not any(x.is_deleted() for x in jax.tree.leaves(self.state))
+
     @rule()
     def replicated_copy(self):
         host = jax.tree.map(np.asarray, self.state)
@@ -728,7 +737,7 @@ class WeightUpdateMachine(RuleBasedStateMachine):
             _close(self.state, self.ref, rtol=5e-5, atol=5e-6)
 
 
-TestWeightUpdateMachine = _needs_option(WeightUpdateMachine.TestCase)
+TestWeightUpdateMachine = WeightUpdateMachine.TestCase
 TestWeightUpdateMachine.settings = settings(
     max_examples=4, stateful_step_count=6, deadline=None,
     suppress_health_check=list(HealthCheck))

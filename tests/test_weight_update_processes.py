@@ -9,22 +9,7 @@ launcher's timeout, short runtime timeouts); exit codes and stderr are checked.
 
 from __future__ import annotations
 
-import pytest
-
-import jreplicate as jr
 from tests.test_multi_worker_processes import SCRIPTS, _launch
-
-
-def _has_option() -> bool:
-    try:
-        jr.MirroredStrategy(weight_update_sharding="optimizer")
-    except TypeError:
-        return False
-    return True
-
-
-pytestmark = pytest.mark.skipif(not _has_option(),
-                                reason="weight_update_sharding is not built yet")
 
 
 def test_both_levels_across_two_processes_equal_one_device():
