@@ -12,7 +12,7 @@ process write and read the shards it holds:
   :mod:`jreplicate.checkpoint.targets`) give it, on this topology, whatever topology
   wrote it; or, if there is none, the state comes from ``init_fn``.
 * :meth:`CheckpointManager.save` is called by every process. When every process sees
-  the directory (a shared file system, ``gs://``), every process writes its own shards
+  the directory (a shared file system; a URL is refused), every process writes its own shards
   (Orbax multi-host: ``ocdbt.process_<i>/``), and no process ever holds a whole array
   sharded across processes. Otherwise the chief alone writes replicated (or fully
   addressable) state, as before, and state sharded across processes is refused.
@@ -166,7 +166,7 @@ class CheckpointManager:
 
     Args:
       directory: where step directories (``<directory>/<step>``) are written. Every
-        process should see it (a shared file system, ``gs://``) for state sharded across
+        process should see it (a shared file system; not a URL) for state sharded across
         processes; replicated state needs only the chief's.
       strategy: the :class:`jreplicate.strategies.Strategy` (or a :class:`jreplicate.Replicator`)
         whose mesh the restored state is placed on, and whose processes agree on every
