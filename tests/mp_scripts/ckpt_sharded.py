@@ -98,8 +98,8 @@ def main() -> None:
             rss = _status("VmRSS")
             start = time.monotonic()
             m.save(step, s, force=True)
+            m.wait_until_finished()  # the write included, background or not
             out[f"save_seconds_{step}"] = time.monotonic() - start
-            m.wait_until_finished()  # written in the background: that memory counts too
             out[f"hwm_increase_{step}"] = _status("VmHWM") - rss
             del s
         del s1
@@ -132,7 +132,7 @@ def main() -> None:
             out["own_sharded"] = str(e)
         replicated = {"rep": state(1)["rep"], "host": reference(1, "host")}
         out["own_replicated"] = m.save(1, replicated, force=True)
-        m.wait_until_finished()  # written in the background
+        m.wait_until_finished()
         out["own_steps"] = m.complete_steps()
     with CheckpointManager(own, rep) as m:  # the chief reads, every process receives
         step, got = m.restore_or_initialize(lambda: replicated)
