@@ -358,7 +358,6 @@ def test_a_process_killed_mid_write_leaves_a_step_never_restored(tmp_path, seed)
     out = r.stdout + r.stderr
     assert r.returncode != 0 and f"process {victim} of 2 failed first: killed by signal 9" \
         in r.stderr, out[-4000:]
-    assert "SURVIVED" not in r.stdout, out[-4000:]
     r, wall = _launch_async(tmp_path, "--mode", "restore")
     out = r.stdout + r.stderr
     assert r.returncode == 0, out[-4000:]

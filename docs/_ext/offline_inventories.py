@@ -60,6 +60,7 @@ PROJECTS: dict[str, Project] = {
         ("abc.ABC", "py:class"): "library/abc.html#$",
         ("enum.Enum", "py:class"): "library/enum.html#$",
         ("os.PathLike", "py:class"): "library/os.html#$",
+        ("threading.Event", "py:class"): "library/threading.html#$",
     }),
     "jax": Project("JAX", "latest", "https://docs.jax.dev/en/latest/", {
         **_own_pages("_autosummary/", "py:class", "jax.Array", "jax.Device"),

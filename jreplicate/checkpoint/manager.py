@@ -542,9 +542,8 @@ class CheckpointManager:
         the device-to-host copies are taken: the state may then be donated or changed,
         and the files are written in the background. The step is listed
         (:meth:`complete_steps`, :meth:`latest_step`) once committed; a write that
-        fails on any process is raised as the same
-        :class:`~jreplicate.checkpoint.CheckpointError` on every process at the next
-        :meth:`save`, :meth:`wait_until_finished`, :meth:`close` or
+        fails on any process is raised as the same :class:`.CheckpointError` on every
+        process at the next :meth:`save`, :meth:`wait_until_finished`, :meth:`close` or
         :meth:`restore_or_initialize`, and that step is never restored. Without it,
         it returns once the checkpoint is complete. Costs nothing when it does not
         write.

@@ -9,8 +9,9 @@ array; the values of step ``s`` are :func:`reference` ``(s)``. Modes:
   (``jreplicate.testing.fail_checkpoint_write``); every process prints
   ``RESULT fail <pid> <seconds> <error>`` for the error ``wait_until_finished`` raised,
   then step 3 is written and ``LISTED <pid> <steps>`` printed.
-* ``kill``: step 1 is written; step 2's write is slowed and process ``--victim`` kills
-  itself (SIGKILL) ``--delay`` seconds after ``save`` returned: the group fails.
+* ``kill``: step 1 is written; step 2's write is slowed (2 s) and process ``--victim``
+  kills itself (SIGKILL) ``--delay`` seconds after ``save`` returned, during the write
+  or after its commit: the group fails.
 * ``restore``: prints ``RESTORED <pid> <step> <bit-equal to reference(step)>`` and the
   directory's entries after a save (``AFTER <pid> <names>``).
 """
@@ -104,7 +105,9 @@ def main() -> None:
     print(f"SAVED {me}", flush=True)
     m.wait_until_finished()
     m.close()
-    print(f"SURVIVED {me}", flush=True)
+    print(f"SURVIVED {me}", flush=True)  # the kill came after the commit, or comes now
+    if me == a.victim:
+        time.sleep(60)
 
 
 if __name__ == "__main__":
