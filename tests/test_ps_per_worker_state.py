@@ -425,7 +425,7 @@ def test_restore_rebuilds_the_states_and_the_checkpoint_holds_none(tmp_path):
     rep.join()
     _check_chains(s, values, xs, state)
     saved = s.state()
-    assert set(saved) == {"shards", "next_step_id", "steps"}, set(saved)
+    assert set(saved) == {"shards", "next_step_id", "steps", "names"}, set(saved)
     built = [int(r["born"]) for r in state.read() if r is not None]
     more = _xs(4, seed=6)
     after = [rep.run(step, None, w, opt, state, x) for x in more]

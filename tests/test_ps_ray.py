@@ -326,3 +326,45 @@ def test_a_lost_shard_actor_restarted_from_a_saved_state(local_ray):
     new actor, which the driver and the worker actors call from then on."""
     from tests.test_ps_shard_restart import shard_restart_scenario
     shard_restart_scenario("ray")
+
+
+def test_state_saved_from_ray_actors_restores_embedded_on_another_worker_count(
+        local_ray, tmp_path):
+    """Workers hold no state: ``strategy.state()`` of 2 Ray shard actors and 3 worker
+    actors, saved by a CheckpointManager (the loop's ``save(step, lambda: ...)``),
+    restores bit for bit into an embedded job of 1 worker, which trains on from there
+    as the Ray job does."""
+    s, rep, w, opt, step = _job(lambda: optax.adam(0.1), num_workers=3)
+    with jr.CheckpointManager(tmp_path, rep, save_interval_steps=3) as mngr:
+        for i in range(1, 7):
+            rep.run(step, None, w, opt)
+            mngr.save(i, lambda: (rep.join(), s.state())[1])
+    saved = jax.tree.map(np.array, s.state())
+    for _ in range(3):
+        rep.run(step, None, w, opt)
+    s._executor.coordinator.join(timeout=120)
+    on_ray = s.parameters()
+    s.shutdown()
+
+    e = jr.ParameterServerStrategy(num_ps=2, num_workers=1, devices=jax.devices()[:3])
+    rep_e = jr.Replicator(e)
+    with rep_e.scope():
+        w_e = jnp.zeros(4)
+        tx = jr.ps.pushable(optax.adam(0.1))
+        opt_e = tx.init(w_e)
+
+    def step_e(ctx, w, opt):
+        u, opt = tx.update(jax.grad(lambda w: jnp.sum(w))(w), opt, w)
+        return optax.apply_updates(w, u), opt
+
+    with jr.CheckpointManager(tmp_path, rep_e) as mngr:
+        at, state = mngr.restore_or_initialize(e.state)
+    assert at == 6
+    e.restore(state)
+    for got, want in zip(jax.tree.leaves(e.state()), jax.tree.leaves(saved), strict=True):
+        assert np.asarray(got).tobytes() == np.asarray(want).tobytes()
+    for _ in range(3):
+        rep_e.run(step_e, None, w_e, opt_e)
+    rep_e.join()
+    np.testing.assert_array_equal(e.parameters(), on_ray)
+    e.shutdown()

@@ -12,7 +12,7 @@ process write and read the shards it holds:
   :mod:`jreplicate.checkpoint.targets`) give it, on this topology, whatever topology
   wrote it; or, if there is none, the state comes from ``init_fn``.
 * :meth:`CheckpointManager.save` is called by every process. When every process sees
-  the directory (a shared file system, ``gs://``), every process writes its own shards
+  the directory (a shared file system; a URL is refused), every process writes its own shards
   (Orbax multi-host: ``ocdbt.process_<i>/``), and no process ever holds a whole array
   sharded across processes. Otherwise the chief alone writes replicated (or fully
   addressable) state, as before, and state sharded across processes is refused.
@@ -166,7 +166,7 @@ class CheckpointManager:
 
     Args:
       directory: where step directories (``<directory>/<step>``) are written. Every
-        process should see it (a shared file system, ``gs://``) for state sharded across
+        process should see it (a shared file system; not a URL) for state sharded across
         processes; replicated state needs only the chief's.
       strategy: the :class:`jreplicate.strategies.Strategy` (or a :class:`jreplicate.Replicator`)
         whose mesh the restored state is placed on, and whose processes agree on every
@@ -234,6 +234,7 @@ class CheckpointManager:
             raise TypeError(
                 f"CheckpointManager(directory=...) must be a path, got {directory!r}."
             )
+        _refuse_url(os.fspath(directory))
         if max_to_keep is not None and (isinstance(max_to_keep, bool)
                                         or not isinstance(max_to_keep, int) or max_to_keep < 1):
             raise ValueError(
@@ -341,7 +342,7 @@ class CheckpointManager:
 
         Args:
           init_fn: builds the initial state.
-          shardings: a pytree of :class:`jax.sharding.Sharding` (or of
+          shardings: a pytree of ``jax.sharding.Sharding`` (or of
             ``jax.ShapeDtypeStruct`` with shardings; ``None`` for the default) in
             ``init_fn()``'s structure, or a prefix of it: where each leaf goes on this
             topology. Needed for state sharded over the replicas, whose sharding
@@ -584,6 +585,10 @@ class CheckpointManager:
             self._settle()
             if _is_thunk(state):
                 state = state()
+            if jax.tree_util.treedef_is_leaf(jax.tree.structure(state)) and state is not None:
+                # Orbax's StandardSave takes no bare array; a one-element tuple around it
+                # does not count when matched with init_fn()'s state (tree.py's rule).
+                state = (state,)
             what = "CheckpointManager.save(state)"
             if self._shared:
                 self._save_everywhere(step, state, what)
@@ -920,3 +925,16 @@ def _as_held(x: Any) -> Any:
         a = np.asarray(x)
         return jax.ShapeDtypeStruct(a.shape, jax.dtypes.canonicalize_dtype(native(a.dtype)))
     return x
+
+
+def _refuse_url(directory: str) -> None:
+    """Raises for a URL (``gs://bucket/ckpt``): the manager works through the local file
+    system, where ``os.path.abspath`` would make it a relative directory ``gs:/bucket``
+    on each host's own disk, lost with the host."""
+    scheme, sep, _ = directory.partition("://")
+    if sep and scheme.isidentifier():
+        raise ValueError(
+            f"CheckpointManager(directory={directory!r}): a {scheme}:// URL is not a "
+            "path. CheckpointManager writes through the file system, so it would write "
+            f"into a local directory named {scheme}: on each host. Mount the bucket "
+            "(e.g. gcsfuse) on every host and give the mount's path.")

@@ -173,7 +173,7 @@ class ParameterServerExecutor(Executor):
             the shards are not at one step.
         """
         return saved_state.snapshot(self.coordinator, self._carrier, self.config.num_ps,
-                                    self.client.token_gated, self.next_id)
+                                    self.client.token_gated, self.next_id, self.placement)
 
     def restore(self, state: dict[str, Any]) -> None:
         if self.coordinator is None:
@@ -185,6 +185,7 @@ class ParameterServerExecutor(Executor):
             # error names: join ended the steps (their RemoteValues hold the error).
             _log.debug("restore: the steps ended with %s; restoring every shard", e)
         restored, next_id, record = saved_state.read_state(state, self.config.num_ps)
+        saved_state.check_names(state, self.placement, "restore(state)")
         # Checked before anything is replaced: a refused state leaves the shards as they are.
         saved_state.check_restorable(
             restored, self.placement.split(jax.tree.map(np.asarray, self._opt_keep[0])),
@@ -218,6 +219,7 @@ class ParameterServerExecutor(Executor):
             raise ValueError(f"restart_shard: the state has {len(shards)} shards, this "
                              f"strategy {self.config.num_ps}; pass a state of this job "
                              "(same num_ps).")
+        saved_state.check_names(state, self.placement, f"restart_shard({i}, state)")
         record = self.coordinator.record
         check_history(i, state, record, self.next_id)
         saved = host_shard_state(shards[i])

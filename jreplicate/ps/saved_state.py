@@ -2,14 +2,21 @@
 holds, read back and checked before anything is replaced.
 
 A state is ``{"shards": [each shard's state and ledger], "next_step_id": int32,
-"steps": the record of the job's steps}`` (:mod:`jreplicate.ps.fate.record`), all
-NumPy, for :class:`jreplicate.CheckpointManager`. It is taken only while no step is
-scheduled or running and every shard is at one step, so a restore never keeps a push
-that reached some shards only.
+"steps": the record of the job's steps}`` (:mod:`jreplicate.ps.fate.record`),
+``"names": uint32[leaves]``}, all NumPy, for :class:`jreplicate.CheckpointManager`. It is
+taken only while no step is scheduled or running and every shard is at one step, so a
+restore never keeps a push that reached some shards only.
+
+The shards key their pieces by the leaf's position (``"0"``, ``"3:0:128"``), so
+``"names"`` keeps a CRC-32 of each parameter's path (``"['w']"``) in flattening order:
+a state restored into parameters renamed or reordered (``{"a", "b"}`` saved, ``{"b",
+"z"}`` restored, same shapes) is refused instead of putting ``a``'s values into ``b``.
+A state without it (saved before it was recorded) is not checked.
 """
 
 from __future__ import annotations
 
+import zlib
 from typing import Any
 
 import jax
@@ -18,6 +25,7 @@ import numpy as np
 from jreplicate.ps.coordinator import Coordinator
 from jreplicate.ps.fate.record import StepRecord
 from jreplicate.ps.handle import Carrier
+from jreplicate.ps.placement import Placement
 from jreplicate.ps.shard_restart import (
     check_same_aggregation,
     check_shard_state,
@@ -25,10 +33,44 @@ from jreplicate.ps.shard_restart import (
 )
 
 
+def names(placement: Placement) -> np.ndarray:
+    """The CRC-32 of each parameter's rendered path, in flattening order (``"names"``)."""
+    paths = {p.leaf: p.path for p in placement.parts}
+    return np.array([zlib.crc32(paths[i].encode()) for i in range(len(paths))], np.uint32)
+
+
+def check_names(state: dict[str, Any], placement: Placement, caller: str) -> None:
+    """Raises when ``state`` records parameter names (``"names"``) other than this job's.
+
+    Raises:
+      ValueError: a parameter was renamed, added, removed or moved, naming the first
+        leaf that differs and the fix.
+    """
+    saved = state.get("names") if isinstance(state, dict) else None
+    if saved is None:
+        return  # a state saved before names were recorded
+    saved, here = np.asarray(saved).reshape(-1), names(placement)
+    if saved.shape == here.shape and np.array_equal(saved, here):
+        return
+    paths = {p.leaf: p.path for p in placement.parts}
+    first = next((i for i in range(min(len(saved), len(here))) if saved[i] != here[i]),
+                 min(len(saved), len(here)))
+    where = (f"parameter {first} in flattening order is {paths[first] or 'the root'} here, "
+             "and was saved under another name" if first < len(here) else
+             f"the state has {len(saved)} parameters, this job {len(here)}")
+    raise ValueError(
+        f"{caller}: the state's parameters are not this job's: {where} (the shards keep "
+        "parameters by position, so restoring would put each saved value into whatever "
+        "parameter is at its position). Restore into a job whose parameters have the "
+        "names, order and shapes they were saved with (rename them back, or convert the "
+        "state by position yourself).")
+
+
 def snapshot(coordinator: Coordinator, carrier: Carrier, num_ps: int, token_gated: bool,
-             next_id: int) -> dict[str, Any]:
+             next_id: int, placement: Placement | None = None) -> dict[str, Any]:
     """Every shard's state and ledger, taken while no step is scheduled or running
-    (so no push moves a shard between two shards' reads).
+    (so no push moves a shard between two shards' reads), with the parameters' names
+    (``"names"``) when ``placement`` is given.
 
     Raises:
       RuntimeError: steps are scheduled or running (call ``rep.join()`` first), a
@@ -59,8 +101,11 @@ def snapshot(coordinator: Coordinator, carrier: Carrier, num_ps: int, token_gate
             f"ParameterServerStrategy.state(): the shards are at global steps {steps}; "
             "a push is half committed (a worker lost mid-push whose step never ran "
             "again). Restore the last checkpoint.")
-    return {"shards": shards, "next_step_id": np.array(next_id, np.int32),
-            "steps": c.record.to_arrays(next_id)}
+    state = {"shards": shards, "next_step_id": np.array(next_id, np.int32),
+             "steps": c.record.to_arrays(next_id)}
+    if placement is not None:
+        state["names"] = names(placement)
+    return state
 
 
 def read_state(state: dict[str, Any], num_ps: int) -> tuple[list[dict], int, StepRecord]:

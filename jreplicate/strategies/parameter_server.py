@@ -363,7 +363,10 @@ class ParameterServerStrategy(Strategy):
         :class:`jreplicate.CheckpointManager`: a consistent snapshot, every shard at the
         step its ledger records, with the record of the job's steps (``"steps"``: which
         of its last step ids were skipped, and the timeline it is on; fixed-size arrays,
-        see :mod:`jreplicate.ps.fate.record`).
+        see :mod:`jreplicate.ps.fate.record`) and the parameters' names (``"names"``: a
+        CRC-32 of each path, so that :meth:`restore` refuses parameters renamed or
+        reordered since). Workers hold no state: it restores into a job with other
+        workers, devices or carrier, and the same ``num_ps``.
 
         Raises:
           RuntimeError: steps are scheduled or running; call ``rep.join()`` first.
