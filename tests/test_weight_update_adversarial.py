@@ -263,3 +263,42 @@ def test_min_weight_shard_size_edges(size, sharded):
     p, o, _ = rep.run(_adam_step, _batch(0), PARAMS, TX.init(PARAMS))
     assert (p[0]["w"].sharding.spec == P(None, "replica")) == sharded
     _close((p, o), _adam_reference(1))
+
+
+def test_one_array_passed_as_two_donated_arguments():
+    # the same parameters as two arguments, both donated, each updated differently
+    def two(ctx, batch, a, b):
+        grads = jax.grad(_loss)(a, *batch)
+        return (jax.tree.map(lambda p, g: p - 0.1 * g, a, grads),
+                jax.tree.map(lambda p, g: p - 0.2 * g, b, grads))
+
+    params = jax.tree.map(jnp.copy, PARAMS)
+    a, b = _rep("parameters").run(two, _batch(0), params, params, donate_argnums=(0, 1))
+    grads = jax.jit(jax.grad(_loss))(PARAMS, *_batch(0))
+    _close(a, jax.tree.map(lambda p, g: p - 0.1 * g, PARAMS, grads))
+    _close(b, jax.tree.map(lambda p, g: p - 0.2 * g, PARAMS, grads))
+
+
+def test_flax_train_state_as_one_argument():
+    # the Flax habit: one TrainState in, its apply_gradients out; the optimizer state
+    # comes back sharded, the values equal the one-device reference
+    from flax.training import train_state
+
+    def apply(variables, x):
+        return mlp(variables["params"], x)
+
+    state = train_state.TrainState.create(apply_fn=apply, params=PARAMS, tx=TX)
+
+    def step(ctx, batch, state):
+        def loss(p):
+            return jnp.sum(per_example_loss(state.apply_fn({"params": p}, batch[0]),
+                                            batch[1])) / GLOBAL_BATCH
+
+        return state.apply_gradients(grads=jax.grad(loss)(state.params))
+
+    rep = _rep("optimizer")
+    for t in range(2):
+        state = rep.run(step, _batch(t), state)
+    _close((state.params, state.opt_state), _adam_reference(2))
+    assert int(state.step) == 2
+    assert state.opt_state[0].mu[0]["w"].sharding.spec == P(None, "replica")
