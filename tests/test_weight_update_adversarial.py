@@ -128,7 +128,7 @@ def _train(level, tx, extras, steps, n):
     return tuple(state)
 
 
-@settings(max_examples=3, deadline=None, database=None,
+@settings(max_examples=2, deadline=None, database=None,
           suppress_health_check=list(HealthCheck))
 @given(name=st.sampled_from(sorted(TRANSFORMS)),
        extras=st.lists(st.sampled_from(sorted(EXTRAS)), min_size=1, max_size=4, unique=True),
@@ -255,7 +255,7 @@ def test_varying_state_stays_per_replica():
     _close(outs["parameters"][:2], _adam_reference(1))
 
 
-@pytest.mark.parametrize("size, sharded", [(0, True), (512, True), (513, False)])
+@pytest.mark.parametrize("size, sharded", [(512, True), (513, False)])
 def test_min_weight_shard_size_edges(size, sharded):
     # w1 [16, 32] has 512 elements: a leaf of exactly min_weight_shard_size is sharded
     rep = jr.Replicator(jr.MirroredStrategy(weight_update_sharding="parameters",
