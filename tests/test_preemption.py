@@ -159,6 +159,27 @@ def test_the_handler_chains_to_the_previous_one_and_is_given_back(tmp_path, rep)
         signal.signal(signal.SIGTERM, old)
 
 
+def test_a_manager_dropped_without_close_gives_the_handler_back(tmp_path, rep):
+    """A manager the program drops unclosed (collected) stops watching SIGTERM: its
+    handler does not stay installed, chained, for the rest of the process."""
+    import gc
+
+    def previous(signum, frame):
+        pass
+
+    old = signal.signal(signal.SIGTERM, previous)
+    try:
+        dropped = CheckpointManager(tmp_path / "a", rep)
+        dropped.save(1, {"w": jnp.zeros(2)})
+        dropped.wait_until_finished()
+        assert signal.getsignal(signal.SIGTERM) != previous
+        del dropped
+        gc.collect()
+        assert signal.getsignal(signal.SIGTERM) == previous
+    finally:
+        signal.signal(signal.SIGTERM, old)
+
+
 def test_a_manager_made_outside_the_main_thread_says_preemption_is_not_watched(
         tmp_path, rep, caplog):
     made = {}

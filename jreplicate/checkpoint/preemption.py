@@ -42,6 +42,7 @@ import itertools
 import logging
 import signal
 import threading
+import weakref
 from collections.abc import Iterator
 from typing import Any
 
@@ -179,6 +180,8 @@ class PreemptionWatch:
         self._closed = False
         if not self._service:
             self._flag = _FLAG.acquire()
+            if self._flag:  # a watch dropped unclosed (its manager collected) gives it back
+                self._release = weakref.finalize(self, _FLAG.release)
             if not self._flag:
                 logger.warning(
                     "jreplicate: %s was created outside the main thread, where no SIGTERM "
@@ -225,5 +228,5 @@ class PreemptionWatch:
     def close(self) -> None:
         """Gives SIGTERM back to the handler it had before (idempotent)."""
         if not self._closed and self._flag:
-            _FLAG.release()
+            self._release()  # once: the finalizer does nothing after this
         self._closed = True
