@@ -110,15 +110,10 @@ class MultiWorkerStrategy(Strategy):
         ``"replica"``); e.g. ``"batch"`` for a ``jax.pmap`` program's collectives and
         ``nnx.BatchNorm(axis_name="batch")``. The same on every process. See
         :class:`jreplicate.MirroredStrategy`.
-      weight_update_sharding: ``None`` (the default: state replicated on every
-        replica), ``"optimizer"`` (state only the weight update reads, such as optimizer
-        moments, is stored sharded over the replicas and gradients are reduce-scattered:
-        ZeRO-1/2, XLA's weight-update sharding) or ``"parameters"`` (the parameters too,
-        gathered where the step reads them: ZeRO-3/FSDP). Keyword-only. New state comes
-        back as global ``jax.Array`` s sharded over the replica axis.
-      min_weight_shard_size: leaves with fewer elements stay replicated (default 1024;
-        0 shards every leaf that can be). Leaves with no dimension divisible by the
-        number of replicas also stay replicated (never padded).
+      weight_update_sharding: ``None`` (the default), ``"optimizer"`` (ZeRO-1/2) or
+        ``"parameters"`` (ZeRO-3/FSDP): which state is stored sharded over the replicas.
+        See :class:`jreplicate.MirroredStrategy`.
+      min_weight_shard_size: leaves with fewer elements stay replicated (default 1024).
       fail_fast: whether an uncaught exception ends this process at once (status 1,
         130 for KeyboardInterrupt), without waiting in ``jax.distributed``'s shutdown
         barrier. A process that raised must not leave its peers hanging in a
