@@ -2,7 +2,9 @@
 
 Run under ``python -m jreplicate.cluster.launch --nproc 2``. Each scenario is set up so that it
 would pass on one process and fail on the other; the script prints one
-``RESULT <scenario> <exception type> <message>`` line per scenario and ``DONE``.
+``RESULT <scenario> <exception type> <message>`` line per scenario and ``DONE``; with
+``ERRORS_RESULTS`` set, the RESULT lines also go to ``$ERRORS_RESULTS/p<process>.txt``
+(a line read from that file cannot be cut by a C++ library's log written into stdout).
 """
 
 from __future__ import annotations
@@ -30,6 +32,12 @@ def main() -> None:
     print(f"CLUSTER {strategy.cluster.source}", flush=True)
     rep = Replicator(strategy)
     me = strategy.worker_index
+
+    def result(line: str) -> None:
+        print(line, flush=True)
+        if os.environ.get("ERRORS_RESULTS"):
+            with open(os.path.join(os.environ["ERRORS_RESULTS"], f"p{me}.txt"), "a") as f:
+                f.write(line + "\n")
     per_worker = strategy.devices_per_worker
 
     def step(ctx, batch):
@@ -88,9 +96,9 @@ def main() -> None:
     for name, fn in scenarios:
         try:
             out = fn()
-            print(f"RESULT {name} ok {out}", flush=True)
+            result(f"RESULT {name} ok {out}")
         except Exception as e:  # report, and carry on with the next scenario
-            print(f"RESULT {name} {type(e).__name__} {str(e).splitlines()[0]}", flush=True)
+            result(f"RESULT {name} {type(e).__name__} {str(e).splitlines()[0]}")
 
     def echo(ctx, x, s):
         return x * 1.0, s * 1.0
@@ -110,19 +118,18 @@ def main() -> None:
     for name, fn in scenarios:
         try:
             fn_out = fn()
-            print(f"RESULT {name} ok {fn_out}", flush=True)
+            result(f"RESULT {name} ok {fn_out}")
         except Exception as e:
-            print(f"RESULT {name} {type(e).__name__} {str(e).splitlines()[0]}", flush=True)
+            result(f"RESULT {name} {type(e).__name__} {str(e).splitlines()[0]}")
 
     per_replica = rep.run(lambda ctx: ctx.replica_id * 1.0)
     with tempfile.TemporaryDirectory() as d:
         mngr = CheckpointManager(os.path.join(d, f"ck{me}"), rep)
         try:
             mngr.save(1, {"loss": per_replica})
-            print("RESULT save_per_replica ok", flush=True)
+            result("RESULT save_per_replica ok")
         except Exception as e:
-            print(f"RESULT save_per_replica {type(e).__name__} {str(e).splitlines()[0]}",
-                  flush=True)
+            result(f"RESULT save_per_replica {type(e).__name__} {str(e).splitlines()[0]}")
     print("DONE", flush=True)
 
 
