@@ -91,6 +91,32 @@ def rep():
     return jr.Replicator(jr.MirroredStrategy())
 
 
+@pytest.fixture(autouse=True)
+def _sigterm_as_at_start():
+    """Each test starts with SIGTERM's default action, whatever an earlier test in this
+    process installed (``ray.init`` installs a handler that exits at once)."""
+    old = signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    yield
+    signal.signal(signal.SIGTERM, old)
+
+
+def test_rays_exiting_handler_is_not_chained_but_given_back(tmp_path, rep):
+    """Ray's driver handler calls ``sys.exit`` at once: chained to, it would end the job
+    before the agreed save. The watch does not call it, and gives it back at close."""
+    called = []
+
+    def ray_handler(signum, frame):
+        called.append(signum)
+        raise SystemExit(signum)
+
+    ray_handler.__module__ = "ray._private.worker"
+    signal.signal(signal.SIGTERM, ray_handler)
+    with CheckpointManager(tmp_path, rep, exit_on_preemption=False) as mngr:
+        os.kill(os.getpid(), signal.SIGTERM)
+        assert mngr.save(1, {"w": jnp.zeros(2)}) and mngr.reached_preemption(1)
+    assert called == [] and signal.getsignal(signal.SIGTERM) is ray_handler
+
+
 def test_sigterm_in_a_step_saves_that_step_exits_42_and_resumes_bit_exact(tmp_path, rep):
     with rep.scope():
         reference = _train(rep, None, _init(), 0)

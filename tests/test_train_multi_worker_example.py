@@ -9,6 +9,7 @@ subprocess timeout, and the whole process group killed if that expires.
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -42,10 +43,15 @@ def test_train_multi_worker_example_under_the_launcher_resumes_after_a_failure(t
         out, err = proc.communicate()
         pytest.fail(f"the launcher did not finish in 200 s:\n{out[-3000:]}\n{err[-3000:]}")
     assert proc.returncode == 0, (out[-3000:], err[-3000:])
+    # Checkpoints are written in the background: step 10's write may still be in flight
+    # when process 1 crashes at step 13 (under load); it is then lost, and the group
+    # resumes from step 5, the latest committed one. Every process resumes from one step.
+    resumed = re.findall(r"\[p(\d)\] process \d/2 \(attempt 1\): 2 of 4 replicas; resuming "
+                         r"from checkpoint at step (\d+)", out)
+    assert sorted(p for p, _ in resumed) == ["0", "1"], out
+    assert len({s for _, s in resumed}) == 1 and resumed[0][1] in ("5", "10"), out
     for p in (0, 1):
         assert f"[p{p}] process {p}/2 (attempt 0): 2 of 4 replicas; starting at step 0" in out
-        assert (f"[p{p}] process {p}/2 (attempt 1): 2 of 4 replicas; resuming from "
-                "checkpoint at step 10") in out, out
     assert "[p1] process 1: failing on purpose at step 13" in out
     assert "[p0] step 30/30  loss" in out and "[p0] done: step 30, held-out accuracy" in out
     assert "process 1 of 2 failed first: exit code 3" in err, err[-3000:]

@@ -113,7 +113,7 @@ class _SigtermFlag:
         if self.received == self.consumed + 1:
             logger.warning("jreplicate: SIGTERM received: the job will stop at the next "
                            "CheckpointManager.save, after writing it")
-        if callable(self._previous):
+        if callable(self._previous) and not _exits_at_once(self._previous):
             self._previous(signum, frame)
 
     def pending(self) -> int:
@@ -151,6 +151,14 @@ class _SigtermFlag:
 
 
 _FLAG = _SigtermFlag()
+
+
+def _exits_at_once(handler: Any) -> bool:
+    """Whether ``handler`` is Ray's SIGTERM handler (``ray.init`` installs one that calls
+    ``sys.exit`` at once): chained to, it would end the job before the agreed save, so
+    the watch does not call it (it is still given back at close)."""
+    module = getattr(handler, "__module__", None) or ""
+    return module == "ray" or module.startswith("ray.")
 
 
 def _service_running() -> bool:
