@@ -89,6 +89,9 @@ class SplitJit:
                 "weight_update_sharding: the traced step holds no single shard_map "
                 "equation (an unexpected JAX change); create the strategy without "
                 "weight_update_sharding.")
+        # a jax.jit nested in the step (jax.jit(jax.grad(loss))) holds the gradient
+        # sum in its own jaxpr: inlined, the planner sees (and scatters) it
+        closed = jc.inline_calls_in_body(closed, index)
         outer, eqn = closed.jaxpr, closed.jaxpr.eqns[index]
         body = eqn.params["jaxpr"]
         flat_roles = self._roles()
