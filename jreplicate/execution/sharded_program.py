@@ -314,6 +314,17 @@ def _report(plan: UpdatePlan, roles: tuple, layout: Layout, name: str) -> None:
             "NNX Optimizer in place; nothing is sharded.",
             layout.weight_update_sharding, name)
         return
+    lost = [r.name or f"input {i}" for i, (d, r) in enumerate(zip(plan.in_dims, roles))
+            if d is not None and r.carried_to is None and r.state]
+    if lost and plan.sums_state_gradients:
+        _log.warning(
+            "jreplicate: weight_update_sharding=%r, step %s: %d inputs are stored sharded "
+            "but no output carries them back (%s%s): they are resharded on every call "
+            "and their new values returned replicated. Return the new state first, in "
+            "argument order (`return params, opt_state, loss` for a step of `(ctx, "
+            "batch, params, opt_state)`, each with its argument's structure).",
+            layout.weight_update_sharding, name, len(lost), ", ".join(lost[:4]),
+            f", and {len(lost) - 4} more" if len(lost) > 4 else "")
     if not carried:  # an evaluation step: nothing to report
         return
     kept = weight_update.report(plan, roles)
