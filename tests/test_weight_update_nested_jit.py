@@ -129,6 +129,18 @@ def test_nested_jit_in_a_device_loop_equals_reference():
     assert params[0]["w"].sharding.spec == P(None, "replica")
 
 
+def test_a_nested_jit_left_whole_warns_with_the_fix(caplog, monkeypatch):
+    # a call the inliner leaves whole (e.g. one with constants attached): the warning
+    monkeypatch.setattr(jc, "_called_jaxpr", lambda eqn: None)
+    step, data = _step(_grads_jit_value_and_grad), make_data(1, GLOBAL_BATCH)
+    with caplog.at_level("WARNING", logger="jreplicate"):
+        _, state = _train("optimizer", step, data, 1)
+    (msg,) = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert "inside the nested jax.jit" in msg and "stays an all-reduce" in msg
+    assert "call jax.grad outside jax.jit inside the step" in msg
+    _close(state, _reference(init_mlp(jax.random.key(0)), data, 1))  # still right
+
+
 # -- the inliner itself: same values, no nested call, each variable defined once --------
 
 def _program(x, w):

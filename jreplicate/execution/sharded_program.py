@@ -117,6 +117,7 @@ class SplitJit:
                                compiler_options=self._options)
         self.plan = plan
         _report(plan, roles, layout, self._name)
+        _report_kept_calls(body, layout, self._name)
 
     def __call__(self, *arrays):
         self.ensure(list(arrays))
@@ -333,3 +334,16 @@ def _report(plan: UpdatePlan, roles: tuple, layout: Layout, name: str) -> None:
         "%d replicas, %d gradients reduce-scattered%s", layout.weight_update_sharding,
         name, sharded, layout.num_replicas, len(plan.scatter),
         f"; kept replicated: {kept}" if kept else "")
+
+
+def _report_kept_calls(body: Any, layout: Layout, name: str) -> None:
+    """Warns of the nested calls left whole (:func:`jreplicate._jax_compat.nested_calls`)
+    that sum over the replicas: such a gradient sum stays an all-reduce."""
+    kept = [str(e.params.get("name", e.primitive.name)) for e in jc.nested_calls(body)
+            if jc.replica_collective(e, layout.replica_axis)]
+    if kept:
+        _log.warning(
+            "jreplicate: weight_update_sharding=%r, step %s: the replica sum (a "
+            "gradient's) inside the nested jax.jit %s is not split out: it stays an "
+            "all-reduce, not a reduce-scatter; call jax.grad outside jax.jit inside the "
+            "step.", layout.weight_update_sharding, name, ", ".join(sorted(set(kept))))
