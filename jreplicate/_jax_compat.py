@@ -522,6 +522,92 @@ def eval_equation(eqn: Any, invals: Sequence[Any]) -> list:
     return list(out) if eqn.primitive.multiple_results else [out]
 
 
+#: Call primitives whose body is inlined before planning (a ``jax.jit`` nested in the
+#: step, and the plain call JAX binds for a closed jaxpr), by primitive name: the
+#: param holding the called jaxpr. Control flow (cond, scan, while), custom_jvp/vjp and
+#: shard_map are no calls: they stay whole. jax 0.12 names its jit primitive ``jit``
+#: and its ``closed_call`` ``eval_jaxpr``; older JAX ``pjit``, ``closed_call``, ``core_call``.
+_INLINED_CALLS = {"jit": "jaxpr", "pjit": "jaxpr", "closed_call": "call_jaxpr",
+                  "core_call": "call_jaxpr", "eval_jaxpr": "call_jaxpr"}
+
+
+def _called_jaxpr(eqn: Any) -> Any:
+    """The open jaxpr ``eqn`` calls when it is an inlinable call (:data:`_INLINED_CALLS`)
+    of a jaxpr with no constants attached; else None."""
+    key = _INLINED_CALLS.get(eqn.primitive.name)
+    called = eqn.params.get(key) if key else None
+    if called is None or getattr(called, "consts", ()):
+        return None  # (a called jaxpr's constants would need hoisting: kept whole)
+    inner = called.jaxpr if type(called).__name__ == "ClosedJaxpr" else called
+    if type(inner).__name__ != "Jaxpr" or len(inner.invars) != len(eqn.invars) \
+            or len(inner.outvars) != len(eqn.outvars) or getattr(inner, "is_high", False):
+        return None
+    return inner
+
+
+def nested_calls(jaxpr: Any) -> list:
+    """The equations of ``jaxpr`` (not inside control flow) calling a nested jaxpr that
+    :func:`inline_calls` leaves whole, e.g. a ``jax.jit`` with constants attached."""
+    return [e for e in jaxpr.eqns if e.primitive.name in _INLINED_CALLS
+            and _called_jaxpr(e) is None]
+
+
+def inline_calls(jaxpr: Any) -> Any:
+    """``jaxpr`` (an open ``core.Jaxpr``) with each nested call (a ``jax.jit`` in the
+    step; :data:`_INLINED_CALLS`) replaced by the called jaxpr's equations, recursively:
+    the callee's inputs are the call's operands, its outputs stand for the call's
+    results, and each inlined equation gets fresh output variables (a jit called twice
+    defines its variables twice). Equations inside control flow are untouched. The
+    same values in the same order: only the nesting goes. Returns ``jaxpr`` itself
+    when it calls nothing inlinable."""
+    if not any(_called_jaxpr(e) is not None for e in jaxpr.eqns):
+        return jaxpr
+    from jax.extend.core import Var
+    eqns: list = []
+    top: dict = {}  # a top-level call's result -> the atom standing for it
+
+    def emit(eqn: Any, rename: dict, fresh: bool) -> None:
+        invars = [rename.get(a, a) if is_var(a) else a for a in eqn.invars]
+        inner = _called_jaxpr(eqn)
+        if inner is not None:
+            scope = dict(zip(inner.invars, invars))
+            for e in inner.eqns:
+                emit(e, scope, True)
+            for o, v in zip(eqn.outvars, inner.outvars):
+                if is_var(o):
+                    rename[o] = scope.get(v, v) if is_var(v) else v
+            return
+        outvars = list(eqn.outvars)
+        if fresh:
+            for k, o in enumerate(outvars):
+                if is_var(o):
+                    outvars[k] = rename[o] = Var(o.aval)
+        eqns.append(eqn.replace(invars=invars, outvars=outvars))
+
+    for e in jaxpr.eqns:
+        emit(e, top, False)
+    outvars = [top.get(v, v) if is_var(v) else v for v in jaxpr.outvars]
+    return jaxpr.replace(eqns=eqns, outvars=outvars)
+
+
+def inline_calls_in_body(closed_jaxpr: Any, index: int) -> Any:
+    """``closed_jaxpr`` (a traced program) with its equation ``index`` (a
+    ``shard_map``) calling its body with the nested calls inlined
+    (:func:`inline_calls`); itself when there are none."""
+    outer = closed_jaxpr.jaxpr
+    eqn = outer.eqns[index]
+    body = eqn.params["jaxpr"]
+    new = inline_calls(body)
+    if new is body:
+        return closed_jaxpr
+    eqns = list(outer.eqns)
+    eqns[index] = eqn.replace(params={**eqn.params, "jaxpr": new})
+    new_outer = outer.replace(eqns=eqns)
+    if outer is closed_jaxpr:  # jax 0.12: one Jaxpr carrying its consts
+        return new_outer
+    return closed_jaxpr.replace(jaxpr=new_outer)
+
+
 def is_var(atom: Any) -> bool:
     """Whether a jaxpr operand is a variable (not a literal, not a dropped output)."""
     return not is_literal(atom) and type(atom).__name__ == "Var"

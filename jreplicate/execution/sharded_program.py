@@ -89,6 +89,9 @@ class SplitJit:
                 "weight_update_sharding: the traced step holds no single shard_map "
                 "equation (an unexpected JAX change); create the strategy without "
                 "weight_update_sharding.")
+        # a jax.jit nested in the step (jax.jit(jax.grad(loss))) holds the gradient
+        # sum in its own jaxpr: inlined, the planner sees (and scatters) it
+        closed = jc.inline_calls_in_body(closed, index)
         outer, eqn = closed.jaxpr, closed.jaxpr.eqns[index]
         body = eqn.params["jaxpr"]
         flat_roles = self._roles()
@@ -114,6 +117,7 @@ class SplitJit:
                                compiler_options=self._options)
         self.plan = plan
         _report(plan, roles, layout, self._name)
+        _report_kept_calls(body, layout, self._name)
 
     def __call__(self, *arrays):
         self.ensure(list(arrays))
@@ -311,6 +315,17 @@ def _report(plan: UpdatePlan, roles: tuple, layout: Layout, name: str) -> None:
             "NNX Optimizer in place; nothing is sharded.",
             layout.weight_update_sharding, name)
         return
+    lost = [r.name or f"input {i}" for i, (d, r) in enumerate(zip(plan.in_dims, roles))
+            if d is not None and r.carried_to is None and r.state]
+    if lost and plan.sums_state_gradients:
+        _log.warning(
+            "jreplicate: weight_update_sharding=%r, step %s: %d inputs are stored sharded "
+            "but no output carries them back (%s%s): they are resharded on every call "
+            "and their new values returned replicated. Return the new state first, in "
+            "argument order (`return params, opt_state, loss` for a step of `(ctx, "
+            "batch, params, opt_state)`, each with its argument's structure).",
+            layout.weight_update_sharding, name, len(lost), ", ".join(lost[:4]),
+            f", and {len(lost) - 4} more" if len(lost) > 4 else "")
     if not carried:  # an evaluation step: nothing to report
         return
     kept = weight_update.report(plan, roles)
@@ -319,3 +334,16 @@ def _report(plan: UpdatePlan, roles: tuple, layout: Layout, name: str) -> None:
         "%d replicas, %d gradients reduce-scattered%s", layout.weight_update_sharding,
         name, sharded, layout.num_replicas, len(plan.scatter),
         f"; kept replicated: {kept}" if kept else "")
+
+
+def _report_kept_calls(body: Any, layout: Layout, name: str) -> None:
+    """Warns of the nested calls left whole (:func:`jreplicate._jax_compat.nested_calls`)
+    that sum over the replicas: such a gradient sum stays an all-reduce."""
+    kept = [str(e.params.get("name", e.primitive.name)) for e in jc.nested_calls(body)
+            if jc.replica_collective(e, layout.replica_axis)]
+    if kept:
+        _log.warning(
+            "jreplicate: weight_update_sharding=%r, step %s: the replica sum (a "
+            "gradient's) inside the nested jax.jit %s is not split out: it stays an "
+            "all-reduce, not a reduce-scatter; call jax.grad outside jax.jit inside the "
+            "step.", layout.weight_update_sharding, name, ", ".join(sorted(set(kept))))
