@@ -212,11 +212,16 @@ def test_restart_resumes_from_checkpoint_bit_for_bit(uninterrupted, tmp_path):
     assert re.search(r"process 0 of 2 failed first: killed by signal 9 \(SIGKILL\)", r.stderr)
     assert "restarting all 2 processes (restart 1 of 2)" in r.stderr
     assert "succeeded after 1 restart(s)" in r.stderr
-    assert "[p0] START per_worker at step 10 (restart 1)" in r.stdout
-    assert "[p1] START per_worker at step 10 (restart 1)" in r.stdout
+    # Checkpoint 10 is written in the background: under load its write may still be in
+    # flight when the chief is killed, and is then lost; both resume from 5 instead.
+    starts = dict(re.findall(r"\[p(\d)\] START per_worker at step (\d+) \(restart 1\)",
+                             r.stdout))
+    assert set(starts) == {"0", "1"} and len(set(starts.values())) == 1, r.stdout[-3000:]
+    start = int(starts["0"])
+    assert start in (5, 10), r.stdout[-3000:]
     leaves, losses = _load(tmp_path / "per_worker.npz")
     ref_leaves, ref_losses = _load(ref_out / "per_worker.npz")
-    np.testing.assert_array_equal(losses, ref_losses[10:])
+    np.testing.assert_array_equal(losses, ref_losses[start:])
     for a, b in zip(leaves, ref_leaves, strict=True):
         np.testing.assert_array_equal(a, b)  # bit for bit
 

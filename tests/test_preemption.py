@@ -336,7 +336,7 @@ def _reports(path: Path) -> list[list[str]]:
     return [ln.split() for ln in path.read_text().splitlines() if ln.strip()]
 
 
-@pytest.mark.parametrize("seed,k,service", [(0, 1, True), (1, 1, False), (2, 4, True)])
+@pytest.mark.parametrize("seed,k,service", [(1, 1, False), (2, 4, True)])
 def test_sigterm_to_one_of_two_processes_saves_restarts_and_resumes_bit_exact(
         tmp_path, reference, seed, k, service):
     """``service``: JAX's preemption service; else (switched off) the manager's SIGTERM
