@@ -94,26 +94,23 @@ from jax.sharding import PartitionSpec as P
 from jreplicate import _wire
 from jreplicate._jax_compat import unsupported_orbax
 from jreplicate._tree import native
-from jreplicate.checkpoint import restore as reading
-from jreplicate.checkpoint.checks import mismatch, one_line, path_problem
+from jreplicate.checkpoint import agreement, recover
+from jreplicate.checkpoint.checks import one_line, path_problem
 from jreplicate.checkpoint.digest import digest_array
 from jreplicate.checkpoint.dirlock import LOCK_NAME, DirectoryLock, LockHeldError
 from jreplicate.checkpoint.dtypes import as_stored
+from jreplicate.checkpoint.errors import CheckpointError
 from jreplicate.checkpoint.leaves import (
     check_not_key,
     sharded_across_processes,
     spans_processes,
     to_host,
     to_saved,
-    zeros_like,
 )
 from jreplicate.checkpoint.preemption import Preempted, PreemptionWatch
 from jreplicate.checkpoint.targets import resolve
 from jreplicate.checkpoint.tree import (
-    FORMAT_2,
-    logical,
     name_clash,
-    state_digest,
     table_v2,
     view_rows,
 )
@@ -133,21 +130,6 @@ T = TypeVar("T")
 #: The file Orbax writes into a step directory as the last act of a save: a step
 #: directory without it is incomplete, never restored, and moved aside by the chief.
 COMMIT_MARKER = "commit_success.txt"
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint could not be written or read (raised on every process alike).
-
-    Example (the directory cannot be created: its parent is a file):
-      >>> import os, tempfile, jreplicate as jr
-      >>> parent = os.path.join(tempfile.mkdtemp(), "a_file")
-      >>> open(parent, "w").close()
-      >>> try:
-      ...     jr.CheckpointManager(os.path.join(parent, "ckpt"), jr.MirroredStrategy())
-      ... except jr.checkpoint.CheckpointError as e:
-      ...     print(str(e).split(": ")[1])
-      /tmp/.../a_file is a file, where a directory is needed. Give a directory path that ...
-    """
 
 
 class _NoPreemption:
@@ -269,8 +251,9 @@ class CheckpointManager:
         wait_for_writes(self._dir)  # of a manager dropped without close()
         # The chief's failure (no permission, a file in the way, another job's lock) is
         # everybody's, at once: not a ClusterError on the others at their next agreement.
-        _, err = self._share(lambda: (None, self._open_directory() if self.is_chief else None),
-                             f"opening the checkpoint directory {self._dir}")
+        _, err = agreement.share(
+            self, lambda: (None, self._open_directory() if self.is_chief else None),
+            f"opening the checkpoint directory {self._dir}")
         if err:
             raise CheckpointError(err)
         self._unseen = self._who_cannot_see()
@@ -312,7 +295,7 @@ class CheckpointManager:
 
     def latest_step(self) -> int | None:
         """The chief's latest complete step, agreed by every process (None: none yet)."""
-        step, err = self._share(lambda: (self._latest(), None), "the latest checkpoint")
+        step, err = agreement.share(self, lambda: (self._latest(), None), "the latest checkpoint")
         if err:
             raise CheckpointError(err)
         return step
@@ -373,9 +356,9 @@ class CheckpointManager:
             what = "restore_or_initialize: init_fn() returned"
             template = _abstract(init_fn)
             abstract = _abstract_leaves(template, what)
-            self._check_same_state(abstract)
+            agreement.check_same_state(self, abstract)
             targets = resolve(template, shardings, self._strategy.mesh)
-            step, state = self._restore_newest(steps, abstract, targets)
+            step, state = recover.restore_newest(self, steps, abstract, targets)
             logger.info("jreplicate: restored state at step %d", step)
             return step, state
         return 0, self._initialise(init_fn(), shardings)
@@ -387,8 +370,8 @@ class CheckpointManager:
         targets = resolve(template, shardings, self._strategy.mesh)
         host = to_host(jax.tree.map(lambda x: None if spans_processes(x) else x, template),
                        what)
-        self._check_same_state(host)
-        host = self._broadcast(host)
+        agreement.check_same_state(self, host)
+        host = agreement.broadcast(self, host)
         treedef = jax.tree.structure(template)
         leaves = []
         for x, h, target in zip(treedef.flatten_up_to(template), treedef.flatten_up_to(host),
@@ -400,123 +383,6 @@ class CheckpointManager:
                 leaves.append(self._place(h, target))
         logger.info("jreplicate: initialised state at step 0")
         return jax.tree.unflatten(treedef, leaves)
-
-    def _restore_newest(self, steps: list[int], template: Any,
-                        targets: list) -> tuple[int, Any]:
-        """``(step, state)`` of the newest undamaged checkpoint among ``steps`` (newest
-        first). A mismatch with ``template`` is an error at once, whatever older steps
-        hold. The damaged steps newer than the one restored are moved aside; when none
-        is restored nothing is moved (an error)."""
-        damaged: list[tuple[int, str]] = []
-        for step in steps:
-            path = reading.item_dir(self._dir, step)
-            where = f"checkpoint {step} in {self._dir}"
-            kind, detail, meta = self._agreed_metadata(path, template, where)
-            if kind in ("mismatch", "error"):
-                raise CheckpointError(detail + "".join(
-                    f"\n(Newer checkpoint {s} is damaged: {why}.)" for s, why in damaged))
-            if kind == "ok":
-                state, damage = (self._read_everywhere(path, meta, template, targets)
-                                 if self._shared and meta[3] == FORMAT_2 else
-                                 self._read_on_chief(path, meta, template, targets))
-                if damage is None:
-                    self._set_damaged_aside(damaged)
-                    return step, state
-                detail = damage
-            damaged.append((step, detail))
-        listed = "; ".join(f"{s}: {why}" for s, why in damaged[:5]) + (
-            f"; and {len(damaged) - 5} more" if len(damaged) > 5 else "")
-        raise CheckpointError(
-            f"every checkpoint in {self._dir} is damaged ({listed}). Nothing was moved and "
-            "training does not restart from step 0 on its own: restore the files from a "
-            f"copy, or move the step directories out of {self._dir} to start from "
-            "init_fn() at step 0.")
-
-    def _agreed_metadata(self, path: str, template: Any, where: str):
-        """``(kind, detail, (tree, table, views, format))``: the step's metadata as
-        every process reads it (or the chief alone, when the directory is not shared),
-        and the agreed outcome: ok, damaged, or an error (a mismatch, a later format)."""
-        meta = None
-
-        def read() -> tuple[str, str]:
-            nonlocal meta
-            try:
-                meta = reading.stored(path)
-            except reading.Damaged as e:
-                return "damaged", str(e)
-            except reading.TooNew as e:
-                return "error", str(e)
-            except Exception as e:  # broad: any read error is shared, not raised
-                # on one process alone (the others would hang)
-                return "error", f"reading {path} failed: {one_line(e)}"
-            differs = mismatch(logical(meta[0], meta[2]), template, where)
-            return ("mismatch", differs) if differs else ("ok", "")
-        if self._shared or self.is_chief:
-            kind, detail = read()
-        else:
-            kind, detail = "ok", ""
-        kind, detail = self._agree(kind, detail, "a checkpoint's metadata",
-                                   chief_only=not self._shared)
-        return kind, detail, meta
-
-    def _read_everywhere(self, path: str, meta: tuple, template: Any,
-                         targets: list) -> tuple[Any, str | None]:
-        """Every process reads its shards of a format-2 step; the outcome is agreed,
-        then the digests are checked (collectively: the same answer everywhere)."""
-        tree, table, views, _ = meta
-        value, error = reading.load_placed(path, tree, views, template, targets)
-        kind, detail = self._agree("damaged" if error else "ok", error or "",
-                                   "reading a checkpoint")
-        if kind != "ok":
-            return None, detail
-        damage = reading.check_placed(value, tree, table)
-        if damage:
-            return None, damage
-        return reading.finish(value, tree, views, template, targets, self._place), None
-
-    def _read_on_chief(self, path: str, meta: tuple | None, template: Any,
-                       targets: list) -> tuple[Any, str | None]:
-        """The chief reads (format 1, or a directory only it sees) and broadcasts."""
-        value = None
-
-        def chief_reads() -> tuple[str, str]:
-            nonlocal value
-            if not self.is_chief:
-                return "ok", ""
-            tree, table, views, _ = meta
-            try:
-                value, damage = reading.read_host(path, tree, table, views, template)
-            except Exception as e:  # broad: shared, never raised on the chief alone
-                return "error", f"reading the checkpoints in {self._dir} failed: {one_line(e)}"
-            return ("damaged", damage) if damage else ("ok", "")
-        kind, detail = self._agree(*chief_reads(), "reading a checkpoint", chief_only=True)
-        if kind == "error":
-            raise CheckpointError(detail)
-        if kind != "ok":
-            return None, detail
-        host = self._broadcast(value if self.is_chief else
-                               zeros_like(template, "restore_or_initialize"))
-        treedef = jax.tree.structure(template)
-        return jax.tree.unflatten(treedef, [
-            self._place(x, t) for x, t in zip(treedef.flatten_up_to(host), targets,
-                                              strict=True)]), None
-
-    def _set_damaged_aside(self, damaged: list[tuple[int, str]]) -> None:
-        def chief_moves():
-            if not self.is_chief:
-                return None, None
-            for s, why in damaged:
-                try:
-                    self._set_aside(s, "damaged", why)
-                except OSError as e:
-                    return None, (f"checkpoint {s} in {self._dir} is damaged ({why}) and "
-                                  f"cannot be moved aside: {one_line(e)}. Remove "
-                                  f"{os.path.join(self._dir, str(s))}.")
-            return None, None
-        if damaged:
-            _, err = self._share(chief_moves, "moving damaged checkpoints aside")
-            if err:
-                raise CheckpointError(err)
 
     def _place(self, x: np.ndarray, sharding: Any) -> jax.Array:
         """``x`` on ``sharding``, unchanged. Across processes every process holds the same
@@ -645,8 +511,9 @@ class CheckpointManager:
     def _write(self, step: int, stored: Any, metadata: dict) -> None:
         """Starts the write through the writer seam on every process that writes; its
         outcome is agreed now (blocking saves, preemption) or at the next call."""
-        _, err = self._share(lambda: (None, self._new_step_problem(step) if self.is_chief
-                                      else None), f"writing checkpoint {step}")
+        _, err = agreement.share(
+            self, lambda: (None, self._new_step_problem(step) if self.is_chief else None),
+            f"writing checkpoint {step}")
         if err:
             raise CheckpointError(err)
         if self._shared or self.is_chief:
@@ -820,16 +687,6 @@ class CheckpointManager:
         return steps[-1] if steps else None
 
     # -- agreement -----------------------------------------------------------------
-    def _share(self, chief_fn: Callable[[], tuple[Any, str | None]], what: str):
-        """Runs ``chief_fn`` on the chief and gives its ``(value, error)`` to everyone."""
-        value, err = chief_fn()
-        if self._agreement is None:
-            return value, err
-        mine = {"value": value, "error": err} if self.is_chief else \
-            {"value": None, "error": None}
-        chief = self._agreement.exchange(mine, what, _wire.CHIEF_RESULT)[0]
-        return chief["value"], chief["error"]
-
     def _share_steps(self) -> tuple[list[int], str | None]:
         """The chief's complete steps, newest first, given to everyone."""
         steps, err = None, None
@@ -845,51 +702,6 @@ class CheckpointManager:
                                              _wire.CHECKPOINT_STEPS)[0]
             steps, err = chief["value"], chief["error"]
         return steps or [], err
-
-    def _agree(self, kind: str, detail: str, what: str, *,
-               chief_only: bool = False) -> tuple[str, str]:
-        """Every process's outcome, combined alike everywhere: the first process's
-        mismatch or error, else the first damage, else ok (``chief_only``: the chief's)."""
-        if self._agreement is None:
-            return kind, detail
-        outcomes = self._agreement.exchange({"kind": kind, "detail": detail}, what,
-                                            _wire.CHECKPOINT_OUTCOME)
-        if chief_only:
-            return outcomes[0]["kind"], outcomes[0]["detail"]
-        for wanted in (("mismatch", "error"), ("damaged",)):
-            for p, o in enumerate(outcomes):
-                if o["kind"] in wanted:
-                    named = o["detail"] if p == 0 or o["kind"] == "mismatch" else \
-                        f"process {p}: {o['detail']}"
-                    return o["kind"], named
-        return "ok", ""
-
-    def _check_same_state(self, host: Any) -> None:
-        """Raises on every process alike when init_fn() builds another structure, shape
-        or dtype on some process (the broadcast would otherwise hang or fail on one)."""
-        if self._agreement is None:
-            return
-        digests = self._agreement.all_gather(state_digest(host).encode(),
-                                             "init_fn()'s state")
-        others = [p for p, d in enumerate(digests) if d != digests[0]]
-        if others:
-            raise CheckpointError(
-                f"restore_or_initialize: init_fn() builds another state on process "
-                f"{others[0]} than on process 0 (other paths, shapes or dtypes); every "
-                "process must build the same state (the same model and optimizer).")
-
-    def _broadcast(self, host: Any) -> Any:
-        if self._strategy.num_processes == 1:
-            return host
-        from jax.experimental import multihost_utils
-        leaves, treedef = jax.tree.flatten(host)
-        # As bytes: the broadcast sums the chief's values with the others' zeros, which
-        # would turn -0.0 into +0.0 (and may change a NaN's payload); bytes sum exactly.
-        raw = [np.ascontiguousarray(x).reshape(-1).view(np.uint8) for x in leaves]
-        raw = multihost_utils.broadcast_one_to_all(raw)
-        return jax.tree.unflatten(treedef, [
-            np.asarray(r, np.uint8).view(x.dtype).reshape(np.shape(x))
-            for r, x in zip(raw, leaves, strict=True)])
 
 
 def _is_thunk(state: Any) -> bool:
