@@ -81,8 +81,6 @@ from __future__ import annotations
 import logging
 import os
 import sys
-import time
-import weakref
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -93,17 +91,14 @@ from jax.sharding import PartitionSpec as P
 
 from jreplicate import _wire
 from jreplicate._jax_compat import unsupported_orbax
-from jreplicate._tree import native
-from jreplicate.checkpoint import agreement, recover
-from jreplicate.checkpoint.checks import one_line, path_problem
+from jreplicate.checkpoint import agreement, chief_files, recover
+from jreplicate.checkpoint.chief_files import COMMIT_MARKER
 from jreplicate.checkpoint.digest import digest_array
-from jreplicate.checkpoint.dirlock import LOCK_NAME, DirectoryLock, LockHeldError
+from jreplicate.checkpoint.dirlock import LOCK_NAME, DirectoryLock
 from jreplicate.checkpoint.dtypes import as_stored
 from jreplicate.checkpoint.errors import CheckpointError
 from jreplicate.checkpoint.leaves import (
-    check_not_key,
     sharded_across_processes,
-    spans_processes,
     to_host,
     to_saved,
 )
@@ -127,9 +122,6 @@ from jreplicate.strategies.base import Strategy
 logger = logging.getLogger("jreplicate")
 
 T = TypeVar("T")
-#: The file Orbax writes into a step directory as the last act of a save: a step
-#: directory without it is incomplete, never restored, and moved aside by the chief.
-COMMIT_MARKER = "commit_success.txt"
 
 
 class _NoPreemption:
@@ -216,7 +208,7 @@ class CheckpointManager:
             raise TypeError(
                 f"CheckpointManager(directory=...) must be a path, got {directory!r}."
             )
-        _refuse_url(os.fspath(directory))
+        chief_files.refuse_url(os.fspath(directory))
         if max_to_keep is not None and (isinstance(max_to_keep, bool)
                                         or not isinstance(max_to_keep, int) or max_to_keep < 1):
             raise ValueError(
@@ -252,11 +244,11 @@ class CheckpointManager:
         # The chief's failure (no permission, a file in the way, another job's lock) is
         # everybody's, at once: not a ClusterError on the others at their next agreement.
         _, err = agreement.share(
-            self, lambda: (None, self._open_directory() if self.is_chief else None),
+            self, lambda: (None, chief_files.open_directory(self) if self.is_chief else None),
             f"opening the checkpoint directory {self._dir}")
         if err:
             raise CheckpointError(err)
-        self._unseen = self._who_cannot_see()
+        self._unseen = chief_files.who_cannot_see(self)
         self._shared = self._unseen is None
         timeouts = getattr(strategy, "timeouts", None)
         self._writer = BackgroundWriter(
@@ -349,50 +341,19 @@ class CheckpointManager:
                 f"the initial state, got {type(init_fn).__name__}."
             )
         self._settle()
-        steps, err = self._share_steps()
+        steps, err = chief_files.share_steps(self)
         if err:
             raise CheckpointError(err)
         if steps:
             what = "restore_or_initialize: init_fn() returned"
-            template = _abstract(init_fn)
-            abstract = _abstract_leaves(template, what)
+            template = recover.abstract(init_fn)
+            abstract = recover.abstract_leaves(template, what)
             agreement.check_same_state(self, abstract)
             targets = resolve(template, shardings, self._strategy.mesh)
             step, state = recover.restore_newest(self, steps, abstract, targets)
             logger.info("jreplicate: restored state at step %d", step)
             return step, state
-        return 0, self._initialise(init_fn(), shardings)
-
-    def _initialise(self, template: Any, shardings: Any) -> Any:
-        """``init_fn()``'s state on every process: arrays sharded across processes as
-        they are (moved to their target), the rest the chief's values, broadcast."""
-        what = "restore_or_initialize: init_fn() returned"
-        targets = resolve(template, shardings, self._strategy.mesh)
-        host = to_host(jax.tree.map(lambda x: None if spans_processes(x) else x, template),
-                       what)
-        agreement.check_same_state(self, host)
-        host = agreement.broadcast(self, host)
-        treedef = jax.tree.structure(template)
-        leaves = []
-        for x, h, target in zip(treedef.flatten_up_to(template), treedef.flatten_up_to(host),
-                                targets, strict=True):
-            if h is None:
-                leaves.append(x if x.sharding == target else
-                              jax.jit(lambda a: a, out_shardings=target)(x))
-            else:
-                leaves.append(self._place(h, target))
-        logger.info("jreplicate: initialised state at step 0")
-        return jax.tree.unflatten(treedef, leaves)
-
-    def _place(self, x: np.ndarray, sharding: Any) -> jax.Array:
-        """``x`` on ``sharding``, unchanged. Across processes every process holds the same
-        ``x`` (the chief's, broadcast), so each builds its own shards from it: the check
-        ``device_put`` makes there (another gather, comparing values) fails on NaN."""
-        held = jax.dtypes.canonicalize_dtype(x.dtype)  # init_fn()'s 64-bit NumPy values
-        x = x if held == x.dtype else x.astype(held)
-        if self._strategy.num_processes == 1:
-            return jax.device_put(x, sharding)
-        return jax.make_array_from_callback(x.shape, sharding, lambda index: x[index])
+        return 0, recover.initialise(self, init_fn(), shardings)
 
     # -- save ----------------------------------------------------------------------
     def should_save(self, step: int) -> bool:
@@ -540,7 +501,7 @@ class CheckpointManager:
             self._retain()
 
     def _new_step_problem(self, step: int) -> str | None:
-        self._tidy()
+        chief_files.tidy(self)
         steps = self.complete_steps()
         if step in steps:
             return (f"checkpoint {step} already exists in {self._dir}; save each step "
@@ -601,107 +562,11 @@ class CheckpointManager:
     def __exit__(self, *exc: Any) -> None:
         self.close()
 
-    # -- chief's file work ---------------------------------------------------------
-    def _open_directory(self) -> str | None:
-        """Creates the directory and takes its lock; returns an error message or None."""
-        path = self._dir
-        try:
-            os.makedirs(path, exist_ok=True)
-            self._lock = DirectoryLock(path)
-        except LockHeldError as e:
-            who = ("another CheckpointManager, not closed, of the chief's process"
-                   if e.in_this_process else f"another job: {e}")
-            fix = ("close() that manager first, or use it" if e.in_this_process else
-                   "stop the other job, or give this one another directory. If that job is "
-                   f"gone (e.g. it ran on another host), delete {os.path.join(path, LOCK_NAME)}")
-            return (f"the checkpoint directory {path} is in use by {who}. Two managers "
-                    f"writing one directory overwrite each other's checkpoints: {fix}.")
-        except OSError as e:
-            return path_problem(path, e)
-        weakref.finalize(self, self._lock.release)
-        return None
-
-    def _who_cannot_see(self) -> tuple[int, str] | None:
-        """``(process, why)`` of the first process that does not read the chief's lock
-        record in the directory (the directory is not shared), or None."""
-        if self._agreement is None:
-            return None
-        lock = os.path.join(self._dir, LOCK_NAME)
-
-        def record() -> str | None:
-            with open(lock, encoding="utf-8") as f:
-                return f.read()
-        mine: str | None = None
-        error = None
-        if self.is_chief:
-            try:
-                mine = record()
-            except OSError as e:
-                error = f"the chief cannot read its lock {lock}: {one_line(e)}"
-        chief = self._agreement.exchange({"value": mine, "error": error},
-                                         "the checkpoint directory's lock",
-                                         _wire.CHIEF_TEXT)[0]
-        if chief["error"]:
-            raise CheckpointError(chief["error"])
-        kind, detail = "ok", ""
-        if not self.is_chief:
-            try:
-                if record() != chief["value"]:
-                    kind, detail = "error", "it reads another job's lock record there"
-            except OSError as e:
-                kind, detail = "error", one_line(e)
-        outcomes = self._agreement.exchange({"kind": kind, "detail": detail},
-                                            "a checkpoint outcome", _wire.CHECKPOINT_OUTCOME)
-        for p, o in enumerate(outcomes):
-            if o["kind"] != "ok":
-                logger.info("jreplicate: process %d cannot see the checkpoint directory %s "
-                            "(%s): the chief alone writes checkpoints", p, self._dir,
-                            o["detail"])
-                return p, o["detail"]
-        return None
-
-    def _tidy(self) -> None:
-        """The chief's first look at the directory: deletes the temporary directories of
-        interrupted saves and moves incomplete steps aside."""
-        if self._tidied:
-            return
-        self._tidied = True
-        remove_debris(self._dir)
-        complete = set(self.complete_steps())
-        for name in os.listdir(self._dir):
-            path = os.path.join(self._dir, name)
-            if name.isdigit() and int(name) not in complete and os.path.isdir(path):
-                self._set_aside(int(name), "incomplete", f"no {COMMIT_MARKER}")
-
-    def _set_aside(self, step: int, kind: str, why: str) -> None:
-        path = os.path.join(self._dir, str(step))
-        aside = f"{path}.{kind}-{int(time.time())}"
-        logger.warning("jreplicate: checkpoint %s is %s (%s); moved it to %s", path, kind,
-                       why, aside)
-        os.rename(path, aside)
-
     def _latest(self) -> int | None:
         if not self.is_chief:
             return None
         steps = self.complete_steps()
         return steps[-1] if steps else None
-
-    # -- agreement -----------------------------------------------------------------
-    def _share_steps(self) -> tuple[list[int], str | None]:
-        """The chief's complete steps, newest first, given to everyone."""
-        steps, err = None, None
-        if self.is_chief:
-            try:
-                self._tidy()
-                steps = sorted(self.complete_steps(), reverse=True)
-            except OSError as e:
-                err = f"reading the checkpoints in {self._dir} failed: {one_line(e)}"
-        if self._agreement is not None:
-            chief = self._agreement.exchange({"value": steps, "error": err},
-                                             "the checkpoints to restore",
-                                             _wire.CHECKPOINT_STEPS)[0]
-            steps, err = chief["value"], chief["error"]
-        return steps or [], err
 
 
 def _is_thunk(state: Any) -> bool:
@@ -711,42 +576,3 @@ def _is_thunk(state: Any) -> bool:
         return False
     leaves = jax.tree.leaves(state)
     return len(leaves) == 1 and leaves[0] is state
-
-
-def _abstract_leaves(template: Any, what: str) -> Any:
-    """The template's leaves as ShapeDtypeStructs (keys refused), for the structure
-    checks; nothing is allocated."""
-    def leaf(path, x):
-        check_not_key(x, path, what)
-        return jax.ShapeDtypeStruct(np.shape(x), x.dtype)
-    from jreplicate._tree import map_checked
-    return map_checked(leaf, template, what)
-
-
-def _abstract(init_fn: Callable[[], Any]) -> Any:
-    try:
-        return jax.eval_shape(init_fn)
-    except Exception:  # not traceable (e.g. numpy code): evaluate it
-        return jax.tree.map(_as_held, init_fn())
-
-
-def _as_held(x: Any) -> Any:
-    """A host leaf as JAX holds it (the dtypes ``jax.eval_shape`` gives, those the state
-    ``init_fn`` initialises is placed with: a NumPy float64 is float32 with x64 off)."""
-    if isinstance(x, (np.ndarray, np.generic, bool, int, float, complex)):
-        a = np.asarray(x)
-        return jax.ShapeDtypeStruct(a.shape, jax.dtypes.canonicalize_dtype(native(a.dtype)))
-    return x
-
-
-def _refuse_url(directory: str) -> None:
-    """Raises for a URL (``gs://bucket/ckpt``): the manager works through the local file
-    system, where ``os.path.abspath`` would make it a relative directory ``gs:/bucket``
-    on each host's own disk, lost with the host."""
-    scheme, sep, _ = directory.partition("://")
-    if sep and scheme.isidentifier():
-        raise ValueError(
-            f"CheckpointManager(directory={directory!r}): a {scheme}:// URL is not a "
-            "path. CheckpointManager writes through the file system, so it would write "
-            f"into a local directory named {scheme}: on each host. Mount the bucket "
-            "(e.g. gcsfuse) on every host and give the mount's path.")

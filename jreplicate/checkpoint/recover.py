@@ -1,27 +1,37 @@
-"""Restoring the newest undamaged checkpoint on every process (private to
-jreplicate.checkpoint).
+"""Restoring the newest undamaged checkpoint, or initialising, on every process
+(private to jreplicate.checkpoint).
 
 :func:`restore_newest` walks a manager's complete steps, newest first: every process
 agrees on each step's metadata (a mismatch with ``init_fn()``'s state or a later format
 is an error at once), reads it (format 2: every process its own shards, when the
 directory is shared; else the chief, who broadcasts), and agrees on the damage; the
 damaged steps newer than the one restored are moved aside by the chief. The reading
-itself is :mod:`jreplicate.checkpoint.restore`'s.
+itself is :mod:`jreplicate.checkpoint.restore`'s. :func:`initialise` places
+``init_fn()``'s state (the chief's values, broadcast) when there is no checkpoint.
 """
 
 from __future__ import annotations
 
+import functools
+import logging
 import os
+from collections.abc import Callable
 from typing import Any
 
 import jax
+import numpy as np
 
+from jreplicate._tree import native
+from jreplicate.checkpoint import agreement, chief_files
 from jreplicate.checkpoint import restore as reading
 from jreplicate.checkpoint.agreement import agree, broadcast, share
 from jreplicate.checkpoint.checks import mismatch, one_line
 from jreplicate.checkpoint.errors import CheckpointError
-from jreplicate.checkpoint.leaves import zeros_like
+from jreplicate.checkpoint.leaves import check_not_key, spans_processes, to_host, zeros_like
+from jreplicate.checkpoint.targets import resolve
 from jreplicate.checkpoint.tree import FORMAT_2, logical
+
+logger = logging.getLogger("jreplicate")
 
 
 def restore_newest(m, steps: list[int], template: Any,
@@ -97,7 +107,8 @@ def _read_everywhere(m, path: str, meta: tuple, template: Any,
     damage = reading.check_placed(value, tree, table)
     if damage:
         return None, damage
-    return reading.finish(value, tree, views, template, targets, m._place), None
+    return reading.finish(value, tree, views, template, targets,
+                          functools.partial(place, m)), None
 
 
 def _read_on_chief(m, path: str, meta: tuple | None, template: Any,
@@ -124,7 +135,7 @@ def _read_on_chief(m, path: str, meta: tuple | None, template: Any,
                            zeros_like(template, "restore_or_initialize"))
     treedef = jax.tree.structure(template)
     return jax.tree.unflatten(treedef, [
-        m._place(x, t) for x, t in zip(treedef.flatten_up_to(host), targets,
+        place(m, x, t) for x, t in zip(treedef.flatten_up_to(host), targets,
                                           strict=True)]), None
 
 
@@ -134,7 +145,7 @@ def _set_damaged_aside(m, damaged: list[tuple[int, str]]) -> None:
             return None, None
         for s, why in damaged:
             try:
-                m._set_aside(s, "damaged", why)
+                chief_files.set_aside(m, s, "damaged", why)
             except OSError as e:
                 return None, (f"checkpoint {s} in {m._dir} is damaged ({why}) and "
                               f"cannot be moved aside: {one_line(e)}. Remove "
@@ -144,3 +155,62 @@ def _set_damaged_aside(m, damaged: list[tuple[int, str]]) -> None:
         _, err = share(m, chief_moves, "moving damaged checkpoints aside")
         if err:
             raise CheckpointError(err)
+
+
+def initialise(m, template: Any, shardings: Any) -> Any:
+    """``init_fn()``'s state on every process: arrays sharded across processes as
+    they are (moved to their target), the rest the chief's values, broadcast."""
+    what = "restore_or_initialize: init_fn() returned"
+    targets = resolve(template, shardings, m._strategy.mesh)
+    host = to_host(jax.tree.map(lambda x: None if spans_processes(x) else x, template),
+                   what)
+    agreement.check_same_state(m, host)
+    host = agreement.broadcast(m, host)
+    treedef = jax.tree.structure(template)
+    leaves = []
+    for x, h, target in zip(treedef.flatten_up_to(template), treedef.flatten_up_to(host),
+                            targets, strict=True):
+        if h is None:
+            leaves.append(x if x.sharding == target else
+                          jax.jit(lambda a: a, out_shardings=target)(x))
+        else:
+            leaves.append(place(m, h, target))
+    logger.info("jreplicate: initialised state at step 0")
+    return jax.tree.unflatten(treedef, leaves)
+
+
+def place(m, x: np.ndarray, sharding: Any) -> jax.Array:
+    """``x`` on ``sharding``, unchanged. Across processes every process holds the same
+    ``x`` (the chief's, broadcast), so each builds its own shards from it: the check
+    ``device_put`` makes there (another gather, comparing values) fails on NaN."""
+    held = jax.dtypes.canonicalize_dtype(x.dtype)  # init_fn()'s 64-bit NumPy values
+    x = x if held == x.dtype else x.astype(held)
+    if m._strategy.num_processes == 1:
+        return jax.device_put(x, sharding)
+    return jax.make_array_from_callback(x.shape, sharding, lambda index: x[index])
+
+
+def abstract(init_fn: Callable[[], Any]) -> Any:
+    try:
+        return jax.eval_shape(init_fn)
+    except Exception:  # not traceable (e.g. numpy code): evaluate it
+        return jax.tree.map(_as_held, init_fn())
+
+
+def abstract_leaves(template: Any, what: str) -> Any:
+    """The template's leaves as ShapeDtypeStructs (keys refused), for the structure
+    checks; nothing is allocated."""
+    def leaf(path, x):
+        check_not_key(x, path, what)
+        return jax.ShapeDtypeStruct(np.shape(x), x.dtype)
+    from jreplicate._tree import map_checked
+    return map_checked(leaf, template, what)
+
+
+def _as_held(x: Any) -> Any:
+    """A host leaf as JAX holds it (the dtypes ``jax.eval_shape`` gives, those the state
+    ``init_fn`` initialises is placed with: a NumPy float64 is float32 with x64 off)."""
+    if isinstance(x, (np.ndarray, np.generic, bool, int, float, complex)):
+        a = np.asarray(x)
+        return jax.ShapeDtypeStruct(a.shape, jax.dtypes.canonicalize_dtype(native(a.dtype)))
+    return x
