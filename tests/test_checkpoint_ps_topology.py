@@ -126,9 +126,14 @@ def test_another_num_ps_is_refused_and_nothing_moves(saved, num_ps):
     try:
         with jr.CheckpointManager(directory, job[1]) as mngr:
             with pytest.raises(CheckpointError, match=r"does not match init_fn\(\)'s state"
-                               r"(.|\n)*\['shards'\]"):
+                               r"(.|\n)*\['shards'\]") as e:
                 mngr.restore_or_initialize(job[0].state)
             assert mngr.latest_step() == 6
+        # The message says what differs, the number of shards, and lists no path on
+        # both sides (num_ps 1's one-element list is transparent in the matching).
+        assert (f"['shards'] holds 2 element(s) in the checkpoint but {num_ps} in "
+                "init_fn()'s state") in str(e.value)
+        assert "only in" not in str(e.value)
     finally:
         job[0].shutdown()
 
@@ -323,3 +328,23 @@ def test_a_state_restored_into_renamed_parameters_is_refused(tmp_path):
                                                      "b": np.full(4, -2.0, np.float32)})
     finally:
         same[0].shutdown()
+
+
+@pytest.mark.parametrize("stored,built", [([0, 1], [0]), ([0], [0, 1]), ([0, 1], [0, 1, 2])])
+def test_a_sequence_of_another_length_is_named_by_its_length(stored, built):
+    """The mismatch message of a sequence holding another number of elements names the
+    sequence and both lengths, not the same paths on both sides: a one-element sequence
+    is transparent in the matching, so its element's paths are not "only" on one side."""
+    from jreplicate.checkpoint.checks import mismatch
+
+    def leaf(i):
+        return {"w": jax.ShapeDtypeStruct((2,), np.float32), "n": jax.ShapeDtypeStruct(
+            (), np.int32)} if i < 2 else {"w": jax.ShapeDtypeStruct((2,), np.float32)}
+
+    have = {"shards": [leaf(i) for i in stored], "step": jax.ShapeDtypeStruct((), np.int32)}
+    want = {"shards": [leaf(i) for i in built], "step": jax.ShapeDtypeStruct((), np.int32)}
+    text = mismatch(have, want, "checkpoint 1")
+    assert (f"['shards'] holds {len(stored)} element(s) in the checkpoint but "
+            f"{len(built)} in init_fn()'s state") in text
+    assert "only in" not in text
+    assert mismatch(have, have, "checkpoint 1") is None

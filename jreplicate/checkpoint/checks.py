@@ -16,7 +16,14 @@ import jax
 import numpy as np
 
 from jreplicate._tree import path_str
-from jreplicate.checkpoint.tree import normalised, spec, template_leaves
+from jreplicate.checkpoint.tree import (
+    Norm,
+    has_leaves,
+    is_array_spec,
+    normalised,
+    spec,
+    template_leaves,
+)
 
 
 def one_line(e: BaseException, limit: int = 300) -> str:
@@ -103,6 +110,14 @@ def mismatch(stored: Any, template: Any, what: str) -> str | None:
             casts += [f"{np.dtype(m.dtype).name} at {p}"] * cast
     if not (missing or extra or differ):
         return None
+    lengths = _lengths(stored, template)
+    if lengths:  # leaves under a sequence of another length: said once, by its length
+        under = [n for n, _ in lengths]
+        missing = [f"{p} {spec(specs[i])}" for n, (p, i) in want.items()
+                   if n not in have and not _within(n, under)]
+        extra = [f"{path_str(p) or 'the root'} {spec(m)}" for n, (p, m) in have.items()
+                 if n not in want and not _within(n, under)]
+        differ = [text for _, text in lengths] + differ
     first = (differ[0] if differ else
              f"init_fn()'s state has {missing[0]}, which the checkpoint lacks" if missing
              else f"the checkpoint has {extra[0]}, which init_fn()'s state lacks")
@@ -123,6 +138,52 @@ def mismatch(stored: Any, template: Any, what: str) -> str | None:
                  "optax.chain(tx)'s, do not matter); or give a new directory to start from "
                  "step 0.")
     return "\n".join(lines)
+
+
+def _sequences(tree: Any, is_leaf) -> dict[Norm, tuple[str, set[int]]]:
+    """``{normalised path: (key path, lengths)}`` of the sequences of a serialized tree,
+    each length counted as :func:`~jreplicate.checkpoint.tree.normalised` counts it
+    (trailing leafless elements dropped; a one-element sequence, transparent there,
+    shares its normalised path with what it wraps)."""
+    out: dict[Norm, tuple[str, set[int]]] = {}
+
+    def walk(node, norm, path):
+        if is_leaf(node) or not isinstance(node, (dict, list, tuple)):
+            return
+        if isinstance(node, dict):
+            for k, v in node.items():
+                walk(v, norm + (("k", str(k)),), path + (jax.tree_util.DictKey(k),))
+            return
+        kids = list(node)
+        while kids and not has_leaves(kids[-1]):
+            kids.pop()
+        out.setdefault(norm, (path_str(path) or "the root", set()))[1].add(len(kids))
+        for i, child in enumerate(kids):
+            walk(child, norm if len(kids) == 1 else norm + (("i", i),),
+                 path + (jax.tree_util.SequenceKey(i),))
+    walk(tree, (), ())
+    return out
+
+
+def _lengths(stored: Any, template: Any) -> list[tuple[Norm, str]]:
+    """The sequences (lists and tuples) that hold another number of elements with data
+    in the checkpoint than in init_fn()'s state, e.g. a parameter-server state saved
+    with 2 shards restored with 1: ``(normalised path, what differs)``."""
+    import orbax.checkpoint as ocp
+    leaves, treedef = jax.tree.flatten(template)
+    serial = ocp.tree.serialize_tree(jax.tree.unflatten(treedef, range(len(leaves))),
+                                     keep_empty_nodes=True)
+    want = _sequences(serial, lambda x: isinstance(x, int))
+    out = []
+    for n, (where, have) in _sequences(stored, is_array_spec).items():
+        if n in want and not have & want[n][1]:
+            out.append((n, f"{where} holds {max(have)} element(s) in the checkpoint but "
+                           f"{max(want[n][1])} in init_fn()'s state"))
+    return out
+
+
+def _within(norm: Norm, prefixes: list[Norm]) -> bool:
+    return any(norm[:len(p)] == p for p in prefixes)
 
 
 def _listing(items: list[str], limit: int = 6) -> str:

@@ -81,8 +81,6 @@ from __future__ import annotations
 import logging
 import os
 import sys
-import time
-import weakref
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -93,27 +91,21 @@ from jax.sharding import PartitionSpec as P
 
 from jreplicate import _wire
 from jreplicate._jax_compat import unsupported_orbax
-from jreplicate._tree import native
-from jreplicate.checkpoint import restore as reading
-from jreplicate.checkpoint.checks import mismatch, one_line, path_problem
+from jreplicate.checkpoint import agreement, chief_files, recover
+from jreplicate.checkpoint.chief_files import COMMIT_MARKER
 from jreplicate.checkpoint.digest import digest_array
-from jreplicate.checkpoint.dirlock import LOCK_NAME, DirectoryLock, LockHeldError
+from jreplicate.checkpoint.dirlock import LOCK_NAME, DirectoryLock
 from jreplicate.checkpoint.dtypes import as_stored
+from jreplicate.checkpoint.errors import CheckpointError
 from jreplicate.checkpoint.leaves import (
-    check_not_key,
     sharded_across_processes,
-    spans_processes,
     to_host,
     to_saved,
-    zeros_like,
 )
 from jreplicate.checkpoint.preemption import Preempted, PreemptionWatch
 from jreplicate.checkpoint.targets import resolve
 from jreplicate.checkpoint.tree import (
-    FORMAT_2,
-    logical,
     name_clash,
-    state_digest,
     table_v2,
     view_rows,
 )
@@ -130,24 +122,6 @@ from jreplicate.strategies.base import Strategy
 logger = logging.getLogger("jreplicate")
 
 T = TypeVar("T")
-#: The file Orbax writes into a step directory as the last act of a save: a step
-#: directory without it is incomplete, never restored, and moved aside by the chief.
-COMMIT_MARKER = "commit_success.txt"
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint could not be written or read (raised on every process alike).
-
-    Example (the directory cannot be created: its parent is a file):
-      >>> import os, tempfile, jreplicate as jr
-      >>> parent = os.path.join(tempfile.mkdtemp(), "a_file")
-      >>> open(parent, "w").close()
-      >>> try:
-      ...     jr.CheckpointManager(os.path.join(parent, "ckpt"), jr.MirroredStrategy())
-      ... except jr.checkpoint.CheckpointError as e:
-      ...     print(str(e).split(": ")[1])
-      /tmp/.../a_file is a file, where a directory is needed. Give a directory path that ...
-    """
 
 
 class _NoPreemption:
@@ -234,7 +208,7 @@ class CheckpointManager:
             raise TypeError(
                 f"CheckpointManager(directory=...) must be a path, got {directory!r}."
             )
-        _refuse_url(os.fspath(directory))
+        chief_files.refuse_url(os.fspath(directory))
         if max_to_keep is not None and (isinstance(max_to_keep, bool)
                                         or not isinstance(max_to_keep, int) or max_to_keep < 1):
             raise ValueError(
@@ -269,11 +243,12 @@ class CheckpointManager:
         wait_for_writes(self._dir)  # of a manager dropped without close()
         # The chief's failure (no permission, a file in the way, another job's lock) is
         # everybody's, at once: not a ClusterError on the others at their next agreement.
-        _, err = self._share(lambda: (None, self._open_directory() if self.is_chief else None),
-                             f"opening the checkpoint directory {self._dir}")
+        _, err = agreement.share(
+            self, lambda: (None, chief_files.open_directory(self) if self.is_chief else None),
+            f"opening the checkpoint directory {self._dir}")
         if err:
             raise CheckpointError(err)
-        self._unseen = self._who_cannot_see()
+        self._unseen = chief_files.who_cannot_see(self)
         self._shared = self._unseen is None
         timeouts = getattr(strategy, "timeouts", None)
         self._writer = BackgroundWriter(
@@ -312,7 +287,7 @@ class CheckpointManager:
 
     def latest_step(self) -> int | None:
         """The chief's latest complete step, agreed by every process (None: none yet)."""
-        step, err = self._share(lambda: (self._latest(), None), "the latest checkpoint")
+        step, err = agreement.share(self, lambda: (self._latest(), None), "the latest checkpoint")
         if err:
             raise CheckpointError(err)
         return step
@@ -366,167 +341,19 @@ class CheckpointManager:
                 f"the initial state, got {type(init_fn).__name__}."
             )
         self._settle()
-        steps, err = self._share_steps()
+        steps, err = chief_files.share_steps(self)
         if err:
             raise CheckpointError(err)
         if steps:
             what = "restore_or_initialize: init_fn() returned"
-            template = _abstract(init_fn)
-            abstract = _abstract_leaves(template, what)
-            self._check_same_state(abstract)
+            template = recover.abstract(init_fn)
+            abstract = recover.abstract_leaves(template, what)
+            agreement.check_same_state(self, abstract)
             targets = resolve(template, shardings, self._strategy.mesh)
-            step, state = self._restore_newest(steps, abstract, targets)
+            step, state = recover.restore_newest(self, steps, abstract, targets)
             logger.info("jreplicate: restored state at step %d", step)
             return step, state
-        return 0, self._initialise(init_fn(), shardings)
-
-    def _initialise(self, template: Any, shardings: Any) -> Any:
-        """``init_fn()``'s state on every process: arrays sharded across processes as
-        they are (moved to their target), the rest the chief's values, broadcast."""
-        what = "restore_or_initialize: init_fn() returned"
-        targets = resolve(template, shardings, self._strategy.mesh)
-        host = to_host(jax.tree.map(lambda x: None if spans_processes(x) else x, template),
-                       what)
-        self._check_same_state(host)
-        host = self._broadcast(host)
-        treedef = jax.tree.structure(template)
-        leaves = []
-        for x, h, target in zip(treedef.flatten_up_to(template), treedef.flatten_up_to(host),
-                                targets, strict=True):
-            if h is None:
-                leaves.append(x if x.sharding == target else
-                              jax.jit(lambda a: a, out_shardings=target)(x))
-            else:
-                leaves.append(self._place(h, target))
-        logger.info("jreplicate: initialised state at step 0")
-        return jax.tree.unflatten(treedef, leaves)
-
-    def _restore_newest(self, steps: list[int], template: Any,
-                        targets: list) -> tuple[int, Any]:
-        """``(step, state)`` of the newest undamaged checkpoint among ``steps`` (newest
-        first). A mismatch with ``template`` is an error at once, whatever older steps
-        hold. The damaged steps newer than the one restored are moved aside; when none
-        is restored nothing is moved (an error)."""
-        damaged: list[tuple[int, str]] = []
-        for step in steps:
-            path = reading.item_dir(self._dir, step)
-            where = f"checkpoint {step} in {self._dir}"
-            kind, detail, meta = self._agreed_metadata(path, template, where)
-            if kind in ("mismatch", "error"):
-                raise CheckpointError(detail + "".join(
-                    f"\n(Newer checkpoint {s} is damaged: {why}.)" for s, why in damaged))
-            if kind == "ok":
-                state, damage = (self._read_everywhere(path, meta, template, targets)
-                                 if self._shared and meta[3] == FORMAT_2 else
-                                 self._read_on_chief(path, meta, template, targets))
-                if damage is None:
-                    self._set_damaged_aside(damaged)
-                    return step, state
-                detail = damage
-            damaged.append((step, detail))
-        listed = "; ".join(f"{s}: {why}" for s, why in damaged[:5]) + (
-            f"; and {len(damaged) - 5} more" if len(damaged) > 5 else "")
-        raise CheckpointError(
-            f"every checkpoint in {self._dir} is damaged ({listed}). Nothing was moved and "
-            "training does not restart from step 0 on its own: restore the files from a "
-            f"copy, or move the step directories out of {self._dir} to start from "
-            "init_fn() at step 0.")
-
-    def _agreed_metadata(self, path: str, template: Any, where: str):
-        """``(kind, detail, (tree, table, views, format))``: the step's metadata as
-        every process reads it (or the chief alone, when the directory is not shared),
-        and the agreed outcome: ok, damaged, or an error (a mismatch, a later format)."""
-        meta = None
-
-        def read() -> tuple[str, str]:
-            nonlocal meta
-            try:
-                meta = reading.stored(path)
-            except reading.Damaged as e:
-                return "damaged", str(e)
-            except reading.TooNew as e:
-                return "error", str(e)
-            except Exception as e:  # broad: any read error is shared, not raised
-                # on one process alone (the others would hang)
-                return "error", f"reading {path} failed: {one_line(e)}"
-            differs = mismatch(logical(meta[0], meta[2]), template, where)
-            return ("mismatch", differs) if differs else ("ok", "")
-        if self._shared or self.is_chief:
-            kind, detail = read()
-        else:
-            kind, detail = "ok", ""
-        kind, detail = self._agree(kind, detail, "a checkpoint's metadata",
-                                   chief_only=not self._shared)
-        return kind, detail, meta
-
-    def _read_everywhere(self, path: str, meta: tuple, template: Any,
-                         targets: list) -> tuple[Any, str | None]:
-        """Every process reads its shards of a format-2 step; the outcome is agreed,
-        then the digests are checked (collectively: the same answer everywhere)."""
-        tree, table, views, _ = meta
-        value, error = reading.load_placed(path, tree, views, template, targets)
-        kind, detail = self._agree("damaged" if error else "ok", error or "",
-                                   "reading a checkpoint")
-        if kind != "ok":
-            return None, detail
-        damage = reading.check_placed(value, tree, table)
-        if damage:
-            return None, damage
-        return reading.finish(value, tree, views, template, targets, self._place), None
-
-    def _read_on_chief(self, path: str, meta: tuple | None, template: Any,
-                       targets: list) -> tuple[Any, str | None]:
-        """The chief reads (format 1, or a directory only it sees) and broadcasts."""
-        value = None
-
-        def chief_reads() -> tuple[str, str]:
-            nonlocal value
-            if not self.is_chief:
-                return "ok", ""
-            tree, table, views, _ = meta
-            try:
-                value, damage = reading.read_host(path, tree, table, views, template)
-            except Exception as e:  # broad: shared, never raised on the chief alone
-                return "error", f"reading the checkpoints in {self._dir} failed: {one_line(e)}"
-            return ("damaged", damage) if damage else ("ok", "")
-        kind, detail = self._agree(*chief_reads(), "reading a checkpoint", chief_only=True)
-        if kind == "error":
-            raise CheckpointError(detail)
-        if kind != "ok":
-            return None, detail
-        host = self._broadcast(value if self.is_chief else
-                               zeros_like(template, "restore_or_initialize"))
-        treedef = jax.tree.structure(template)
-        return jax.tree.unflatten(treedef, [
-            self._place(x, t) for x, t in zip(treedef.flatten_up_to(host), targets,
-                                              strict=True)]), None
-
-    def _set_damaged_aside(self, damaged: list[tuple[int, str]]) -> None:
-        def chief_moves():
-            if not self.is_chief:
-                return None, None
-            for s, why in damaged:
-                try:
-                    self._set_aside(s, "damaged", why)
-                except OSError as e:
-                    return None, (f"checkpoint {s} in {self._dir} is damaged ({why}) and "
-                                  f"cannot be moved aside: {one_line(e)}. Remove "
-                                  f"{os.path.join(self._dir, str(s))}.")
-            return None, None
-        if damaged:
-            _, err = self._share(chief_moves, "moving damaged checkpoints aside")
-            if err:
-                raise CheckpointError(err)
-
-    def _place(self, x: np.ndarray, sharding: Any) -> jax.Array:
-        """``x`` on ``sharding``, unchanged. Across processes every process holds the same
-        ``x`` (the chief's, broadcast), so each builds its own shards from it: the check
-        ``device_put`` makes there (another gather, comparing values) fails on NaN."""
-        held = jax.dtypes.canonicalize_dtype(x.dtype)  # init_fn()'s 64-bit NumPy values
-        x = x if held == x.dtype else x.astype(held)
-        if self._strategy.num_processes == 1:
-            return jax.device_put(x, sharding)
-        return jax.make_array_from_callback(x.shape, sharding, lambda index: x[index])
+        return 0, recover.initialise(self, init_fn(), shardings)
 
     # -- save ----------------------------------------------------------------------
     def should_save(self, step: int) -> bool:
@@ -645,8 +472,9 @@ class CheckpointManager:
     def _write(self, step: int, stored: Any, metadata: dict) -> None:
         """Starts the write through the writer seam on every process that writes; its
         outcome is agreed now (blocking saves, preemption) or at the next call."""
-        _, err = self._share(lambda: (None, self._new_step_problem(step) if self.is_chief
-                                      else None), f"writing checkpoint {step}")
+        _, err = agreement.share(
+            self, lambda: (None, self._new_step_problem(step) if self.is_chief else None),
+            f"writing checkpoint {step}")
         if err:
             raise CheckpointError(err)
         if self._shared or self.is_chief:
@@ -673,7 +501,7 @@ class CheckpointManager:
             self._retain()
 
     def _new_step_problem(self, step: int) -> str | None:
-        self._tidy()
+        chief_files.tidy(self)
         steps = self.complete_steps()
         if step in steps:
             return (f"checkpoint {step} already exists in {self._dir}; save each step "
@@ -734,162 +562,11 @@ class CheckpointManager:
     def __exit__(self, *exc: Any) -> None:
         self.close()
 
-    # -- chief's file work ---------------------------------------------------------
-    def _open_directory(self) -> str | None:
-        """Creates the directory and takes its lock; returns an error message or None."""
-        path = self._dir
-        try:
-            os.makedirs(path, exist_ok=True)
-            self._lock = DirectoryLock(path)
-        except LockHeldError as e:
-            who = ("another CheckpointManager, not closed, of the chief's process"
-                   if e.in_this_process else f"another job: {e}")
-            fix = ("close() that manager first, or use it" if e.in_this_process else
-                   "stop the other job, or give this one another directory. If that job is "
-                   f"gone (e.g. it ran on another host), delete {os.path.join(path, LOCK_NAME)}")
-            return (f"the checkpoint directory {path} is in use by {who}. Two managers "
-                    f"writing one directory overwrite each other's checkpoints: {fix}.")
-        except OSError as e:
-            return path_problem(path, e)
-        weakref.finalize(self, self._lock.release)
-        return None
-
-    def _who_cannot_see(self) -> tuple[int, str] | None:
-        """``(process, why)`` of the first process that does not read the chief's lock
-        record in the directory (the directory is not shared), or None."""
-        if self._agreement is None:
-            return None
-        lock = os.path.join(self._dir, LOCK_NAME)
-
-        def record() -> str | None:
-            with open(lock, encoding="utf-8") as f:
-                return f.read()
-        mine: str | None = None
-        error = None
-        if self.is_chief:
-            try:
-                mine = record()
-            except OSError as e:
-                error = f"the chief cannot read its lock {lock}: {one_line(e)}"
-        chief = self._agreement.exchange({"value": mine, "error": error},
-                                         "the checkpoint directory's lock",
-                                         _wire.CHIEF_TEXT)[0]
-        if chief["error"]:
-            raise CheckpointError(chief["error"])
-        kind, detail = "ok", ""
-        if not self.is_chief:
-            try:
-                if record() != chief["value"]:
-                    kind, detail = "error", "it reads another job's lock record there"
-            except OSError as e:
-                kind, detail = "error", one_line(e)
-        outcomes = self._agreement.exchange({"kind": kind, "detail": detail},
-                                            "a checkpoint outcome", _wire.CHECKPOINT_OUTCOME)
-        for p, o in enumerate(outcomes):
-            if o["kind"] != "ok":
-                logger.info("jreplicate: process %d cannot see the checkpoint directory %s "
-                            "(%s): the chief alone writes checkpoints", p, self._dir,
-                            o["detail"])
-                return p, o["detail"]
-        return None
-
-    def _tidy(self) -> None:
-        """The chief's first look at the directory: deletes the temporary directories of
-        interrupted saves and moves incomplete steps aside."""
-        if self._tidied:
-            return
-        self._tidied = True
-        remove_debris(self._dir)
-        complete = set(self.complete_steps())
-        for name in os.listdir(self._dir):
-            path = os.path.join(self._dir, name)
-            if name.isdigit() and int(name) not in complete and os.path.isdir(path):
-                self._set_aside(int(name), "incomplete", f"no {COMMIT_MARKER}")
-
-    def _set_aside(self, step: int, kind: str, why: str) -> None:
-        path = os.path.join(self._dir, str(step))
-        aside = f"{path}.{kind}-{int(time.time())}"
-        logger.warning("jreplicate: checkpoint %s is %s (%s); moved it to %s", path, kind,
-                       why, aside)
-        os.rename(path, aside)
-
     def _latest(self) -> int | None:
         if not self.is_chief:
             return None
         steps = self.complete_steps()
         return steps[-1] if steps else None
-
-    # -- agreement -----------------------------------------------------------------
-    def _share(self, chief_fn: Callable[[], tuple[Any, str | None]], what: str):
-        """Runs ``chief_fn`` on the chief and gives its ``(value, error)`` to everyone."""
-        value, err = chief_fn()
-        if self._agreement is None:
-            return value, err
-        mine = {"value": value, "error": err} if self.is_chief else \
-            {"value": None, "error": None}
-        chief = self._agreement.exchange(mine, what, _wire.CHIEF_RESULT)[0]
-        return chief["value"], chief["error"]
-
-    def _share_steps(self) -> tuple[list[int], str | None]:
-        """The chief's complete steps, newest first, given to everyone."""
-        steps, err = None, None
-        if self.is_chief:
-            try:
-                self._tidy()
-                steps = sorted(self.complete_steps(), reverse=True)
-            except OSError as e:
-                err = f"reading the checkpoints in {self._dir} failed: {one_line(e)}"
-        if self._agreement is not None:
-            chief = self._agreement.exchange({"value": steps, "error": err},
-                                             "the checkpoints to restore",
-                                             _wire.CHECKPOINT_STEPS)[0]
-            steps, err = chief["value"], chief["error"]
-        return steps or [], err
-
-    def _agree(self, kind: str, detail: str, what: str, *,
-               chief_only: bool = False) -> tuple[str, str]:
-        """Every process's outcome, combined alike everywhere: the first process's
-        mismatch or error, else the first damage, else ok (``chief_only``: the chief's)."""
-        if self._agreement is None:
-            return kind, detail
-        outcomes = self._agreement.exchange({"kind": kind, "detail": detail}, what,
-                                            _wire.CHECKPOINT_OUTCOME)
-        if chief_only:
-            return outcomes[0]["kind"], outcomes[0]["detail"]
-        for wanted in (("mismatch", "error"), ("damaged",)):
-            for p, o in enumerate(outcomes):
-                if o["kind"] in wanted:
-                    named = o["detail"] if p == 0 or o["kind"] == "mismatch" else \
-                        f"process {p}: {o['detail']}"
-                    return o["kind"], named
-        return "ok", ""
-
-    def _check_same_state(self, host: Any) -> None:
-        """Raises on every process alike when init_fn() builds another structure, shape
-        or dtype on some process (the broadcast would otherwise hang or fail on one)."""
-        if self._agreement is None:
-            return
-        digests = self._agreement.all_gather(state_digest(host).encode(),
-                                             "init_fn()'s state")
-        others = [p for p, d in enumerate(digests) if d != digests[0]]
-        if others:
-            raise CheckpointError(
-                f"restore_or_initialize: init_fn() builds another state on process "
-                f"{others[0]} than on process 0 (other paths, shapes or dtypes); every "
-                "process must build the same state (the same model and optimizer).")
-
-    def _broadcast(self, host: Any) -> Any:
-        if self._strategy.num_processes == 1:
-            return host
-        from jax.experimental import multihost_utils
-        leaves, treedef = jax.tree.flatten(host)
-        # As bytes: the broadcast sums the chief's values with the others' zeros, which
-        # would turn -0.0 into +0.0 (and may change a NaN's payload); bytes sum exactly.
-        raw = [np.ascontiguousarray(x).reshape(-1).view(np.uint8) for x in leaves]
-        raw = multihost_utils.broadcast_one_to_all(raw)
-        return jax.tree.unflatten(treedef, [
-            np.asarray(r, np.uint8).view(x.dtype).reshape(np.shape(x))
-            for r, x in zip(raw, leaves, strict=True)])
 
 
 def _is_thunk(state: Any) -> bool:
@@ -899,42 +576,3 @@ def _is_thunk(state: Any) -> bool:
         return False
     leaves = jax.tree.leaves(state)
     return len(leaves) == 1 and leaves[0] is state
-
-
-def _abstract_leaves(template: Any, what: str) -> Any:
-    """The template's leaves as ShapeDtypeStructs (keys refused), for the structure
-    checks; nothing is allocated."""
-    def leaf(path, x):
-        check_not_key(x, path, what)
-        return jax.ShapeDtypeStruct(np.shape(x), x.dtype)
-    from jreplicate._tree import map_checked
-    return map_checked(leaf, template, what)
-
-
-def _abstract(init_fn: Callable[[], Any]) -> Any:
-    try:
-        return jax.eval_shape(init_fn)
-    except Exception:  # not traceable (e.g. numpy code): evaluate it
-        return jax.tree.map(_as_held, init_fn())
-
-
-def _as_held(x: Any) -> Any:
-    """A host leaf as JAX holds it (the dtypes ``jax.eval_shape`` gives, those the state
-    ``init_fn`` initialises is placed with: a NumPy float64 is float32 with x64 off)."""
-    if isinstance(x, (np.ndarray, np.generic, bool, int, float, complex)):
-        a = np.asarray(x)
-        return jax.ShapeDtypeStruct(a.shape, jax.dtypes.canonicalize_dtype(native(a.dtype)))
-    return x
-
-
-def _refuse_url(directory: str) -> None:
-    """Raises for a URL (``gs://bucket/ckpt``): the manager works through the local file
-    system, where ``os.path.abspath`` would make it a relative directory ``gs:/bucket``
-    on each host's own disk, lost with the host."""
-    scheme, sep, _ = directory.partition("://")
-    if sep and scheme.isidentifier():
-        raise ValueError(
-            f"CheckpointManager(directory={directory!r}): a {scheme}:// URL is not a "
-            "path. CheckpointManager writes through the file system, so it would write "
-            f"into a local directory named {scheme}: on each host. Mount the bucket "
-            "(e.g. gcsfuse) on every host and give the mount's path.")

@@ -55,7 +55,7 @@ def is_array_spec(x: Any) -> bool:
     return hasattr(x, "shape") and hasattr(x, "dtype")
 
 
-def _has_leaves(node: Any) -> bool:
+def has_leaves(node: Any) -> bool:
     return node is not None and (is_array_spec(node) or bool(jax.tree.leaves(node)))
 
 
@@ -85,7 +85,7 @@ def normalised(tree: Any, is_leaf=is_array_spec) -> dict[Norm, tuple[tuple, Any]
             return
         kids = _children(node) if node is not None else []
         if kids and kids[0][0][0] == "i":
-            while kids and not _has_leaves(kids[-1][2]):
+            while kids and not has_leaves(kids[-1][2]):
                 kids.pop()  # trailing leafless elements: no data, no index to keep
             if len(kids) == 1:  # a one-element sequence: a wrapper
                 walk(kids[0][2], norm, path + (kids[0][1],))
