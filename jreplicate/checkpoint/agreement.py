@@ -10,7 +10,7 @@ process) each is the identity.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import jax
 import numpy as np
@@ -19,11 +19,8 @@ from jreplicate import _wire
 from jreplicate.checkpoint.errors import CheckpointError
 from jreplicate.checkpoint.tree import state_digest
 
-if TYPE_CHECKING:
-    from jreplicate.checkpoint.manager import CheckpointManager
 
-
-def share(m: CheckpointManager, chief_fn: Callable[[], tuple[Any, str | None]], what: str):
+def share(m: Any, chief_fn: Callable[[], tuple[Any, str | None]], what: str):
     """Runs ``chief_fn`` on the chief and gives its ``(value, error)`` to everyone."""
     value, err = chief_fn()
     if m._agreement is None:
@@ -34,7 +31,7 @@ def share(m: CheckpointManager, chief_fn: Callable[[], tuple[Any, str | None]], 
     return chief["value"], chief["error"]
 
 
-def agree(m: CheckpointManager, kind: str, detail: str, what: str, *,
+def agree(m: Any, kind: str, detail: str, what: str, *,
           chief_only: bool = False) -> tuple[str, str]:
     """Every process's outcome, combined alike everywhere: the first process's
     mismatch or error, else the first damage, else ok (``chief_only``: the chief's)."""
@@ -53,7 +50,7 @@ def agree(m: CheckpointManager, kind: str, detail: str, what: str, *,
     return "ok", ""
 
 
-def check_same_state(m: CheckpointManager, host: Any) -> None:
+def check_same_state(m: Any, host: Any) -> None:
     """Raises on every process alike when init_fn() builds another structure, shape
     or dtype on some process (the broadcast would otherwise hang or fail on one)."""
     if m._agreement is None:
@@ -68,7 +65,7 @@ def check_same_state(m: CheckpointManager, host: Any) -> None:
             "process must build the same state (the same model and optimizer).")
 
 
-def broadcast(m: CheckpointManager, host: Any) -> Any:
+def broadcast(m: Any, host: Any) -> Any:
     if m._strategy.num_processes == 1:
         return host
     from jax.experimental import multihost_utils

@@ -12,7 +12,7 @@ import logging
 import os
 import time
 import weakref
-from typing import TYPE_CHECKING
+from typing import Any
 
 from jreplicate import _wire
 from jreplicate.checkpoint.checks import one_line, path_problem
@@ -20,16 +20,13 @@ from jreplicate.checkpoint.dirlock import LOCK_NAME, DirectoryLock, LockHeldErro
 from jreplicate.checkpoint.errors import CheckpointError
 from jreplicate.checkpoint.writer import remove_debris
 
-if TYPE_CHECKING:
-    from jreplicate.checkpoint.manager import CheckpointManager
-
 logger = logging.getLogger("jreplicate")
 #: The file Orbax writes into a step directory as the last act of a save: a step
 #: directory without it is incomplete, never restored, and moved aside by the chief.
 COMMIT_MARKER = "commit_success.txt"
 
 
-def open_directory(m: CheckpointManager) -> str | None:
+def open_directory(m: Any) -> str | None:
     """Creates the directory and takes its lock; returns an error message or None."""
     path = m._dir
     try:
@@ -49,7 +46,7 @@ def open_directory(m: CheckpointManager) -> str | None:
     return None
 
 
-def who_cannot_see(m: CheckpointManager) -> tuple[int, str] | None:
+def who_cannot_see(m: Any) -> tuple[int, str] | None:
     """``(process, why)`` of the first process that does not read the chief's lock
     record in the directory (the directory is not shared), or None."""
     if m._agreement is None:
@@ -89,7 +86,7 @@ def who_cannot_see(m: CheckpointManager) -> tuple[int, str] | None:
     return None
 
 
-def tidy(m: CheckpointManager) -> None:
+def tidy(m: Any) -> None:
     """The chief's first look at the directory: deletes the temporary directories of
     interrupted saves and moves incomplete steps aside."""
     if m._tidied:
@@ -103,7 +100,7 @@ def tidy(m: CheckpointManager) -> None:
             set_aside(m, int(name), "incomplete", f"no {COMMIT_MARKER}")
 
 
-def set_aside(m: CheckpointManager, step: int, kind: str, why: str) -> None:
+def set_aside(m: Any, step: int, kind: str, why: str) -> None:
     path = os.path.join(m._dir, str(step))
     aside = f"{path}.{kind}-{int(time.time())}"
     logger.warning("jreplicate: checkpoint %s is %s (%s); moved it to %s", path, kind,
@@ -111,7 +108,7 @@ def set_aside(m: CheckpointManager, step: int, kind: str, why: str) -> None:
     os.rename(path, aside)
 
 
-def share_steps(m: CheckpointManager) -> tuple[list[int], str | None]:
+def share_steps(m: Any) -> tuple[list[int], str | None]:
     """The chief's complete steps, newest first, given to everyone."""
     steps, err = None, None
     if m.is_chief:

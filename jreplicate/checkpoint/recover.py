@@ -16,7 +16,7 @@ import functools
 import logging
 import os
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import jax
 import numpy as np
@@ -31,13 +31,10 @@ from jreplicate.checkpoint.leaves import check_not_key, spans_processes, to_host
 from jreplicate.checkpoint.targets import resolve
 from jreplicate.checkpoint.tree import FORMAT_2, logical
 
-if TYPE_CHECKING:
-    from jreplicate.checkpoint.manager import CheckpointManager
-
 logger = logging.getLogger("jreplicate")
 
 
-def restore_newest(m: CheckpointManager, steps: list[int], template: Any,
+def restore_newest(m: Any, steps: list[int], template: Any,
                    targets: list) -> tuple[int, Any]:
     """``(step, state)`` of the newest undamaged checkpoint among ``steps`` (newest
     first). A mismatch with ``template`` is an error at once, whatever older steps
@@ -69,7 +66,7 @@ def restore_newest(m: CheckpointManager, steps: list[int], template: Any,
         "init_fn() at step 0.")
 
 
-def _agreed_metadata(m: CheckpointManager, path: str, template: Any, where: str):
+def _agreed_metadata(m: Any, path: str, template: Any, where: str):
     """``(kind, detail, (tree, table, views, format))``: the step's metadata as
     every process reads it (or the chief alone, when the directory is not shared),
     and the agreed outcome: ok, damaged, or an error (a mismatch, a later format)."""
@@ -97,7 +94,7 @@ def _agreed_metadata(m: CheckpointManager, path: str, template: Any, where: str)
     return kind, detail, meta
 
 
-def _read_everywhere(m: CheckpointManager, path: str, meta: tuple, template: Any,
+def _read_everywhere(m: Any, path: str, meta: tuple, template: Any,
                      targets: list) -> tuple[Any, str | None]:
     """Every process reads its shards of a format-2 step; the outcome is agreed,
     then the digests are checked (collectively: the same answer everywhere)."""
@@ -114,7 +111,7 @@ def _read_everywhere(m: CheckpointManager, path: str, meta: tuple, template: Any
                           functools.partial(place, m)), None
 
 
-def _read_on_chief(m: CheckpointManager, path: str, meta: tuple | None, template: Any,
+def _read_on_chief(m: Any, path: str, meta: tuple | None, template: Any,
                    targets: list) -> tuple[Any, str | None]:
     """The chief reads (format 1, or a directory only it sees) and broadcasts."""
     value = None
@@ -142,7 +139,7 @@ def _read_on_chief(m: CheckpointManager, path: str, meta: tuple | None, template
                                           strict=True)]), None
 
 
-def _set_damaged_aside(m: CheckpointManager, damaged: list[tuple[int, str]]) -> None:
+def _set_damaged_aside(m: Any, damaged: list[tuple[int, str]]) -> None:
     def chief_moves():
         if not m.is_chief:
             return None, None
@@ -160,7 +157,7 @@ def _set_damaged_aside(m: CheckpointManager, damaged: list[tuple[int, str]]) -> 
             raise CheckpointError(err)
 
 
-def initialise(m: CheckpointManager, template: Any, shardings: Any) -> Any:
+def initialise(m: Any, template: Any, shardings: Any) -> Any:
     """``init_fn()``'s state on every process: arrays sharded across processes as
     they are (moved to their target), the rest the chief's values, broadcast."""
     what = "restore_or_initialize: init_fn() returned"
@@ -182,7 +179,7 @@ def initialise(m: CheckpointManager, template: Any, shardings: Any) -> Any:
     return jax.tree.unflatten(treedef, leaves)
 
 
-def place(m: CheckpointManager, x: np.ndarray, sharding: Any) -> jax.Array:
+def place(m: Any, x: np.ndarray, sharding: Any) -> jax.Array:
     """``x`` on ``sharding``, unchanged. Across processes every process holds the same
     ``x`` (the chief's, broadcast), so each builds its own shards from it: the check
     ``device_put`` makes there (another gather, comparing values) fails on NaN."""
