@@ -18,6 +18,7 @@ from jax.sharding import PartitionSpec as P
 import jreplicate as jr
 from jreplicate import _jax_compat as jc
 from tests._models import init_mlp, make_data, mlp, per_example_loss
+from tests.test_weight_update_sharding import _close, _reference
 
 GLOBAL_BATCH = 32
 TX = optax.adam(1e-2)
@@ -63,23 +64,6 @@ def _step(grads_fn):
     return step
 
 
-def _reference(params, data, steps):
-    @jax.jit
-    def one(params, opt_state, x, y):
-        updates, opt_state = TX.update(jax.grad(_loss)(params, x, y), opt_state, params)
-        return optax.apply_updates(params, updates), opt_state
-
-    opt_state = TX.init(params)
-    for t in range(steps):
-        params, opt_state = one(params, opt_state, data[0][t], data[1][t])
-    return params, opt_state
-
-
-def _close(a, b):
-    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
-        np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-5, atol=1e-6)
-
-
 def _train(level, step, data, steps):
     rep = jr.Replicator(jr.MirroredStrategy(weight_update_sharding=level,
                                             min_weight_shard_size=0))
@@ -98,7 +82,7 @@ def test_gradients_of_a_nested_jit_are_reduce_scattered(level, kind, caplog):
     with caplog.at_level("WARNING", logger="jreplicate"):
         rep, state = _train(level, step, data, 2)
     assert not [r for r in caplog.records if r.levelname == "WARNING"]  # a correct step
-    _close(state, _reference(init_mlp(jax.random.key(0)), data, 2))
+    _close(state, _reference(TX, init_mlp(jax.random.key(0)), data, 2))
     if kind == "value_and_grad":  # and equal to the unsharded program's
         _close(state, _train(None, step, data, 2)[1])
     assert state[1][0].mu[0]["w"].sharding.spec == P(None, "replica")
@@ -125,7 +109,7 @@ def test_nested_jit_in_a_device_loop_equals_reference():
     params0 = init_mlp(jax.random.key(0))
     step = _step(_grads_jit_called_twice)
     params, opt_state, _ = rep.run(step, it, params0, TX.init(params0), steps=3)
-    _close((params, opt_state), _reference(params0, data, 3))
+    _close((params, opt_state), _reference(TX, params0, data, 3))
     assert params[0]["w"].sharding.spec == P(None, "replica")
 
 
@@ -138,7 +122,7 @@ def test_a_nested_jit_left_whole_warns_with_the_fix(caplog, monkeypatch):
     (msg,) = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
     assert "inside the nested jax.jit" in msg and "stays an all-reduce" in msg
     assert "call jax.grad outside jax.jit inside the step" in msg
-    _close(state, _reference(init_mlp(jax.random.key(0)), data, 1))  # still right
+    _close(state, _reference(TX, init_mlp(jax.random.key(0)), data, 1))  # still right
 
 
 # -- the inliner itself: same values, no nested call, each variable defined once --------
